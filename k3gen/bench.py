@@ -1,0 +1,158 @@
+"""`k3gen bench`: time kernels on the GPU against the copy ceiling of the same run.
+
+Method (DESIGN.md, PERF.md): warm up, capture the launches in a CUDA graph, rotate through
+enough independent input sets that each replay runs with a cold L2, report the median per
+launch, achieved TB/s on the op's byte count, percent of the large-copy ceiling and of a
+same-size copy, and the ratio to the peer when a case has one.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+L2_BYTES = 60 * 2**20
+COLD_FOOTPRINT = 4 * L2_BYTES
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    us: float
+    bytes: int
+    tbps: float
+    pct_copy: float
+    pct_same_copy: float
+    copy_same_us: float
+    peer: str = ""
+    peer_us: float | None = None
+    speedup: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _events_time(fn, reps: int) -> list[float]:
+    import torch
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    return times
+
+
+def time_graph(launches: list, reps: int = 30, warmup: int = 3) -> float:
+    """Median microseconds per launch of a graph replaying `launches` (one per input set)."""
+    import torch
+    for f in launches[:warmup] or launches:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in launches:
+            f()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            for f in launches:
+                f()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    t = _events_time(g.replay, reps)
+    return statistics.median(t) / len(launches)
+
+
+def copy_time_us(nbytes: int, reps: int = 30) -> float:
+    """Median time of a device-to-device copy moving `nbytes` in total (read + write)."""
+    import torch
+    n = max(nbytes // 2, 256)
+    sets = max(1, min(32, COLD_FOOTPRINT // max(n * 2, 1)))
+    bufs = [(torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda"))
+            for _ in range(sets)]
+    return time_graph([lambda a=a, b=b: b.copy_(a) for a, b in bufs], reps)
+
+
+def copy_ceiling_tbps() -> float:
+    n = 2 * 2**30
+    us = copy_time_us(n, reps=10)
+    return n / us / 1e6
+
+
+def sets_for(footprint: int) -> int:
+    return int(max(2, min(64, -(-COLD_FOOTPRINT // max(footprint, 1)))))
+
+
+def make_row(op: str, case: str, us: float, nbytes: int, ceiling: float, same_cache: dict, **kw) -> Row:
+    if nbytes not in same_cache:
+        same_cache[nbytes] = copy_time_us(nbytes)
+    same = same_cache[nbytes]
+    tbps = nbytes / us / 1e6
+    r = Row(op, case, us, nbytes, tbps, 100 * tbps / ceiling, 100 * same / us, same, **kw)
+    if r.peer_us:
+        r.speedup = r.peer_us / us
+    return r
+
+
+def print_table(rows: list[Row], ceiling: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"k3gen bench (copy ceiling {ceiling:.2f} TB/s, same run)", title_justify="left")
+    for c in ("op", "case", "median us", "MB", "TB/s", "% copy", "% same-size copy", "peer", "peer us", "x peer"):
+        t.add_column(c, justify="left" if c in ("op", "case", "peer") else "right")
+    for r in rows:
+        t.add_row(r.op, r.case, f"{r.us:.2f}", f"{r.bytes / 1e6:.2f}", f"{r.tbps:.2f}", f"{r.pct_copy:.0f}",
+                  f"{r.pct_same_copy:.0f}", r.peer or "-", f"{r.peer_us:.2f}" if r.peer_us else "-",
+                  f"{r.speedup:.2f}" if r.speedup else "-")
+    Console().print(t)
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 4))
+    xs = range(len(rows))
+    ax.bar(xs, [r.pct_copy for r in rows], label="% of copy ceiling")
+    ax.bar(xs, [r.pct_same_copy for r in rows], alpha=0.35, label="% of same-size copy")
+    ax.set_xticks(list(xs), [r.case for r in rows], rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("%")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(a) -> int:
+    import torch
+
+    from .errors import DeviceError
+    if not torch.cuda.is_available():
+        raise DeviceError("k3gen bench needs a CUDA GPU")
+    from . import bench_cases
+    cases = getattr(bench_cases, a.op, None)
+    if cases is None:
+        raise DeviceError(f"no benchmark for op {a.op!r}")
+    t0 = time.time()
+    ceiling = copy_ceiling_tbps()
+    rows = cases(ceiling=ceiling, quick=a.quick)
+    print_table(rows, ceiling)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    p = torch.cuda.get_device_properties(0)
+    doc = {"meta": {"gpu": p.name, "sms": p.multi_processor_count, "torch": torch.__version__,
+                    "elapsed_s": time.time() - t0, "op": a.op},
+           "ceiling": {"copy_2GiB_TBps": ceiling}, "rows": [asdict(r) for r in rows]}
+    jp = out / f"{a.op}-{stamp}.json"
+    jp.write_text(json.dumps(doc, indent=1))
+    plot(rows, out / f"{a.op}-{stamp}.png", f"{a.op} on {p.name}")
+    print(f"wrote {jp} and {jp.with_suffix('.png')}")
+    return 0

@@ -1,0 +1,305 @@
+"""`k3gen` command line: build | list | show | inspect | bench | cache | collect-env."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import K3genError
+
+KV_CHOICES = ("bf16", "fp8", "nvfp4")
+SSM_CHOICES = ("fp32", "bf16")
+ARCH_CHOICES = ("sm90", "sm100", "sm103", "sm107")
+
+
+def _console():
+    import sys
+
+    from rich.console import Console
+    # Logs and CI capture output: a fixed wide console keeps kernel names whole there.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+def _targets(arch: str | None):
+    from .targets import TARGETS, get_target
+    return [get_target(arch)] if arch else list(TARGETS.values())
+
+
+# -- build ------------------------------------------------------------------------------------
+
+def cmd_build(a) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from . import build as B
+    from .ir.dtypes import KvDtype, SsmDtype
+    from .targets import ServingOptions, build_specs, check_serving, get_target
+
+    t_start = time.perf_counter()
+    con = _console()
+    target = get_target(a.arch)
+    kv = KvDtype(a.kv) if a.kv else None
+    ssm = SsmDtype(a.ssm) if a.ssm else None
+    if kv is not None:
+        check_serving(target, ServingOptions(kv=kv, ssm=ssm or target.ssm_dtypes[0]))
+    root = Path(a.generated) if a.generated else B.GENERATED_ROOT
+    all_specs = build_specs(target)
+    if a.check:
+        problems = B.check_generated(target, all_specs, root)
+        if problems:
+            for p in problems:
+                con.print(f"[red]{p}[/red]")
+            con.print(f"generated/{target.module_name} drifted from k3gen: run `k3gen build --arch {a.arch}` "
+                      "and commit the result")
+            return 1
+        con.print(f"generated/{target.module_name}: up to date ({len(all_specs)} kernels)")
+        return 0
+    if target.frozen:
+        _guard_frozen(target, all_specs, root)
+    changed = B.write_generated(target, all_specs, root)
+    specs = build_specs(target, kv, ssm)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=con, transient=True) as prog:
+        task = prog.add_task(f"{target.name}: compiling", total=len(specs))
+        results = B.build_many(specs, jobs=a.jobs, progress=lambda art, built: prog.advance(task))
+    table = Table(title=f"k3gen build {target.name} ({target.arch})", title_justify="left")
+    for col in ("kernel", "arch", "regs", "smem", "spills", "notable SASS", "time"):
+        table.add_column(col, justify="right" if col in ("regs", "smem", "time") else "left")
+    from .compile.inspect import KernelResources
+    for r in results:
+        for res in (KernelResources(**x) for x in r.resources):
+            table.add_row(r.artifact.spec.kernel_name, r.meta.get("arch", ""), str(res.registers),
+                          str(res.shared), "[red]yes[/red]" if res.spills else "no", res.notable() or "-",
+                          f"{r.meta.get('compile_seconds', 0):.2f}s" if r.built else "cached")
+    con.print(table)
+    if a.out:
+        d = B.write_bundle(Path(a.out), target, results)
+        con.print(f"cubins written to {d}")
+    built = sum(r.built for r in results)
+    con.print(f"{len(results)} kernels, {built} compiled, {len(results) - built} from cache; "
+              f"generated/{target.module_name}: {len(changed)} files updated; "
+              f"{time.perf_counter() - t_start:.1f}s")
+    return 0
+
+
+def _guard_frozen(target, specs, root: Path) -> None:
+    """A frozen target's landed kernel sources may never change; new ones may be added."""
+    from . import build as B
+    from .errors import SpecError
+    want = B.generated_files(target, specs)
+    d = root / target.module_name
+    for name, content in want.items():
+        p = d / name
+        if name.endswith(".cu") and p.exists() and p.read_text() != content:
+            raise SpecError("generated", str(p), "unchanged bytes",
+                            f"{target.name} is frozen: its landed kernels may not change")
+
+
+# -- list / show / inspect ----------------------------------------------------------------------
+
+def _find_spec(name: str, arch: str | None):
+    from .targets import build_specs
+    hits = []
+    for t in _targets(arch):
+        for s in build_specs(t):
+            if name in (s.kernel_name, s.file_stem, s.file_stem + ".cu") or s.file_stem.startswith(name):
+                hits.append(s)
+    if not hits:
+        raise K3genError(f"no kernel named {name!r}; `k3gen list` shows them")
+    if len(hits) > 1 and arch is None:
+        targets = sorted({s.target.name for s in hits})
+        if len(targets) > 1:
+            raise K3genError(f"{name!r} exists for several targets ({', '.join(targets)}): add --arch")
+    return hits[0]
+
+
+def cmd_list(a) -> int:
+    from rich.table import Table
+
+    from .ir.spec import registry
+    from .targets import build_specs
+    con = _console()
+    t = Table(title="kernels", title_justify="left")
+    for c in ("target", "kernel", "op", "lowering", "file"):
+        t.add_column(c)
+    for tgt in _targets(a.arch):
+        for s in build_specs(tgt):
+            t.add_row(tgt.name, s.kernel_name, s.op, s.lowering, s.file_stem)
+    con.print(t)
+    con.print("ops: " + ", ".join(sorted(registry())))
+    return 0
+
+
+def cmd_show(a) -> int:
+    from .build import lower
+    spec = _find_spec(a.kernel, a.arch)
+    print(lower(spec).source, end="")
+    return 0
+
+
+def cmd_inspect(a) -> int:
+    from rich.table import Table
+
+    from .build import build_one
+    from .compile.inspect import KernelResources, sass_text
+    con = _console()
+    spec = _find_spec(a.kernel, a.arch)
+    r = build_one(spec)
+    con.print(f"[bold]{spec.kernel_name}[/bold]  {spec.target.name} ({spec.target.arch})  {spec.file_stem}")
+    con.print(f"spec: {spec.canonical()}")
+    con.print(f"cache key: {r.artifact.key}  ({'compiled' if r.built else 'cached'})")
+    for res in (KernelResources(**x) for x in r.resources):
+        con.print(f"{res.function}: registers {res.registers}, shared {res.shared} B, local {res.local} B "
+                  f"({'SPILLS' if res.spills else 'no spills'}), stack {res.stack} B")
+        t = Table(title="SASS opcodes", title_justify="left")
+        t.add_column("opcode")
+        t.add_column("count", justify="right")
+        for op, n in sorted(res.sass.items(), key=lambda kv: -kv[1]):
+            t.add_row(op, str(n))
+        con.print(t)
+    if a.sass:
+        print(sass_text(r.cubin))
+    return 0
+
+
+# -- cache / env / bench ----------------------------------------------------------------------
+
+def cmd_cache(a) -> int:
+    from .runtime.cache import KernelCache
+    c = KernelCache()
+    if a.action == "info":
+        print(f"cache: {c.root}\nentries: {len(c.entries())}\nsize: {c.size_bytes() / 1e6:.2f} MB")
+    elif a.action == "verify":
+        good, bad = c.verify()
+        print(f"{good} entries good, {len(bad)} corrupt (removed; rebuilt on next use)")
+        for k in bad:
+            print(f"  corrupt: {k}")
+        return 1 if bad else 0
+    else:
+        print(f"removed {c.clear()} entries from {c.root}")
+    return 0
+
+
+def collect_env(query_gpu: bool = True) -> dict:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .compile.toolchain import cuda_include_dir, nvrtc_version, tool
+    from .config import describe
+    env = {"python": platform.python_version(), "platform": platform.platform(), "packages": {}}
+    for pkg in ("k3gen", "torch", "cuda-bindings", "cuda-core", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime",
+                "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm", "nvidia-cutlass-dsl", "jinja2", "sympy",
+                "triton", "fla-core"):
+        try:
+            env["packages"][pkg] = version(pkg)
+        except PackageNotFoundError:
+            env["packages"][pkg] = None
+    try:
+        env["nvrtc"] = nvrtc_version()
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        env["nvrtc"] = f"unavailable: {e}"
+    env["cuda_include"] = str(cuda_include_dir())
+    env["cuobjdump"] = tool("cuobjdump")
+    env["nvdisasm"] = tool("nvdisasm")
+    env["settings"] = {n: v for n, v, _ in describe()}
+    env["gpu"] = None
+    if query_gpu:
+        try:
+            import torch
+            if torch.cuda.is_available():
+                p = torch.cuda.get_device_properties(0)
+                env["gpu"] = {"name": p.name, "cc": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
+                              "memory_gb": round(p.total_memory / 2**30, 1), "torch_cuda": torch.version.cuda}
+        except Exception as e:  # noqa: BLE001
+            env["gpu"] = f"unavailable: {e}"
+    return env
+
+
+def cmd_collect_env(a) -> int:
+    env = collect_env(query_gpu=not a.no_gpu)
+    if a.json:
+        print(json.dumps(env, indent=1, sort_keys=True))
+        return 0
+    con = _console()
+    for k, v in env.items():
+        if isinstance(v, dict):
+            con.print(f"[bold]{k}[/bold]")
+            for kk, vv in v.items():
+                con.print(f"  {kk}: {vv}")
+        else:
+            con.print(f"[bold]{k}[/bold]: {v}")
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from .bench import main as bench_main
+    return bench_main(a)
+
+
+# -- parser -----------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k3gen", description="Kernel generator for Kimi K3 (KDA + MLA) on "
+                                "SM90 / SM100-family GPUs.")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
+
+    b = sub.add_parser("build", help="generate sources and compile cubins for a target",
+                       description="Write generated/<target>/ (sources, manifest.json, kernels.py) and "
+                       "compile cubins into the cache. Needs no GPU.")
+    b.add_argument("--arch", required=True, choices=ARCH_CHOICES, help="target GPU family")
+    b.add_argument("--kv", choices=KV_CHOICES, help="KV cache dtype to compile (default: all the target allows)")
+    b.add_argument("--ssm", choices=SSM_CHOICES, help="recurrent-state storage dtype")
+    b.add_argument("--out", metavar="DIR", help="also write the cubins here (a bundle for K3GEN_PREBUILT)")
+    b.add_argument("--check", action="store_true", help="only check that generated/ is up to date")
+    b.add_argument("-j", "--jobs", type=int, default=0, help="parallel compile processes (default: cores)")
+    b.add_argument("--generated", metavar="DIR", help=argparse.SUPPRESS)
+    b.set_defaults(fn=cmd_build)
+
+    ls = sub.add_parser("list", help="list kernels of every target")
+    ls.add_argument("--arch", choices=ARCH_CHOICES)
+    ls.set_defaults(fn=cmd_list)
+
+    sh = sub.add_parser("show", help="print a kernel's generated source")
+    sh.add_argument("kernel", help="kernel name or file stem (see `k3gen list`)")
+    sh.add_argument("--arch", choices=ARCH_CHOICES)
+    sh.set_defaults(fn=cmd_show)
+
+    ins = sub.add_parser("inspect", help="registers, shared memory, spills and SASS of a kernel")
+    ins.add_argument("kernel")
+    ins.add_argument("--arch", choices=ARCH_CHOICES)
+    ins.add_argument("--sass", action="store_true", help="print the full SASS")
+    ins.set_defaults(fn=cmd_inspect)
+
+    be = sub.add_parser("bench", help="benchmark kernels on the GPU against the copy ceiling and peers")
+    be.add_argument("--op", default="kv_cache_write", help="op to benchmark")
+    be.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
+    be.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    be.set_defaults(fn=cmd_bench)
+
+    ca = sub.add_parser("cache", help="inspect or clear the kernel cache")
+    ca.add_argument("action", choices=("info", "verify", "clear"))
+    ca.set_defaults(fn=cmd_cache)
+
+    ce = sub.add_parser("collect-env", help="versions, toolchain and settings, for bug reports")
+    ce.add_argument("--json", action="store_true")
+    ce.add_argument("--no-gpu", action="store_true", help="do not query the GPU")
+    ce.set_defaults(fn=cmd_collect_env)
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
+    a = p.parse_args(argv)
+    try:
+        return a.fn(a) or 0
+    except K3genError as e:
+        print(f"k3gen: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

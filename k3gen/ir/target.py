@@ -1,0 +1,34 @@
+"""The Target type: an arch plus the features generated code may depend on.
+
+This module sits below ir/ops; the registry of presets (which specs each target builds) is
+`k3gen.targets`, above them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .dtypes import KvDtype, ScaleLayout, ScaleRecipe, SsmDtype
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str                 # "sm90", "sm100-mxfp4", "sm103-nvfp4", "sm107-nvfp4"
+    arch: str                 # NVRTC/CuTe arch: "sm_90a", ...
+    sm: int                   # 90, 100, 103, 107
+    mma: str                  # "wgmma" or "tcgen05"
+    fp4_cvt: bool             # hardware cvt.rn.satfinite.e2m1x2.f32
+    kv_dtypes: tuple[KvDtype, ...]
+    ssm_dtypes: tuple[SsmDtype, ...]
+    nvfp4_scale_layout: ScaleLayout
+    scale_recipe: ScaleRecipe
+    frozen: bool = False      # generated sources are frozen byte for byte once landed
+    notes: str = field(default="", compare=False)
+
+    @property
+    def module_name(self) -> str:
+        """Folder / Python package name under generated/."""
+        return self.name.replace("-", "_")
+
+    def canonical(self) -> dict:
+        # Only what changes generated code enters the spec digest.
+        return {"name": self.name, "arch": self.arch}

@@ -1,0 +1,79 @@
+"""Load cubins with cuda.bindings and launch on torch's current stream.
+
+Launches allocate nothing, compile nothing and never synchronize, so they can be captured in
+CUDA graphs. Modules are loaded into the device's primary context, the one torch uses.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from ..errors import DeviceError
+
+_lock = threading.Lock()
+_ctx_ready: set[int] = set()
+
+
+def _check(res, what: str):
+    err = res[0] if isinstance(res, tuple) else res
+    if int(err) != 0:
+        from cuda.bindings import driver
+        _, name = driver.cuGetErrorName(err)
+        raise DeviceError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if isinstance(res, tuple):
+        return res[1] if len(res) == 2 else res[1:]
+    return None
+
+
+def ensure_context(device: int) -> None:
+    """Make torch's primary context of `device` current on this thread."""
+    import torch
+    from cuda.bindings import driver
+    torch.cuda.init()
+    with _lock:
+        if device not in _ctx_ready:
+            _check(driver.cuInit(0), "cuInit")
+            _ctx_ready.add(device)
+    dev = _check(driver.cuDeviceGet(device), "cuDeviceGet")
+    ctx = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+class CudaKernel:
+    """One kernel function of a loaded cubin, per device."""
+
+    def __init__(self, cubin: bytes, entry: str):
+        self.cubin, self.entry = cubin, entry
+        self._funcs: dict[int, object] = {}
+        self._modules: dict[int, object] = {}
+
+    def function(self, device: int):
+        f = self._funcs.get(device)
+        if f is None:
+            from cuda.bindings import driver
+            ensure_context(device)
+            mod = _check(driver.cuModuleLoadData(self.cubin), f"cuModuleLoadData({self.entry})")
+            f = _check(driver.cuModuleGetFunction(mod, self.entry.encode()), f"cuModuleGetFunction({self.entry})")
+            self._modules[device], self._funcs[device] = mod, f
+        return f
+
+    def num_regs(self, device: int = 0) -> int:
+        from cuda.bindings import driver
+        return _check(driver.cuFuncGetAttribute(
+            driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, self.function(device)), "cuFuncGetAttribute")
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, types: tuple,
+               device: int, stream: int, smem: int = 0) -> None:
+        from cuda.bindings import driver
+        f = self.function(device)
+        _check(driver.cuLaunchKernel(f, *grid, *block, smem, stream, (args, types), 0), f"launch {self.entry}")
+
+
+PTR = ctypes.c_void_p
+I32 = ctypes.c_int
+F32 = ctypes.c_float
+
+
+def ptr(t) -> int:
+    """Device pointer of a tensor, or 0 for None."""
+    return 0 if t is None else t.data_ptr()

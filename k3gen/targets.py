@@ -1,0 +1,114 @@
+"""The registry of target presets and which specs each builds.
+
+`sm103-nvfp4` and `sm107-nvfp4` are thin presets over one NVFP4 implementation: they differ
+only in arch. `sm100-mxfp4` is the original target: its generated sources are frozen once landed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import SpecError, TargetError
+from .ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout, ScaleRecipe, SsmDtype
+from .ir.layouts import PAGE_TOKENS
+from .ir.spec import OpSpec
+from .ir.target import Target
+
+
+def _nvfp4(name: str, arch: str, sm: int) -> Target:
+    return Target(name=name, arch=arch, sm=sm, mma="tcgen05", fp4_cvt=True,
+                  kv_dtypes=(KvDtype.BF16, KvDtype.FP8, KvDtype.NVFP4),
+                  ssm_dtypes=(SsmDtype.FP32, SsmDtype.BF16),
+                  nvfp4_scale_layout=ScaleLayout.SWIZZLE_128X4, scale_recipe=ScaleRecipe.UE8M0)
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    Target(name="sm90", arch="sm_90a", sm=90, mma="wgmma", fp4_cvt=False,
+           kv_dtypes=(KvDtype.BF16, KvDtype.FP8, KvDtype.NVFP4),
+           ssm_dtypes=(SsmDtype.FP32, SsmDtype.BF16),
+           nvfp4_scale_layout=ScaleLayout.LINEAR, scale_recipe=ScaleRecipe.FP32,
+           notes="Hopper (H100/H200): runs here; FP4 decoded in software"),
+    Target(name="sm100-mxfp4", arch="sm_100a", sm=100, mma="tcgen05", fp4_cvt=True,
+           kv_dtypes=(KvDtype.BF16, KvDtype.FP8), ssm_dtypes=(SsmDtype.FP32,),
+           nvfp4_scale_layout=ScaleLayout.SWIZZLE_128X4, scale_recipe=ScaleRecipe.UE8M0,
+           frozen=True, notes="original target: MXFP4 experts, BF16/FP8 KV, FP32 SSM"),
+    _nvfp4("sm103-nvfp4", "sm_103a", 103),
+    _nvfp4("sm107-nvfp4", "sm_107a", 107),
+)}
+
+# What `--arch` accepts on the command line.
+ARCH_ALIASES = {"sm90": "sm90", "sm100": "sm100-mxfp4", "sm103": "sm103-nvfp4", "sm107": "sm107-nvfp4"}
+
+
+def get_target(name: str) -> Target:
+    key = ARCH_ALIASES.get(name, name)
+    if key not in TARGETS:
+        raise TargetError("arch", name, sorted(ARCH_ALIASES) + sorted(TARGETS))
+    return TARGETS[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingOptions:
+    """Deployment choices validated against a target (the restrictions of SPEC.md section 5)."""
+    kv: KvDtype
+    ssm: SsmDtype = SsmDtype.FP32
+    page: int | None = None
+    max_drafts: int = 0
+    chunked_prefill: bool = False
+    context_start_alignment: int = 16   # prefix reuse may only start contexts at multiples of this
+    partial_page_reuse: bool = False
+    context_parallel: bool = False
+    disaggregated: bool = False
+
+
+def check_serving(target: Target, opts: ServingOptions) -> ServingOptions:
+    """Raise a TargetError/SpecError naming field, value and allowed set; return filled options."""
+    if opts.kv not in target.kv_dtypes:
+        raise TargetError("kv", opts.kv.value, [k.value for k in target.kv_dtypes],
+                          f"target {target.name}")
+    if opts.ssm not in target.ssm_dtypes:
+        raise TargetError("ssm", opts.ssm.value, [s.value for s in target.ssm_dtypes],
+                          f"target {target.name}")
+    page = opts.page if opts.page is not None else PAGE_TOKENS[opts.kv]
+    if page != PAGE_TOKENS[opts.kv]:
+        raise SpecError("page", page, [PAGE_TOKENS[opts.kv]], f"{opts.kv.value} KV")
+    if not 0 <= opts.max_drafts <= 7:
+        raise SpecError("max_drafts", opts.max_drafts, "0..7")
+    if opts.kv is KvDtype.NVFP4:
+        if opts.chunked_prefill:
+            raise SpecError("chunked_prefill", True, [False], "NVFP4 KV re-quantizes whole tiles")
+        if opts.context_start_alignment % 16:
+            raise SpecError("context_start_alignment", opts.context_start_alignment,
+                            "multiples of 16", "contexts start on a 16-token tile")
+        if opts.partial_page_reuse:
+            raise SpecError("partial_page_reuse", True, [False], "NVFP4 KV")
+        if opts.context_parallel:
+            raise SpecError("context_parallel", True, [False], "not supported with NVFP4 KV")
+        if opts.disaggregated:
+            raise SpecError("disaggregated", True, [False], "no disaggregated FP4 MLA")
+    return ServingOptions(**{**opts.__dict__, "page": page})
+
+
+def build_specs(target: Target, kv: KvDtype | None = None, ssm: SsmDtype | None = None) -> list[OpSpec]:
+    """The specs a target builds. kv/ssm narrow the list; None means every dtype it supports.
+
+    The generated source tree of a target always holds the full list; a narrowed build only
+    compiles fewer cubins.
+    """
+    from .ir.ops.kv_cache_write import KvCacheWriteSpec
+
+    kvs = target.kv_dtypes if kv is None else (kv,)
+    specs: list[OpSpec] = []
+    for k in kvs:
+        if k not in target.kv_dtypes:
+            raise TargetError("kv", k.value, [x.value for x in target.kv_dtypes], f"target {target.name}")
+        if k is KvDtype.FP8:
+            for g in Fp8ScaleGranularity:
+                specs.append(KvCacheWriteSpec(target=target, kv=k, fp8_scales=g))
+        elif k is KvDtype.NVFP4:
+            for m in (0, 3, 7):
+                specs.append(KvCacheWriteSpec(target=target, kv=k, max_drafts=m))
+        else:
+            specs.append(KvCacheWriteSpec(target=target, kv=k))
+    if ssm is not None and ssm not in target.ssm_dtypes:
+        raise TargetError("ssm", ssm.value, [s.value for s in target.ssm_dtypes], f"target {target.name}")
+    return specs

@@ -1,0 +1,49 @@
+"""Test tiers: tests/nogpu (CI, never touches the CUDA driver) and tests/gpu (`-m gpu`, H200).
+
+GPU tests run only when K3GEN_GPU=1 is set: probing for a GPU would call the driver, which CI
+must never do. With K3GEN_GPU=1, a run that passes zero GPU tests fails.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+GPU = os.environ.get("K3GEN_GPU") == "1"
+_gpu_passed = 0
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace(os.sep, "/") and "gpu" not in item.keywords:
+            item.add_marker(pytest.mark.gpu)
+    if GPU:
+        return
+    skip = pytest.mark.skip(reason="GPU test: set K3GEN_GPU=1 on a machine with an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    global _gpu_passed
+    if report.when == "call" and report.passed and "gpu" in report.keywords:
+        _gpu_passed += 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if GPU and _gpu_passed == 0 and exitstatus == 0 and session.config.getoption("-m") == "gpu":
+        session.exitstatus = 1
+        print("\nK3GEN_GPU=1 but no GPU test passed: a GPU run that executes zero GPU tests is a failure")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One kernel cache per test session, so tests never depend on the user's cache."""
+    return tmp_path_factory.mktemp("k3gen-cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(cache_dir, monkeypatch):
+    if "K3GEN_CACHE_DIR" not in os.environ or not GPU:
+        monkeypatch.setenv("K3GEN_CACHE_DIR", str(cache_dir))
