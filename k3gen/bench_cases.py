@@ -58,3 +58,128 @@ def kv_cache_write(ceiling: float, quick: bool = False) -> list:
             del sets
             torch.cuda.empty_cache()
     return rows_out
+
+
+def _fla_kda():
+    """FLA's recurrent KDA op and the unfused chain's pieces, or None when fla is not installed."""
+    try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d_update
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except Exception:  # noqa: BLE001  (any import failure: the peer columns are left out)
+        return None
+    return fused_recurrent_kda_fwd, causal_conv1d_update, rms_norm_gated
+
+
+def _fla_kda_sets(B: int, H: int, state_dtype, n: int, chain: bool, gen):
+    """Inputs of FLA's decode call with Kimi settings (as /work/shared/anchors/decode_anchors.py)."""
+    import torch
+    K = 128
+    bf, dev = torch.bfloat16, "cuda"
+    a_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16, generator=gen))
+    dt_bias = torch.randn(H * K, device=dev, generator=gen) * 0.5
+    sets = []
+    for _ in range(n):
+        s = {name: torch.randn(B, 1, H, K, device=dev, dtype=bf, generator=gen) for name in ("q", "k", "v", "g")}
+        s["beta"] = torch.randn(B, 1, H, device=dev, dtype=bf, generator=gen)
+        s["pool"] = (torch.randn(B, H, K, K, device=dev, generator=gen) * 0.05).to(state_dtype)
+        s["idx"] = torch.randperm(B, device=dev, generator=gen).to(torch.int32)
+        s["out"] = torch.empty(B, 1, H, K, device=dev, dtype=bf)
+        s["kw"] = dict(A_log=a_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                       use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+        if chain:
+            D = H * K
+            s["x"] = [torch.randn(B, D, device=dev, dtype=bf, generator=gen) for _ in range(3)]
+            s["cache"] = [torch.randn(B, D, 4, device=dev, dtype=bf, generator=gen) * 0.5 for _ in range(3)]
+            s["cw"] = [torch.randn(D, 4, device=dev, dtype=bf, generator=gen) * 0.5 for _ in range(3)]
+            s["gate"] = torch.randn(B, 1, H, K, device=dev, dtype=bf, generator=gen)
+            s["nw"] = torch.ones(K, device=dev, dtype=bf)
+        sets.append(s)
+    return sets
+
+
+def kda_decode(ceiling: float, quick: bool = False) -> list:
+    """Fused KDA decode vs FLA's fused_recurrent_kda (op alone) and the unfused FLA chain (3 conv
+    updates + KDA + gated RMSNorm), H in {12, 24, 96} x B in {1, 8, 32, 128, 512}, FP32 and BF16
+    state. Bytes are the fused op's (spec.bytes_moved) for every column. Small grids also time
+    each cluster split (extra.split_us) so the launcher's heuristic can be checked."""
+    import torch
+
+    from .ir.dtypes import SsmDtype
+    from .ir.ops.kda_decode import SPLITS, KdaDecodeSpec
+    from .reference.kda_decode import random_weights
+    from .runtime.ops.kda_decode import KdaDecode
+    from .targets import get_target
+
+    tgt = get_target("sm90")
+    heads = (12,) if quick else (12, 24, 96)
+    batches = (1, 128) if quick else (1, 8, 32, 128, 512)
+    fla = _fla_kda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, same = [], {}
+    K = 128
+    for ssm in (SsmDtype.FP32, SsmDtype.BF16):
+        sdt = torch.float32 if ssm is SsmDtype.FP32 else torch.bfloat16
+        for H in heads:
+            op = KdaDecode(KdaDecodeSpec(target=tgt, heads=H, ssm=ssm)).load()
+            w = random_weights(H, generator=torch.Generator().manual_seed(H)).to("cuda")
+            D = H * K
+            for B in batches:
+                nbytes = evaluate(op.spec.bytes_moved(), B=B)
+                n = sets_for(nbytes)
+                sets = []
+                for _ in range(n):
+                    fab = torch.randn(B, K + H, device="cuda", generator=gen).to(torch.bfloat16)
+                    sets.append(dict(
+                        qkvg=torch.randn(B, 4 * D, device="cuda", generator=gen).to(torch.bfloat16),
+                        fa=fab[:, :K], beta_logit=fab[:, K:],
+                        ssm=(torch.randn(B, H, K, K, device="cuda", generator=gen) * 0.05).to(sdt),
+                        conv=torch.randn(B, 3 * D, 3, device="cuda", generator=gen).to(torch.bfloat16),
+                        slots=torch.randperm(B, device="cuda", generator=gen).to(torch.int32),
+                        out=torch.empty(B, H, K, device="cuda", dtype=torch.bfloat16)))
+
+                def launches(split=None):
+                    return [lambda s=s: op(s["qkvg"], s["fa"], s["beta_logit"], s["ssm"], s["conv"], s["slots"],
+                                           w.conv_w, w.fb_w, w.dt_bias, w.a_log, w.norm_w, s["out"], split=split)
+                            for s in sets]
+                us = time_graph(launches())
+                extra = {"split": op.split_for(B), "heads": H, "batch": B, "ssm": ssm.value,
+                         "proj_8TBps_us": nbytes / 8e12 * 1e6}
+                if not quick and B * H < 4 * op.sm_count:
+                    extra["split_us"] = {s: time_graph(launches(s)) for s in SPLITS}
+                del sets
+                torch.cuda.empty_cache()
+                peer, peer_us = "", None
+                if fla is not None:
+                    kda_fwd, conv_update, rms_gated = fla
+                    fsets = _fla_kda_sets(B, H, sdt, n, chain=True, gen=gen)
+
+                    def fla_call(s):
+                        return kda_fwd(q=s["q"], k=s["k"], v=s["v"], g=s["g"], beta=s["beta"],
+                                       initial_state=s["pool"], scale=K ** -0.5, output_final_state=False,
+                                       inplace_final_state=True, ssm_state_indices=s["idx"],
+                                       num_accepted_tokens=None, out=s["out"], **s["kw"])
+
+                    def chain_call(s):
+                        ys = []
+                        for i in range(3):
+                            y, _ = conv_update(s["x"][i], s["cache"][i], None, s["cw"][i], None, "silu")
+                            ys.append(y.view(B, 1, H, K))
+                        o, _ = kda_fwd(q=ys[0], k=ys[1], v=ys[2], g=s["g"], beta=s["beta"], initial_state=s["pool"],
+                                       scale=K ** -0.5, output_final_state=False, inplace_final_state=True,
+                                       ssm_state_indices=s["idx"], num_accepted_tokens=None, out=s["out"], **s["kw"])
+                        return rms_gated(o.view(B * H, K), s["gate"].view(B * H, K), s["nw"], None,
+                                         activation="sigmoid", eps=1e-5)
+
+                    try:
+                        peer_us = time_graph([lambda s=s: fla_call(s) for s in fsets])
+                        peer = "fla fused_recurrent_kda"
+                        extra["fla_chain_us"] = time_graph([lambda s=s: chain_call(s) for s in fsets])
+                        extra["x_fla_chain"] = extra["fla_chain_us"] / us
+                    except Exception as e:  # noqa: BLE001  (a peer failure must not lose our rows)
+                        extra["fla_error"] = repr(e)[:300]
+                    del fsets
+                    torch.cuda.empty_cache()
+                rows.append(make_row("kda_decode", f"H{H} B{B} {ssm.value}", us, nbytes, ceiling, same,
+                                     peer=peer, peer_us=peer_us, extra=extra))
+    return rows

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import settings
-from .errors import CompileError, MissingKernelError
+from .errors import MissingKernelError
 from .ir.spec import OpSpec, spec_from_canonical
 from .ir.target import Target
 from .runtime.cache import KernelCache, cache_key
@@ -31,6 +31,7 @@ class Artifact:
     source: str          # generated CUDA C++ (NVRTC ops) or the CuTe module's text (cute ops)
     key: str
     flags: list[str]
+    inputs: str = ""     # digest of the template and every header the source may include
 
     @property
     def file_name(self) -> str:
@@ -69,7 +70,7 @@ def lower(spec: OpSpec) -> Artifact:
         inputs = hashlib.sha256(source.encode()).hexdigest()
     key = cache_key(spec_digest=spec.digest(), source=source, inputs_digest=inputs,
                     compiler=_compiler_id(spec), target=spec.target.arch, flags=flags)
-    art = Artifact(spec, source, key, list(flags))
+    art = Artifact(spec, source, key, list(flags), inputs)
     _dump(art.file_name, source)
     return art
 
@@ -88,7 +89,8 @@ def _compile(art: Artifact) -> tuple[bytes, dict]:
     t0 = time.perf_counter()
     spec = art.spec
     meta: dict = {"spec": spec.canonical(), "file": art.file_name, "arch": spec.target.arch,
-                  "compiler": _compiler_id(spec), "source_sha256": art.source_sha256}
+                  "compiler": _compiler_id(spec), "source_sha256": art.source_sha256,
+                  "inputs_sha256": art.inputs}
     if spec.lowering == "nvrtc":
         from .compile.nvrtc import compile_cubin
         dump = settings().dump
@@ -244,20 +246,22 @@ def write_bundle(out: Path, target: Target, results: list[BuildResult]) -> Path:
     for r in results:
         stem = r.artifact.spec.file_stem
         (d / f"{stem}.cubin").write_bytes(r.cubin)
-        index[stem] = {k: r.meta.get(k) for k in ("entry", "arch", "compiler", "source_sha256", "params",
-                                                  "resources", "spec")}
+        index[stem] = {k: r.meta.get(k) for k in ("entry", "arch", "compiler", "source_sha256", "inputs_sha256",
+                                                  "params", "resources", "spec")}
     (d / "bundle.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     return d
 
 
-def find_prebuilt(spec: OpSpec, source_sha256: str) -> tuple[bytes, dict] | None:
+def find_prebuilt(spec: OpSpec, source_sha256: str, inputs_sha256: str) -> tuple[bytes, dict] | None:
+    """A bundle cubin built from this exact source and these template/header contents."""
     for folder in filter(None, settings().prebuilt.split(os.pathsep)):
         d = Path(folder) / spec.target.module_name
         idx = d / "bundle.json"
         if not idx.exists():
             continue
         meta = json.loads(idx.read_text()).get(spec.file_stem)
-        if meta and meta.get("source_sha256") == source_sha256 and (d / f"{spec.file_stem}.cubin").exists():
+        if meta and meta.get("source_sha256") == source_sha256 and meta.get("inputs_sha256") == inputs_sha256 \
+                and (d / f"{spec.file_stem}.cubin").exists():
             return (d / f"{spec.file_stem}.cubin").read_bytes(), meta
     return None
 
@@ -265,7 +269,7 @@ def find_prebuilt(spec: OpSpec, source_sha256: str) -> tuple[bytes, dict] | None
 def resolve(spec: OpSpec) -> tuple[bytes, dict]:
     """cubin + metadata for a spec: prebuilt bundle, then cache, then JIT (unless disabled)."""
     art = lower(spec)
-    hit = find_prebuilt(spec, art.source_sha256)
+    hit = find_prebuilt(spec, art.source_sha256, art.inputs)
     if hit:
         return hit
     cache = KernelCache()
@@ -277,10 +281,7 @@ def resolve(spec: OpSpec) -> tuple[bytes, dict]:
             f"{spec.kernel_name} ({spec.file_stem}, target {spec.target.name}) was not built ahead of "
             f"time and K3GEN_DISABLE_JIT=1; run `k3gen build --arch {spec.target.name}` or point "
             f"K3GEN_PREBUILT at a `k3gen build --out` folder. spec: {spec.canonical()}")
-    try:
-        entry, _ = cache.get_or_build(art.key, lambda: _compile(art), source=art.source)
-    except CompileError:
-        raise
+    entry, _ = cache.get_or_build(art.key, lambda: _compile(art), source=art.source)
     return entry.cubin, entry.meta
 
 

@@ -111,4 +111,35 @@ def build_specs(target: Target, kv: KvDtype | None = None, ssm: SsmDtype | None 
             specs.append(KvCacheWriteSpec(target=target, kv=k))
     if ssm is not None and ssm not in target.ssm_dtypes:
         raise TargetError("ssm", ssm.value, [s.value for s in target.ssm_dtypes], f"target {target.name}")
+    specs += _kda_decode_specs(target, ssm)
+    specs += _act_quant_specs(target)
     return specs
+
+
+# Activation quantization ahead of the FP8 block GEMMs: K = hidden (7168) and q_lora (1536).
+ACT_QUANT_K = (1536, 7168)
+
+
+def _act_quant_specs(target: Target) -> list[OpSpec]:
+    from .ir.dtypes import ScaleRecipe
+    from .ir.ops.act_quant_fp8 import ActQuantFp8Spec
+    if target.frozen:  # the original target gains ops only once they are final
+        return []
+    return [ActQuantFp8Spec(target=target, k=k, recipe=r) for k in ACT_QUANT_K for r in ScaleRecipe]
+
+
+# KDA decode per-rank head counts (TP1..TP16); the original target does not carry the fused op.
+KDA_DECODE_HEADS = (6, 12, 24, 48, 96)
+KDA_DECODE_TARGETS = ("sm90", "sm103-nvfp4", "sm107-nvfp4")
+
+
+def _kda_decode_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
+    from .ir.dtypes import GateKind
+    from .ir.ops.kda_decode import KdaDecodeSpec
+    if target.name not in KDA_DECODE_TARGETS:
+        return []
+    out: list[OpSpec] = []
+    for s in target.ssm_dtypes if ssm is None else (ssm,):
+        out += [KdaDecodeSpec(target=target, heads=h, ssm=s, gate=GateKind.BOUNDED) for h in KDA_DECODE_HEADS]
+        out.append(KdaDecodeSpec(target=target, heads=12, ssm=s, gate=GateKind.SOFTPLUS))  # Kimi-Linear gate
+    return out

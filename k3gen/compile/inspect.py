@@ -28,7 +28,8 @@ class KernelResources:
 
     @property
     def spills(self) -> bool:
-        return self.local > 0
+        # ptxas may spill to the stack frame with LOCAL still 0; either counts.
+        return self.local > 0 or self.stack > 0
 
     def notable(self) -> str:
         parts = [f"{op}x{n}" for op, n in sorted(self.sass.items())
@@ -56,14 +57,17 @@ def _with_file(cubin: bytes, fn):
         return fn(f.name)
 
 
-_RES = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+) CONSTANT\[0\]:(\d+)")
+_RES = re.compile(r"Function (\S+):\s*\n\s*(REG:.*)")
 
 
 def resources(cubin: bytes, with_sass: bool = True) -> list[KernelResources]:
     def go(path):
         text = _run(["cuobjdump", "-res-usage", path])
-        out = [KernelResources(m[1], int(m[2]), int(m[4]), int(m[5]), int(m[3]), int(m[6]))
-               for m in _RES.finditer(text)]
+        out = []
+        for m in _RES.finditer(text):
+            kv = dict(f.split(":", 1) for f in m[2].split())
+            out.append(KernelResources(m[1], int(kv["REG"]), int(kv.get("SHARED", 0)), int(kv.get("LOCAL", 0)),
+                                       int(kv.get("STACK", 0)), int(kv.get("CONSTANT[0]", 0))))
         if with_sass:
             hist = sass_histograms_file(path)
             for r in out:

@@ -163,7 +163,7 @@ def ue8m0_encode(s: torch.Tensor) -> torch.Tensor:
 def ue8m0_decode(byte: torch.Tensor) -> torch.Tensor:
     b = byte.to(torch.int32)
     # 2**-127 is an FP32 subnormal, so build it separately from the normal range.
-    v = torch.where(b == 0, torch.full_like(b, 0, dtype=torch.float32) + 2.0 ** -127,
+    v = torch.where(b == 0, torch.full_like(b, 2.0 ** -127, dtype=torch.float32),
                     _pow2(torch.clamp(b, 1, 254) - 127))
     return torch.where(b == 255, torch.full_like(v, float("nan")), v)
 

@@ -9,6 +9,7 @@ from ..ir.spec import OpSpec, spec_from_canonical
 LAUNCHERS = {
     "kv_cache_write": "k3gen.runtime.ops.kv_cache_write.KvCacheWrite",
     "act_quant_fp8": "k3gen.runtime.ops.act_quant_fp8.ActQuantFp8",
+    "kda_decode": "k3gen.runtime.ops.kda_decode.KdaDecode",
 }
 
 

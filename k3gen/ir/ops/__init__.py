@@ -1,2 +1,4 @@
 """One module per fused op; importing this package registers them all."""
 from . import kv_cache_write  # noqa: F401
+from . import act_quant_fp8  # noqa: F401
+from . import kda_decode  # noqa: F401

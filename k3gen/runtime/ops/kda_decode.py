@@ -1,0 +1,162 @@
+"""Launcher of kda_decode (ABI: templates/kda_decode.cu.j2; contract: ir/ops/kda_decode.py).
+
+Launches are CUDA-graph safe: the checks read tensor metadata only (no sync, no allocation), the
+grid and cluster size depend on the batch size alone, and nothing is compiled after `load()`.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from ...config import settings
+from ...errors import PageIndexError, SpecError
+from ...ir.dtypes import SsmDtype
+from ...ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
+from ...ir.ops.kda_decode import SPLITS
+from ..bind import Launcher
+from ..loader import I32, PTR
+
+I64 = ctypes.c_longlong
+MAX_GRID_Z = 65535
+
+
+def choose_split(batch: int, heads: int, sms: int, max_split: int = 8) -> int:
+    """CTAs per (sequence, head): the fewest that fill both CTA slots of every SM.
+
+    With fewer (sequence, head) pairs the step is latency-bound: splitting a head's rows over a
+    cluster shortens each CTA's chain (fewer rows to stream, 1/split of the gate projection).
+    `k3gen bench kda_decode` times every split of the small grids (extra.split_us) to check this.
+    """
+    s = 1
+    while s < max_split and batch * heads * s < 2 * sms:
+        s *= 2
+    return s
+
+
+class KdaDecode(Launcher):
+    @functools.cached_property
+    def sm_count(self) -> int:
+        import torch
+        return torch.cuda.get_device_properties(self.device_index).multi_processor_count
+
+    def load(self):
+        super().load()
+        self.sm_count  # noqa: B018  (queried once, outside any graph capture)
+        return self
+
+    def split_for(self, batch: int) -> int:
+        return choose_split(batch, self.spec.heads, self.sm_count, self.spec.max_split)
+
+    # -- checks -------------------------------------------------------------------------------
+    def _check(self, name, t, dtype, shape, *, contiguous=True, inner_unit=False, align=0):
+        """shape entries: an int, or None for 'any'."""
+        ok = t.dtype == dtype and t.dim() == len(shape) and all(
+            want is None or got == want for got, want in zip(t.shape, shape))
+        if ok and contiguous:
+            ok = t.is_contiguous()
+        if ok and inner_unit:
+            ok = t.stride(-1) == 1
+        if ok and align:
+            ok = t.data_ptr() % align == 0
+        if not ok:
+            layout = "contiguous" if contiguous else "unit inner stride" if inner_unit else ""
+            want = f"{str(dtype).replace('torch.', '')} {list('*' if s is None else s for s in shape)}"
+            raise SpecError(name, (tuple(t.shape), str(t.dtype).replace("torch.", "")),
+                            [want], ", ".join(x for x in (layout, f"{align}-byte aligned" if align else "") if x))
+
+    def check(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w,
+              out) -> tuple[int, int]:
+        """Validate every tensor against the contract; return (batch, num_slots)."""
+        import torch
+        H, D = self.spec.heads, self.spec.d
+        bf16 = torch.bfloat16
+        B = slots.shape[0] if slots.dim() == 1 else -1
+        self._check("slots", slots, torch.int32, (None,))
+        self._check("qkvg", qkvg, bf16, (B, None), contiguous=False, inner_unit=True)
+        if qkvg.shape[1] < 4 * D:
+            raise SpecError("qkvg", tuple(qkvg.shape), f"[{B}, >= {4 * D}]", "one row [q | k | v | g_out]")
+        self._check("fa", fa, bf16, (B, KDA_DK), contiguous=False, inner_unit=True)
+        self._check("beta_logit", beta_logit, bf16, (B, H), contiguous=False, inner_unit=True)
+        sdt = torch.float32 if self.spec.ssm is SsmDtype.FP32 else bf16
+        self._check("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
+        num_slots = ssm.shape[0]
+        self._check("conv", conv, bf16, (num_slots, 3 * D, CONV_TAPS - 1))
+        self._check("conv_w", conv_w, bf16, (3 * D, CONV_TAPS), align=8)
+        self._check("fb_w", fb_w, bf16, (D, KDA_DK), align=16)
+        self._check("dt_bias", dt_bias, torch.float32, (D,), align=16)
+        self._check("a_log", a_log, torch.float32, (H,))
+        self._check("norm_w", norm_w, torch.float32, (KDA_DV,))
+        self._check("out", out, bf16, (B, H, KDA_DV))
+        dev = out.device
+        if dev.type != "cuda" or any(t.device != dev for t in (qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w,
+                                                                 dt_bias, a_log, norm_w)):
+            raise SpecError("device", str(dev), "one CUDA device for every tensor")
+        if B > MAX_GRID_Z:
+            raise SpecError("batch", B, f"<= {MAX_GRID_Z}", "sequences are grid.z")
+        if num_slots >= 2**31:
+            raise SpecError("num_slots", num_slots, "< 2^31")
+        return B, num_slots
+
+    # -- launch -------------------------------------------------------------------------------
+    def __call__(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w, out, *,
+                 split: int | None = None):
+        """One decode step for `slots.shape[0]` sequences; returns `out`.
+
+        qkvg [B, >= 4D] BF16 (row stride free, unit inner stride), fa [B, 128] BF16 and
+        beta_logit [B, H] BF16 (views of one [f_a | b] row are fine), ssm [S, H, 128, 128]
+        (spec.ssm) and conv [S, 3D, 3] BF16 updated in place at slots [B] int32 (negative:
+        padded row, zeros out), weights conv_w [3D, 4] BF16, fb_w [D, 128] BF16, dt_bias [D],
+        a_log [H], norm_w [128] FP32; out [B, H, 128] BF16. `split` overrides the CTAs per
+        (sequence, head) (1, 2, 4, 8 up to spec.max_split); by default it depends on B only.
+        """
+        import torch
+        if split is not None and (split not in SPLITS or split > self.spec.max_split):
+            raise SpecError("split", split, [s for s in SPLITS if s <= self.spec.max_split])
+        B, num_slots = self.check(qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w, out)
+        if B == 0:
+            return out
+        if settings().validate:
+            self.validate_slots(slots, num_slots)
+        if split is None:
+            split = self.split_for(B)
+        args = (qkvg.data_ptr(), qkvg.stride(0), fa.data_ptr(), fa.stride(0), beta_logit.data_ptr(),
+                beta_logit.stride(0), slots.data_ptr(), ssm.data_ptr(), conv.data_ptr(), num_slots,
+                conv_w.data_ptr(), fb_w.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), norm_w.data_ptr(),
+                out.data_ptr(), split)
+        types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR, I32)
+        dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        grid, block = (split, self.spec.heads, B), (self.spec.threads, 1, 1)
+        if split == 1:
+            self.kernel.launch(grid, block, args, types, dev, stream)
+        else:
+            self._launch_cluster(grid, block, split, args, types, dev, stream)
+        return out
+
+    @staticmethod
+    def validate_slots(slots, num_slots: int) -> None:
+        """Host-side check (it synchronizes): live slots in range and not shared by two rows."""
+        live = [int(x) for x in slots.cpu().tolist() if x >= 0]
+        bad = [x for x in live if x >= num_slots]
+        if bad:
+            raise PageIndexError(f"slot {bad[0]} outside [0, {num_slots})")
+        if len(set(live)) != len(live):
+            raise SpecError("slots", sorted(x for x in set(live) if live.count(x) > 1), "distinct live slots",
+                            "two rows would update one state in place")
+
+    def _launch_cluster(self, grid, block, cluster_x, args, types, device, stream) -> None:
+        from cuda.bindings import driver
+
+        from ..loader import _check
+        f = self.kernel.function(device)
+        cfg = driver.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+        cfg.sharedMemBytes = 0
+        cfg.hStream = stream
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster_x, 1, 1
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        _check(driver.cuLaunchKernelEx(cfg, f, (args, types), 0), f"cluster launch {self.kernel.entry}")

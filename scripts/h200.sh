@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU run on the H200: GPU test tier, compute-sanitizer on a reduced matrix, benchmarks.
+# Expects cubins built here with `k3gen build --arch sm90 --out build-out` (the H200's driver
+# rejects PTX from NVRTC 13.5 but loads its cubins) and wheels of missing packages in .whl/.
+# Usage on the device: bash scripts/h200.sh [pytest -k expression]
+set -uo pipefail
+OUT=${OUT:-/tmp/k3gen-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export K3GEN_GPU=1 K3GEN_PREBUILT=$PWD/build-out K3GEN_DISABLE_JIT=1 K3GEN_CACHE_DIR=/tmp/k3gen-cache
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/smi.txt"
+python3 -m k3gen collect-env | tee "$OUT/env.txt"
+rc=0
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/gpu -q --maxfail=30 -p no:cacheprovider \
+    ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log"; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+for op in ${BENCH_OPS:-kda_decode kv_cache_write}; do
+  timeout ${BENCH_TIMEOUT:-200} python3 -m k3gen bench --op "$op" --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/bench_$op.log"; rc=$((rc | ${PIPESTATUS[0]}))
+done
+if [ "${SANITIZE:-1}" = 1 ]; then
+  # Memcheck over the reduced matrices; torch's caching allocator off so it cannot hide OOB accesses.
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool memcheck \
+    --error-exitcode 3 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -k "sanitize" 2>&1 \
+    | grep -vE "cuGetProcAddress|^=+ +(Saved host backtrace|Host Frame|in /)" | tail -40 | tee "$OUT/memcheck.log"
+  rc=$((rc | ${PIPESTATUS[0]}))
+fi
+echo "h200.sh exit $rc"
+exit $rc

@@ -1,0 +1,120 @@
+"""The build pipeline end to end on the CPU: compiles for all four targets, resources and SASS,
+determinism, the committed generated trees, the frozen original target, JIT-off mode."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from k3gen.build import (GENERATED_ROOT, build_many, build_one, check_generated, generated_files, lower, resolve,
+                         write_bundle)
+from k3gen.compile.inspect import KernelResources, cubin_arch
+from k3gen.errors import CompileError, MissingKernelError
+from k3gen.ir.dtypes import KvDtype
+from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
+from k3gen.targets import TARGETS, build_specs
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "golden" / "sm100_mxfp4.json"
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_generated_tree_is_up_to_date(name):
+    t = TARGETS[name]
+    assert check_generated(t, build_specs(t)) == []
+
+
+def test_generation_is_deterministic():
+    for t in TARGETS.values():
+        assert generated_files(t, build_specs(t)) == generated_files(t, build_specs(t))
+
+
+def test_frozen_original_target_sources():
+    """Each landed sm100-mxfp4 kernel source keeps its bytes; new files may be added."""
+    golden = json.loads(GOLDEN.read_text())
+    assert golden, "the golden list of frozen sources is empty"
+    d = GENERATED_ROOT / "sm100_mxfp4"
+    for name, digest in golden.items():
+        assert hashlib.sha256((d / name).read_bytes()).hexdigest() == digest, f"frozen {name} changed"
+    now = {n for n in generated_files(TARGETS["sm100-mxfp4"], build_specs(TARGETS["sm100-mxfp4"]))
+           if n.endswith(".cu")}
+    assert set(golden) <= now, "a frozen kernel is no longer generated"
+    assert now <= set(golden), "new sm100 sources: add them with `python -m k3gen.golden --add`"
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_compile_resources_and_sass(name):
+    t = TARGETS[name]
+    results = build_many(build_specs(t), jobs=2)
+    for r in results:
+        assert cubin_arch(r.cubin) == t.arch
+        for res in (KernelResources(**x) for x in r.resources):
+            assert not res.spills, f"{r.artifact.spec.kernel_name}: {res.local} B local memory"
+            assert res.registers <= 128
+            spec = r.artifact.spec
+            if getattr(spec, "kv", None) is KvDtype.NVFP4:
+                # SM100-family converts to E2M1 in hardware; Hopper has no such instruction.
+                assert ("F2FP" in res.sass) == t.fp4_cvt or not t.fp4_cvt
+                if t.fp4_cvt:
+                    assert res.sass.get("F2FP", 0) > 0
+
+
+def test_second_build_recompiles_nothing_and_bytes_match(tmp_path, monkeypatch):
+    t = TARGETS["sm90"]
+    specs = build_specs(t, KvDtype.FP8)
+    first = build_many(specs, jobs=1)
+    second = build_many(specs, jobs=1)
+    assert not any(r.built for r in second)
+    assert [r.cubin for r in first] == [r.cubin for r in second]
+    # A fresh cache rebuilds the same bytes.
+    monkeypatch.setenv("K3GEN_CACHE_DIR", str(tmp_path / "fresh"))
+    third = build_many(specs, jobs=1)
+    assert all(r.built for r in third) and [r.cubin for r in third] == [r.cubin for r in first]
+
+
+def test_disable_jit_raises_missing_kernel(tmp_path, monkeypatch):
+    spec = KvCacheWriteSpec(target=TARGETS["sm90"], kv=KvDtype.BF16)
+    monkeypatch.setenv("K3GEN_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("K3GEN_DISABLE_JIT", "1")
+    with pytest.raises(MissingKernelError, match=spec.kernel_name):
+        resolve(spec)
+    # A prebuilt bundle satisfies it without compiling.
+    monkeypatch.setenv("K3GEN_DISABLE_JIT", "0")
+    r = build_one(spec)
+    bundle = tmp_path / "bundle"
+    write_bundle(bundle, spec.target, [r])
+    monkeypatch.setenv("K3GEN_CACHE_DIR", str(tmp_path / "empty2"))
+    monkeypatch.setenv("K3GEN_DISABLE_JIT", "1")
+    monkeypatch.setenv("K3GEN_PREBUILT", str(bundle))
+    cubin, meta = resolve(spec)
+    assert cubin == r.cubin and meta["entry"] == spec.entry
+
+
+def test_compile_error_carries_log_options_and_repro(tmp_path):
+    from k3gen.compile.nvrtc import compile_cubin
+    with pytest.raises(CompileError) as e:
+        compile_cubin('extern "C" __global__ void k() { undefined_thing(); }', "broken", TARGETS["sm90"],
+                      source_dir=tmp_path)
+    err = e.value
+    assert "undefined_thing" in err.log and "--gpu-architecture=sm_90a" in err.options
+    assert Path(err.source_path).exists() and "k3gen.compile.nvrtc" in err.repro
+    # The repro command reproduces the failure.
+    proc = subprocess.run(err.repro, shell=True, capture_output=True, text=True)
+    assert proc.returncode == 1 and "undefined_thing" in proc.stderr
+
+
+def test_cli_build_warm_is_fast_and_writes_bundle(tmp_path):
+    env = {**os.environ, "K3GEN_CACHE_DIR": os.environ["K3GEN_CACHE_DIR"]}
+    cmd = [sys.executable, "-m", "k3gen", "build", "--arch", "sm103", "--kv", "nvfp4", "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    warm = time.perf_counter() - t0
+    assert "0 compiled" in p.stdout, p.stdout
+    assert warm < 3.0, f"warm build took {warm:.2f}s"
+    idx = json.loads((tmp_path / "sm103_nvfp4" / "bundle.json").read_text())
+    assert idx and all(v["arch"] == "sm_103a" for v in idx.values())
