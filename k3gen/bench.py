@@ -104,12 +104,14 @@ def print_table(rows: list[Row], ceiling: float) -> None:
     from rich.console import Console
     from rich.table import Table
     t = Table(title=f"k3gen bench (copy ceiling {ceiling:.2f} TB/s, same run)", title_justify="left")
-    for c in ("op", "case", "median us", "MB", "TB/s", "% copy", "% same-size copy", "peer", "peer us", "x peer"):
+    for c in ("op", "case", "median us", "MB", "TB/s", "% copy", "% same-size copy", "peer", "peer us", "x peer",
+              "x chain"):
         t.add_column(c, justify="left" if c in ("op", "case", "peer") else "right")
     for r in rows:
         t.add_row(r.op, r.case, f"{r.us:.2f}", f"{r.bytes / 1e6:.2f}", f"{r.tbps:.2f}", f"{r.pct_copy:.0f}",
                   f"{r.pct_same_copy:.0f}", r.peer or "-", f"{r.peer_us:.2f}" if r.peer_us else "-",
-                  f"{r.speedup:.2f}" if r.speedup else "-")
+                  f"{r.speedup:.2f}" if r.speedup else "-",
+                  f"{r.extra['x_fla_chain']:.2f}" if r.extra.get("x_fla_chain") else "-")
     Console().print(t)
 
 

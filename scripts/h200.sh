@@ -26,7 +26,7 @@ for op in ${BENCH_OPS:-kda_decode kv_cache_write}; do
 done
 if [ "${SANITIZE:-1}" = 1 ]; then
   # Memcheck over the reduced matrices; torch's caching allocator off so it cannot hide OOB accesses.
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool memcheck \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool memcheck --report-api-errors no \
     --error-exitcode 3 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -k "sanitize" 2>&1 \
     | grep -vE "cuGetProcAddress|^=+ +(Saved host backtrace|Host Frame|in /)" | tail -40 | tee "$OUT/memcheck.log"
   rc=$((rc | ${PIPESTATUS[0]}))
