@@ -41,7 +41,7 @@ class Case:
     def __init__(self, H, B, ssm: SsmDtype, seed, *, padded=(), num_slots=None, zero_window=False):
         g = torch.Generator().manual_seed(seed)
         D = H * K
-        self.H, self.B, self.ssm = H, B, ssm
+        self.H, self.B, self.ssm_dtype = H, B, ssm
         num_slots = num_slots or 2 * B + 5
         self.w = random_weights(H, generator=g)
         self.qkvg = torch.randn(B, 4 * D + 16, generator=g).to(torch.bfloat16)       # row stride > 4D
@@ -108,7 +108,7 @@ def assert_state_close(got, ref, ssm: SsmDtype):
 
 
 def check_case(case: Case, gate: GateKind, split=None):
-    op = op_for(case.H, gate, case.ssm)
+    op = op_for(case.H, gate, case.ssm_dtype)
     t = case.gpu()
     run(op, t, split)
     sync()
@@ -123,7 +123,7 @@ def check_case(case: Case, gate: GateKind, split=None):
     assert torch.equal(got_ssm[untouched], case.ssm0[untouched]), "a slot outside `slots` changed"
     assert torch.equal(got_conv[untouched], case.conv0[untouched]), "a conv window outside `slots` changed"
     assert torch.equal(got_conv[idx], conv[idx]), "conv window shift"
-    assert_state_close(got_ssm[idx], ssm[idx], case.ssm)
+    assert_state_close(got_ssm[idx], ssm[idx], case.ssm_dtype)
     return t
 
 
