@@ -125,6 +125,7 @@ def kda_decode(ceiling: float, quick: bool = False) -> list:
             w = random_weights(H, generator=torch.Generator().manual_seed(H)).to("cuda")
             D = H * K
             for B in batches:
+                print(f"  kda_decode H{H} B{B} {ssm.value}", flush=True)
                 nbytes = evaluate(op.spec.bytes_moved(), B=B)
                 n = sets_for(nbytes)
                 sets = []
