@@ -101,6 +101,10 @@ __device__ __forceinline__ void step(const Params& p, Smem& sm) {
       mbar_arrive_expect_tx(&sm.bar[kBarSsq], S * 4);    // one o^2 sum per cluster CTA
     }
   }
+  // No thread may poll an mbarrier before tid 0 has initialised it: the shared memory may still
+  // hold a previous CTA's barrier in a completed phase, whose try_wait would pass at once and let
+  // this CTA read (and exit) before its bulk copies land.
+  __syncthreads();
   if constexpr (S > 1) cluster_arrive_relaxed();  // paired with the wait before the first push
 
   const __nv_bfloat16* xrow = p.qkvg + b * p.qkvg_stride;
