@@ -184,3 +184,28 @@ def kda_decode(ceiling: float, quick: bool = False) -> list:
                 rows.append(make_row("kda_decode", f"H{H} B{B} {ssm.value}", us, nbytes, ceiling, same,
                                      peer=peer, peer_us=peer_us, extra=extra))
     return rows
+
+
+def act_quant_fp8(ceiling: float, quick: bool = False) -> list:
+    """Per-token per-128 FP8 activation quantization (CuTe DSL kernel), K = 7168 and 1536."""
+    import torch
+
+    from .ir.dtypes import ScaleRecipe
+    from .ir.ops.act_quant_fp8 import ActQuantFp8Spec
+    from .runtime.ops.act_quant_fp8 import ActQuantFp8
+    from .targets import get_target
+
+    rows, same = [], {}
+    for k in (7168,) if quick else (7168, 1536):
+        for recipe in ScaleRecipe:
+            op = ActQuantFp8(ActQuantFp8Spec(target=get_target("sm90"), k=k, recipe=recipe)).load()
+            sdt = torch.float32 if recipe is ScaleRecipe.FP32 else torch.uint8
+            for m in (1, 128, 4096) if quick else (1, 16, 128, 1024, 4096, 16384):
+                nbytes = evaluate(op.spec.bytes_moved(), M=m)
+                sets = [(torch.randn(m, k, device="cuda").to(torch.bfloat16),
+                         torch.empty(m, k, dtype=torch.uint8, device="cuda"),
+                         torch.empty(m, k // 128, dtype=sdt, device="cuda")) for _ in range(sets_for(nbytes))]
+                us = time_graph([lambda s=s: op(*s) for s in sets])
+                rows.append(make_row("act_quant_fp8", f"K{k} M{m} {recipe.value}", us, nbytes, ceiling, same))
+                del sets
+    return rows

@@ -21,14 +21,16 @@ MAX_GRID_Z = 65535
 
 
 def choose_split(batch: int, heads: int, sms: int, max_split: int = 8) -> int:
-    """CTAs per (sequence, head): the fewest that fill both CTA slots of every SM.
+    """CTAs per (sequence, head): split a head's rows over a cluster only while the whole grid
+    stays under ~3/4 of a wave of one CTA per SM.
 
-    With fewer (sequence, head) pairs the step is latency-bound: splitting a head's rows over a
-    cluster shortens each CTA's chain (fewer rows to stream, 1/split of the gate projection).
-    `k3gen bench kda_decode` times every split of the small grids (extra.split_us) to check this.
+    Measured on the H200 (k3gen bench kda_decode, extra.split_us): H=12 B=1 is fastest at split 8,
+    H=24 B=1 at 4, and every grid of >= 96 (sequence, head) pairs at split 1 (split 4 at H=12 B=8
+    cost 24%, at H=96 B=1 27%): past that size the cluster exchange costs more than the shorter
+    per-CTA chain saves.
     """
     s = 1
-    while s < max_split and batch * heads * s < 2 * sms:
+    while s < max_split and batch * heads * (2 * s) * 4 <= 3 * sms:
         s *= 2
     return s
 
