@@ -69,16 +69,18 @@ def time_graph(launches: list, reps: int = 30, warmup: int = 3) -> float:
     return statistics.median(t) / len(launches)
 
 
-EAGER_COPY_BYTES = 512 * 2**20
+EAGER_COPY_BYTES = 64 * 2**20
 
 
 def copy_time_us(nbytes: int, reps: int = 30) -> float:
     """Median time of a device-to-device copy moving `nbytes` in total (read + write).
 
-    Up to 512 MiB moved, graph replay over rotated FP32 buffers, like the kernels. Above that,
-    eager copies timed with events: a captured memcpy node of >= 512 MiB runs at ~2.75 TB/s on
-    the H200 (anchors/h200_call1.json copy_curve) while the same copy launched eagerly reaches
-    ~4.27 TB/s, and the ceiling must be the best plain copy of the GPU.
+    Up to 64 MiB moved, graph replay over rotated FP32 buffers, like the kernels. Above that,
+    eager copies back to back, timed with events (each copy outlasts its launch, and L2 is far
+    smaller than the buffers): large captured memcpy nodes run erratically slow on the H200
+    (2.6-2.75 TB/s for 210 MB-2 GiB moved in our runs and in anchors/h200_call1.json
+    copy_curve) while the same copies launched eagerly reach ~4.25 TB/s, and the ceiling must
+    be the best plain copy of the GPU.
     """
     import torch
     n = max(nbytes // 8, 64)
@@ -131,6 +133,8 @@ def make_row(op: str, case: str, us: float, nbytes: int, ceiling: float, same_ca
 def print_table(rows: list[Row], ceiling: float) -> None:
     from rich.console import Console
     from rich.table import Table
+    import sys
+    con = Console(width=None if sys.stdout.isatty() else 220)
     t = Table(title=f"k3gen bench (copy ceiling {ceiling:.2f} TB/s, same run)", title_justify="left")
     for c in ("op", "case", "median us", "MB", "TB/s", "% copy", "% same-size copy", "peer", "peer us", "x peer",
               "x chain"):
@@ -140,7 +144,7 @@ def print_table(rows: list[Row], ceiling: float) -> None:
                   f"{r.pct_same_copy:.0f}", r.peer or "-", f"{r.peer_us:.2f}" if r.peer_us else "-",
                   f"{r.speedup:.2f}" if r.speedup else "-",
                   f"{r.extra['x_fla_chain']:.2f}" if r.extra.get("x_fla_chain") else "-")
-    Console().print(t)
+    con.print(t)
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
