@@ -78,18 +78,19 @@ class KvCacheWriteSpec(OpSpec):
 
     # -- estimates --------------------------------------------------------------------------
     def bytes_moved(self):
-        """Bytes for B sequences appending T rows each (sympy over B, T)."""
+        """Expected bytes for B sequences appending T rows each at uniformly random positions
+        (sympy over B, T)."""
         B, T = sym("B"), sym("T")
         lay = self.layout
-        rows_in = B * T * MLA_ROW * BF16.bytes
+        row = MLA_ROW * BF16.bytes
+        rows_in = B * T * row
         meta = B * 3 * INT32.bytes
-        out = B * T * lay.bytes_per_token
-        if self.kv is KvDtype.NVFP4:
-            # The live tile is re-quantized from the ring: read it, write codes of the tile.
-            # Expected tile occupancy of a decode step is ~8 rows; count the worst case, 16.
-            tile = sympy.Min(T + NVFP4_TILE_TOKENS - 1, 2 * NVFP4_TILE_TOKENS)
-            out = B * (tile * (MLA_ROW * BF16.bytes + lay.bytes_per_token) + T * MLA_ROW * BF16.bytes)
-        return rows_in + meta + out
+        if self.kv is not KvDtype.NVFP4:
+            return rows_in + meta + B * T * lay.bytes_per_token
+        # The live tile is re-quantized whole: on average 7.5 older rows of it come back from the
+        # ring, and codes + scales are rewritten for them too; new rows also enter the ring.
+        old = sympy.Rational(NVFP4_TILE_TOKENS - 1, 2)
+        return rows_in + meta + B * (old * row + (T + old) * lay.bytes_per_token + T * row)
 
     def flops(self):
         B, T = sym("B"), sym("T")
