@@ -47,6 +47,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Check launch inputs on the host (page ids in range, shapes). Syncs; not graph-safe."),
     Setting("K3GEN_JOBS", int, 0, "Parallel compile processes for `k3gen build` (0: one per core)."),
     Setting("K3GEN_NVRTC_EXTRA", str, "", "Extra NVRTC flags (space separated); part of the cache key."),
+    Setting("K3GEN_GPU", bool, False,
+            "Run the GPU test tier (tests marked gpu). Off by default: CI must never touch the driver."),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -61,6 +63,7 @@ class Settings:
     validate: bool
     jobs: int
     nvrtc_extra: str
+    gpu_tests: bool
 
 
 def settings() -> Settings:

@@ -9,7 +9,9 @@ import os
 
 import pytest
 
-GPU = os.environ.get("K3GEN_GPU") == "1"
+from k3gen.config import settings
+
+GPU = settings().gpu_tests
 _gpu_passed = 0
 
 

@@ -77,6 +77,7 @@ class KvCacheWrite(Launcher):
         cu = cu_rows.cpu().tolist()
         sp = start_pos.cpu().tolist()
         bt = block_table.cpu()
+        rs = ring_slot.cpu().tolist() if ring_slot is not None else None
         page = self.spec.page
         for b in range(len(sp)):
             n = cu[b + 1] - cu[b]
@@ -97,7 +98,7 @@ class KvCacheWrite(Launcher):
                 j = int(bad[0, 0]) + first
                 raise PageIndexError(f"sequence {b}: block_table[{b}, {j}] = {int(bt[b, j])} is outside "
                                      f"[0, {num_pages})")
-            if ring_slot is not None:
-                r = int(ring_slot[b])
+            if rs is not None:
+                r = rs[b]
                 if not 0 <= r < num_slots:
                     raise PageIndexError(f"sequence {b}: ring_slot {r} outside [0, {num_slots})")
