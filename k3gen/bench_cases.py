@@ -207,3 +207,241 @@ def act_quant_fp8(ceiling: float, quick: bool = False) -> list:
                 rows.append(make_row("act_quant_fp8", f"K{k} M{m} {recipe.value}", us, nbytes, ceiling, same))
                 del sets
     return rows
+
+
+def _scaled_mm_block(xc, xs, wc, ws):
+    """cuBLASLt block-scaled FP8 through torch._scaled_mm (1x128 activation, 128x128 weight
+    scales), or None when this torch/cuBLASLt rejects the shapes (M = 1 among them)."""
+    import torch
+    a = xc.view(torch.float8_e4m3fn)
+    b = wc.view(torch.float8_e4m3fn).t()
+    for sa, sb in ((xs.t().contiguous().t(), ws.t()), (xs, ws), (xs.t().contiguous().t(), ws.t().contiguous())):
+        try:
+            torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+            return lambda a=a, b=b, sa=sa, sb=sb: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+        except Exception:  # noqa: BLE001  (unsupported layout or shape: try the next, else no peer)
+            continue
+    return None
+
+
+def fp8_block_gemm(ceiling: float, quick: bool = False) -> list:
+    """FP8 block GEMM on the K3 projections (TP8 and TP1) at M in {1, 8, 32, 128}, both recipes on
+    the H200. Bytes are the weights' (codes + tile scales); peers: torch._scaled_mm block FP8
+    (cuBLASLt; no M = 1) and BF16 torch.mm (extra.bf16_mm_us)."""
+    import torch
+
+    from .ir.dtypes import ScaleRecipe
+    from .ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
+    from .runtime.ops.fp8_block_gemm import Fp8BlockGemm
+    from .targets import FP8_GEMM_TP1, FP8_GEMM_TP8, get_target
+
+    names = {(1536, 7168): "q_a", (2304, 1536): "q_b TP8", (7168, 1536): "o_proj TP8",
+             (6144, 7168): "kda_qkvg TP8", (18432, 1536): "q_b TP1", (7168, 12288): "o_proj TP1",
+             (49152, 7168): "kda_qkvg TP1"}
+    shapes = [(2304, 1536), (7168, 1536), (6144, 7168), (7168, 12288)] if quick else FP8_GEMM_TP8 + FP8_GEMM_TP1
+    recipes = (ScaleRecipe.FP32,) if quick else tuple(ScaleRecipe)
+    ms = (1, 8, 32, 128)
+    rows, same = [], {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in shapes:
+        for recipe in recipes:
+            op = Fp8BlockGemm(Fp8BlockGemmSpec(target=get_target("sm90"), n=n, k=k, recipe=recipe)).load()
+            spec = op.spec
+            nbytes = spec.weight_bytes()
+            sdt = torch.float32 if recipe is ScaleRecipe.FP32 else torch.uint8
+            nsets = sets_for(nbytes)
+            weights = []
+            for _ in range(nsets):
+                wc = torch.randint(0, 0x7E, (n, k), device="cuda", dtype=torch.uint8, generator=g)
+                ws = (torch.rand(spec.n_blocks, spec.k_blocks, device="cuda", generator=g) * 1e-2) if sdt == torch.float32 \
+                    else torch.randint(110, 125, (spec.n_blocks, spec.k_blocks), device="cuda", dtype=torch.uint8,
+                                       generator=g)
+                weights.append((wc, ws))
+            for m in ms:
+                print(f"  fp8_block_gemm {names.get((n, k), '')} N{n} K{k} M{m} {recipe.value}", flush=True)
+                acts = [(torch.randint(0, 0x7E, (m, k), device="cuda", dtype=torch.uint8, generator=g),
+                         (torch.rand(m, spec.k_blocks, device="cuda", generator=g) * 1e-2).to(sdt)
+                         if sdt == torch.float32 else torch.full((m, spec.k_blocks), 120, dtype=torch.uint8,
+                                                                  device="cuda"),
+                         torch.empty(m, n, dtype=torch.bfloat16, device="cuda")) for _ in range(nsets)]
+                us = time_graph([lambda a=a, w=w: op(a[0], a[1], w[0], w[1], a[2]) for a, w in zip(acts, weights)])
+                extra = {"n": n, "k": k, "m": m, "recipe": recipe.value, "split": op.split_for(m),
+                         "proj_8TBps_us": nbytes / 8e12 * 1e6}
+                peer, peer_us = "", None
+                if recipe is ScaleRecipe.FP32:
+                    calls = [_scaled_mm_block(a[0], a[1], w[0], w[1]) for a, w in zip(acts, weights)]
+                    if all(c is not None for c in calls):
+                        try:
+                            peer_us, peer = time_graph(calls), "torch._scaled_mm block FP8"
+                        except Exception as e:  # noqa: BLE001
+                            extra["scaled_mm_error"] = repr(e)[:200]
+                    else:
+                        extra["scaled_mm_error"] = "unsupported shape/layout"
+                    try:
+                        xb = [torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(nsets)]
+                        wb = [torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(nsets)]
+                        extra["bf16_mm_us"] = time_graph([lambda x=x, w=w: torch.mm(x, w.t()) for x, w in zip(xb, wb)])
+                        del xb, wb
+                    except Exception as e:  # noqa: BLE001
+                        extra["bf16_mm_error"] = repr(e)[:200]
+                rows.append(make_row("fp8_block_gemm", f"{names.get((n, k), '')} N{n} K{k} M{m} {recipe.value}", us,
+                                     nbytes, ceiling, same, peer=peer, peer_us=peer_us, extra=extra))
+                del acts
+            del weights
+            torch.cuda.empty_cache()
+    return rows
+
+
+def kda_verify(ceiling: float, quick: bool = False) -> list:
+    """Verify at T = 1 + M = 4 (FP32 records, pending random in 0..M so most starts are records)
+    vs FLA's fused_recurrent_kda writing a state per token (the verify mode of
+    /work/shared/anchors/decode_anchors.py: pool [B*T, H, K, V], indices [B, T], accepted counts).
+    Bytes are the fused op's (spec.bytes_moved, record start) for both columns."""
+    import torch
+
+    from .ir.dtypes import SsmDtype
+    from .ir.ops.kda_verify import KdaVerifySpec
+    from .reference.kda_decode import random_weights
+    from .runtime.ops.kda_verify import KdaVerify
+    from .targets import get_target
+
+    tgt = get_target("sm90")
+    M, K = 3, 128
+    T = 1 + M
+    fla = _fla_kda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, same = [], {}
+    for ssm in (SsmDtype.FP32,) if quick else (SsmDtype.FP32, SsmDtype.BF16):
+        sdt = torch.float32 if ssm is SsmDtype.FP32 else torch.bfloat16
+        for H in (12,) if quick else (12, 96):
+            op = KdaVerify(KdaVerifySpec(target=tgt, heads=H, drafts=M, ssm=ssm)).load()
+            w = random_weights(H, generator=torch.Generator().manual_seed(H)).to("cuda")
+            D = H * K
+            for B in (1, 128) if quick else (1, 8, 32, 128, 512):
+                if H * B > 12 * 512:
+                    continue
+                print(f"  kda_verify H{H} B{B} M{M} {ssm.value}", flush=True)
+                nbytes = evaluate(op.spec.bytes_moved(), B=B)
+                n = sets_for(nbytes)
+                sets = []
+                for _ in range(n):
+                    fab = torch.randn(B * T, K + H, device="cuda", generator=gen).to(torch.bfloat16)
+                    sets.append(dict(
+                        qkvg=torch.randn(B * T, 4 * D, device="cuda", generator=gen).to(torch.bfloat16),
+                        fa=fab[:, :K], beta_logit=fab[:, K:],
+                        ssm=(torch.randn(B, H, K, K, device="cuda", generator=gen) * 0.05).to(sdt),
+                        rec=torch.randn(B, M, H, K, K, device="cuda", generator=gen) * 0.05,
+                        ce=torch.randn(B, 3 * D, 3 + M, device="cuda", generator=gen),
+                        pending=torch.randint(0, M + 1, (B,), device="cuda", generator=gen, dtype=torch.int32),
+                        slots=torch.randperm(B, device="cuda", generator=gen).to(torch.int32),
+                        out=torch.empty(B, T, H, K, device="cuda", dtype=torch.bfloat16)))
+                us = time_graph([lambda s=s: op(s["qkvg"], s["fa"], s["beta_logit"], s["ssm"], s["rec"], s["ce"],
+                                                s["pending"], s["slots"], w.conv_w, w.fb_w, w.dt_bias, w.a_log,
+                                                w.norm_w, s["out"]) for s in sets])
+                extra = {"heads": H, "batch": B, "drafts": M, "ssm": ssm.value, "proj_8TBps_us": nbytes / 8e12 * 1e6}
+                del sets
+                torch.cuda.empty_cache()
+                peer, peer_us = "", None
+                if fla is not None:
+                    kda_fwd = fla[0]
+                    try:
+                        fsets = _fla_kda_sets(B, H, sdt, n, chain=False, gen=gen)
+                        for s in fsets:  # verify mode: T tokens, one state row per token
+                            for name in ("q", "k", "v", "g"):
+                                s[name] = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+                            s["beta"] = torch.randn(B, T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+                            s["pool"] = (torch.randn(B * T, H, K, K, device="cuda", generator=gen) * 0.05).to(sdt)
+                            s["idx"] = torch.randperm(B * T, device="cuda", generator=gen).to(torch.int32).view(B, T)
+                            s["nat"] = torch.randint(1, T + 1, (B,), device="cuda", generator=gen, dtype=torch.int32)
+                            s["out"] = torch.empty(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+                        peer_us = time_graph([lambda s=s: kda_fwd(
+                            q=s["q"], k=s["k"], v=s["v"], g=s["g"], beta=s["beta"], initial_state=s["pool"],
+                            scale=K ** -0.5, output_final_state=False, inplace_final_state=True,
+                            ssm_state_indices=s["idx"], num_accepted_tokens=s["nat"], out=s["out"], **s["kw"])
+                            for s in fsets])
+                        peer = "fla fused_recurrent_kda T=4 per-token state"
+                        del fsets
+                    except Exception as e:  # noqa: BLE001  (a peer failure must not lose our rows)
+                        extra["fla_error"] = repr(e)[:300]
+                    torch.cuda.empty_cache()
+                rows.append(make_row("kda_verify", f"H{H} B{B} M{M} {ssm.value}", us, nbytes, ceiling, same,
+                                     peer=peer, peer_us=peer_us, extra=extra))
+    return rows
+
+
+def _fla_chunk_kda():
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception:  # noqa: BLE001
+        return None
+    return chunk_kda
+
+
+def kda_prefill(ceiling: float, quick: bool = False) -> list:
+    """Prefill of one 4096-token prompt (B = 1, FP32 state) at H = 12 and 96 vs FLA's chunk_kda
+    (in-kernel Kimi gate when this FLA accepts those keywords, else a precomputed log-decay). The
+    kernel is the token-sequential first version: expect it far behind the chunked peer."""
+    import torch
+
+    from .ir.ops.kda_prefill import KdaPrefillSpec
+    from .reference.kda_decode import random_weights
+    from .runtime.ops.kda_prefill import KdaPrefill
+    from .targets import get_target
+
+    tgt = get_target("sm90")
+    K, L = 128, 4096
+    chunk_kda = _fla_chunk_kda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, same = [], {}
+    for H in (12,) if quick else (12, 96):
+        print(f"  kda_prefill H{H} T{L}", flush=True)
+        op = KdaPrefill(KdaPrefillSpec(target=tgt, heads=H)).load()
+        w = random_weights(H, generator=torch.Generator().manual_seed(H)).to("cuda")
+        D = H * K
+        nbytes = evaluate(op.spec.bytes_moved(), B=1, N=L)
+        sets = []
+        for _ in range(2):
+            fab = torch.randn(L, K + H, device="cuda", generator=gen).to(torch.bfloat16)
+            sets.append(dict(qkvg=torch.randn(L, 4 * D, device="cuda", generator=gen).to(torch.bfloat16),
+                             fa=fab[:, :K], beta_logit=fab[:, K:],
+                             cu=torch.tensor([0, L], device="cuda", dtype=torch.int32),
+                             slots=torch.zeros(1, device="cuda", dtype=torch.int32),
+                             resume=torch.ones(1, device="cuda", dtype=torch.int32),
+                             ssm=torch.randn(1, H, K, K, device="cuda", generator=gen) * 0.05,
+                             conv=torch.zeros(1, 3 * D, 3, device="cuda", dtype=torch.bfloat16),
+                             out=torch.empty(L, H, K, device="cuda", dtype=torch.bfloat16)))
+        us = time_graph([lambda s=s: op(s["qkvg"], s["fa"], s["beta_logit"], s["cu"], s["slots"], s["resume"],
+                                        s["ssm"], s["conv"], w.conv_w, w.fb_w, w.dt_bias, w.a_log, w.norm_w, s["out"])
+                         for s in sets], reps=5, warmup=1)
+        extra = {"heads": H, "tokens": L, "kernel": "token-sequential v1", "proj_8TBps_us": nbytes / 8e12 * 1e6}
+        del sets
+        peer, peer_us = "", None
+        if chunk_kda is not None:
+            bf = torch.bfloat16
+            q, k, v, g = (torch.randn(1, L, H, K, device="cuda", dtype=bf, generator=gen) for _ in range(4))
+            beta = torch.randn(1, L, H, device="cuda", dtype=bf, generator=gen)
+            h0 = torch.randn(1, H, K, K, device="cuda", generator=gen) * 0.05
+            a_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen))
+            dt_bias = torch.randn(H * K, device="cuda", generator=gen) * 0.5
+            cu = torch.tensor([0, L], device="cuda", dtype=torch.long)
+            kimi = dict(use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
+                        use_beta_sigmoid_in_kernel=True)
+            logdecay = -torch.nn.functional.softplus(g.float())
+            plain = dict(g=logdecay, beta=torch.sigmoid(beta.float()).to(bf))
+
+            def call(kw):
+                return chunk_kda(q=q, k=k, v=v, scale=K ** -0.5, initial_state=h0, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True, cu_seqlens=cu, **kw)
+            for mode, kw in (("kimi gate in kernel", dict(g=g, beta=beta, **kimi)), ("precomputed gate", plain)):
+                try:
+                    call(kw)
+                    torch.cuda.synchronize()
+                    peer_us = time_graph([lambda kw=kw: call(kw)], reps=10)
+                    peer, extra["fla_mode"] = "fla chunk_kda", mode
+                    break
+                except Exception as e:  # noqa: BLE001  (keep our row whatever the peer's API)
+                    extra[f"fla_error_{mode}"] = repr(e)[:200]
+        torch.cuda.empty_cache()
+        rows.append(make_row("kda_prefill", f"H{H} T{L} fp32", us, nbytes, ceiling, same, peer=peer,
+                             peer_us=peer_us, extra=extra))
+    return rows

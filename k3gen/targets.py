@@ -112,7 +112,9 @@ def build_specs(target: Target, kv: KvDtype | None = None, ssm: SsmDtype | None 
     if ssm is not None and ssm not in target.ssm_dtypes:
         raise TargetError("ssm", ssm.value, [s.value for s in target.ssm_dtypes], f"target {target.name}")
     specs += _kda_decode_specs(target, ssm)
+    specs += _kda_verify_specs(target, ssm)
     specs += _act_quant_specs(target)
+    specs += _fp8_proj_specs(target)
     return specs
 
 
@@ -142,4 +144,67 @@ def _kda_decode_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
     for s in target.ssm_dtypes if ssm is None else (ssm,):
         out += [KdaDecodeSpec(target=target, heads=h, ssm=s, gate=GateKind.BOUNDED) for h in KDA_DECODE_HEADS]
         out.append(KdaDecodeSpec(target=target, heads=12, ssm=s, gate=GateKind.SOFTPLUS))  # Kimi-Linear gate
+    return out
+
+
+# FP8 block GEMMs of the K3 projections (N, K) at TP8 (H = 12) and TP1 (H = 96): q_a, q_b, o_proj,
+# the fused KDA [q|k|v|g] projection; plus the MLA query path and V-B/gate ops around them.
+# The original target does not carry them (its sources freeze on landing).
+FP8_PROJ_TARGETS = ("sm90", "sm103-nvfp4", "sm107-nvfp4")
+FP8_GEMM_TP8 = ((1536, 7168), (12 * 192, 1536), (7168, 12 * 128), (4 * 12 * 128, 7168))
+FP8_GEMM_TP1 = ((96 * 192, 1536), (7168, 96 * 128), (4 * 96 * 128, 7168))
+MLA_HEADS = (12, 96)
+
+
+def _fp8_proj_specs(target: Target) -> list[OpSpec]:
+    from .ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
+    from .ir.ops.mla_q_absorb import MlaQAbsorbSpec
+    from .ir.ops.mla_vb_gate import MlaVbGateSpec
+    if target.name not in FP8_PROJ_TARGETS:
+        return []
+    # Hopper runs both recipes here (the H200 tests pair each with its own activations).
+    recipes = tuple(ScaleRecipe) if target.name == "sm90" else (target.scale_recipe,)
+    out: dict[str, OpSpec] = {}
+    for n, k in FP8_GEMM_TP8:
+        for r in recipes:
+            s = Fp8BlockGemmSpec(target=target, n=n, k=k, recipe=r)
+            out[s.digest()] = s
+    for n, k in FP8_GEMM_TP1:
+        s = Fp8BlockGemmSpec(target=target, n=n, k=k, recipe=target.scale_recipe)
+        out[s.digest()] = s
+    for h in MLA_HEADS:
+        for s in (MlaQAbsorbSpec(target=target, heads=h), MlaVbGateSpec(target=target, heads=h)):
+            out[s.digest()] = s
+            if isinstance(s, MlaQAbsorbSpec):
+                out.setdefault(s.gemm_spec.digest(), s.gemm_spec)
+    return list(out.values())
+
+
+# KDA verify (M drafts) on the targets that own it, TP8 and TP1 head counts. Only builds that hold
+# 128 registers without spills (two CTAs per SM; tests/nogpu/test_build.py) are listed: M = 7 on
+# sm_90a needs one CTA per SM (KdaVerifySpec.blocks_per_sm) and is JIT-compiled / prebuilt for the
+# GPU tests instead.
+KDA_VERIFY_HEADS = (12, 96)
+KDA_VERIFY_DRAFTS = (3, 7)
+# TODO(kda-prefill-build): the token-sequential prefill kernel needs ~170 registers (one CTA per
+# SM); it joins the build lists once it fits 128 (or test_build admits per-spec occupancy). Until
+# then its specs compile on first use and scripts/prebuild_gpu.py picks them up from the GPU tests.
+KDA_PREFILL_HEADS = (12, 96)
+# TODO(original-verify): the sm100-mxfp4 target's shared verify kernel is
+# KdaVerifySpec(variant=VerifyVariant.ORIGINAL, ssm=FP32). It is left out of that target's build
+# list until it has passed the H200 tests (tests/gpu/test_kda_verify.py runs the same variant on
+# sm90): the target's generated sources freeze byte for byte once landed.
+
+
+def _kda_verify_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
+    from .ir.ops.kda_verify import KdaVerifySpec
+    if target.name not in KDA_DECODE_TARGETS:
+        return []
+    out: list[OpSpec] = []
+    for s in target.ssm_dtypes if ssm is None else (ssm,):
+        for h in KDA_VERIFY_HEADS:
+            for m in KDA_VERIFY_DRAFTS:
+                spec = KdaVerifySpec(target=target, heads=h, drafts=m, ssm=s)
+                if spec.blocks_per_sm == 2:
+                    out.append(spec)
     return out

@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 python3 -m k3gen collect-env | tee "$OUT/env.txt"
 rc=0
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/gpu -q --maxfail=30 -p no:cacheprovider \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/gpu -q --maxfail=${MAXFAIL:-30} -p no:cacheprovider \
     ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log"; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 for op in ${BENCH_OPS:-kda_decode kv_cache_write act_quant_fp8}; do

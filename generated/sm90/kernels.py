@@ -5,8 +5,12 @@ the cubin is looked up (prebuilt bundle, cache) or compiled on first use.
 """
 from k3gen.runtime.bind import bind_kernel
 from k3gen.runtime.ops.act_quant_fp8 import ActQuantFp8
+from k3gen.runtime.ops.fp8_block_gemm import Fp8BlockGemm
 from k3gen.runtime.ops.kda_decode import KdaDecode
+from k3gen.runtime.ops.kda_verify import KdaVerify
 from k3gen.runtime.ops.kv_cache_write import KvCacheWrite
+from k3gen.runtime.ops.mla_q_absorb import MlaQAbsorb
+from k3gen.runtime.ops.mla_vb_gate import MlaVbGate
 
 TARGET = "sm90"
 
@@ -14,6 +18,17 @@ act_quant_fp8_k1536_fp32: ActQuantFp8 = bind_kernel(TARGET, '{"k":1536,"op":"act
 act_quant_fp8_k1536_ue8m0: ActQuantFp8 = bind_kernel(TARGET, '{"k":1536,"op":"act_quant_fp8","recipe":"ue8m0","target":{"arch":"sm_90a","name":"sm90"},"threads":128}')
 act_quant_fp8_k7168_fp32: ActQuantFp8 = bind_kernel(TARGET, '{"k":7168,"op":"act_quant_fp8","recipe":"fp32","target":{"arch":"sm_90a","name":"sm90"},"threads":128}')
 act_quant_fp8_k7168_ue8m0: ActQuantFp8 = bind_kernel(TARGET, '{"k":7168,"op":"act_quant_fp8","recipe":"ue8m0","target":{"arch":"sm_90a","name":"sm90"},"threads":128}')
+fp8_block_gemm_n1536_k7168_fp32: Fp8BlockGemm = bind_kernel(TARGET, '{"bm":64,"k":7168,"n":1536,"op":"fp8_block_gemm","recipe":"fp32","stages":4,"target":{"arch":"sm_90a","name":"sm90"}}')
+fp8_block_gemm_n1536_k7168_ue8m0: Fp8BlockGemm = bind_kernel(TARGET, '{"bm":64,"k":7168,"n":1536,"op":"fp8_block_gemm","recipe":"ue8m0","stages":4,"target":{"arch":"sm_90a","name":"sm90"}}')
+fp8_block_gemm_n18432_k1536_fp32: Fp8BlockGemm = bind_kernel(TARGET, '{"bm":64,"k":1536,"n":18432,"op":"fp8_block_gemm","recipe":"fp32","stages":4,"target":{"arch":"sm_90a","name":"sm90"}}')
+fp8_block_gemm_n2304_k1536_fp32: Fp8BlockGemm = bind_kernel(TARGET, '{"bm":64,"k":1536,"n":2304,"op":"fp8_block_gemm","recipe":"fp32","stages":4,"target":{"arch":"sm_90a","name":"sm90"}}')
+fp8_block_gemm_n2304_k1536_ue8m0: Fp8BlockGemm = bind_kernel(TARGET, '{"bm":64,"k":1536,"n":2304,"op":"fp8_block_gemm","recipe":"ue8m0","stages":4,"target":{"arch":"sm_90a","name":"sm90"}}')
+fp8_block_gemm_n49152_k7168_fp32: Fp8BlockGemm = bind_kernel(TARGET, '{"bm":64,"k":7168,"n":49152,"op":"fp8_block_gemm","recipe":"fp32","stages":4,"target":{"arch":"sm_90a","name":"sm90"}}')
+fp8_block_gemm_n6144_k7168_fp32: Fp8BlockGemm = bind_kernel(TARGET, '{"bm":64,"k":7168,"n":6144,"op":"fp8_block_gemm","recipe":"fp32","stages":4,"target":{"arch":"sm_90a","name":"sm90"}}')
+fp8_block_gemm_n6144_k7168_ue8m0: Fp8BlockGemm = bind_kernel(TARGET, '{"bm":64,"k":7168,"n":6144,"op":"fp8_block_gemm","recipe":"ue8m0","stages":4,"target":{"arch":"sm_90a","name":"sm90"}}')
+fp8_block_gemm_n7168_k12288_fp32: Fp8BlockGemm = bind_kernel(TARGET, '{"bm":64,"k":12288,"n":7168,"op":"fp8_block_gemm","recipe":"fp32","stages":4,"target":{"arch":"sm_90a","name":"sm90"}}')
+fp8_block_gemm_n7168_k1536_fp32: Fp8BlockGemm = bind_kernel(TARGET, '{"bm":64,"k":1536,"n":7168,"op":"fp8_block_gemm","recipe":"fp32","stages":4,"target":{"arch":"sm_90a","name":"sm90"}}')
+fp8_block_gemm_n7168_k1536_ue8m0: Fp8BlockGemm = bind_kernel(TARGET, '{"bm":64,"k":1536,"n":7168,"op":"fp8_block_gemm","recipe":"ue8m0","stages":4,"target":{"arch":"sm_90a","name":"sm90"}}')
 kda_decode_h12_bounded_bf16: KdaDecode = bind_kernel(TARGET, '{"conv_width":4,"fb_weight":"bf16","gate":"bounded","head_dim_k":128,"head_dim_v":128,"heads":12,"max_split":8,"min_blocks":2,"op":"kda_decode","row_layout":"qkvg","ssm":"bf16","target":{"arch":"sm_90a","name":"sm90"},"threads":256}')
 kda_decode_h12_bounded_fp32: KdaDecode = bind_kernel(TARGET, '{"conv_width":4,"fb_weight":"bf16","gate":"bounded","head_dim_k":128,"head_dim_v":128,"heads":12,"max_split":8,"min_blocks":2,"op":"kda_decode","row_layout":"qkvg","ssm":"fp32","target":{"arch":"sm_90a","name":"sm90"},"threads":256}')
 kda_decode_h12_softplus_bf16: KdaDecode = bind_kernel(TARGET, '{"conv_width":4,"fb_weight":"bf16","gate":"softplus","head_dim_k":128,"head_dim_v":128,"heads":12,"max_split":8,"min_blocks":2,"op":"kda_decode","row_layout":"qkvg","ssm":"bf16","target":{"arch":"sm_90a","name":"sm90"},"threads":256}')
@@ -26,11 +41,19 @@ kda_decode_h6_bounded_bf16: KdaDecode = bind_kernel(TARGET, '{"conv_width":4,"fb
 kda_decode_h6_bounded_fp32: KdaDecode = bind_kernel(TARGET, '{"conv_width":4,"fb_weight":"bf16","gate":"bounded","head_dim_k":128,"head_dim_v":128,"heads":6,"max_split":8,"min_blocks":2,"op":"kda_decode","row_layout":"qkvg","ssm":"fp32","target":{"arch":"sm_90a","name":"sm90"},"threads":256}')
 kda_decode_h96_bounded_bf16: KdaDecode = bind_kernel(TARGET, '{"conv_width":4,"fb_weight":"bf16","gate":"bounded","head_dim_k":128,"head_dim_v":128,"heads":96,"max_split":8,"min_blocks":2,"op":"kda_decode","row_layout":"qkvg","ssm":"bf16","target":{"arch":"sm_90a","name":"sm90"},"threads":256}')
 kda_decode_h96_bounded_fp32: KdaDecode = bind_kernel(TARGET, '{"conv_width":4,"fb_weight":"bf16","gate":"bounded","head_dim_k":128,"head_dim_v":128,"heads":96,"max_split":8,"min_blocks":2,"op":"kda_decode","row_layout":"qkvg","ssm":"fp32","target":{"arch":"sm_90a","name":"sm90"},"threads":256}')
+kda_verify_h12_m3_bounded_bf16: KdaVerify = bind_kernel(TARGET, '{"drafts":3,"fb_weight":"bf16","gate":"bounded","heads":12,"min_blocks":0,"op":"kda_verify","ssm":"bf16","target":{"arch":"sm_90a","name":"sm90"},"threads":256,"variant":"nvfp4"}')
+kda_verify_h12_m3_bounded_fp32: KdaVerify = bind_kernel(TARGET, '{"drafts":3,"fb_weight":"bf16","gate":"bounded","heads":12,"min_blocks":0,"op":"kda_verify","ssm":"fp32","target":{"arch":"sm_90a","name":"sm90"},"threads":256,"variant":"nvfp4"}')
+kda_verify_h96_m3_bounded_bf16: KdaVerify = bind_kernel(TARGET, '{"drafts":3,"fb_weight":"bf16","gate":"bounded","heads":96,"min_blocks":0,"op":"kda_verify","ssm":"bf16","target":{"arch":"sm_90a","name":"sm90"},"threads":256,"variant":"nvfp4"}')
+kda_verify_h96_m3_bounded_fp32: KdaVerify = bind_kernel(TARGET, '{"drafts":3,"fb_weight":"bf16","gate":"bounded","heads":96,"min_blocks":0,"op":"kda_verify","ssm":"fp32","target":{"arch":"sm_90a","name":"sm90"},"threads":256,"variant":"nvfp4"}')
 kv_cache_write_bf16_p64: KvCacheWrite = bind_kernel(TARGET, '{"fp8_scales":"per_token_128","kv":"bf16","max_drafts":0,"op":"kv_cache_write","page":64,"scale_layout":"linear","target":{"arch":"sm_90a","name":"sm90"},"threads":128}')
 kv_cache_write_fp8_p64_tensor: KvCacheWrite = bind_kernel(TARGET, '{"fp8_scales":"per_tensor","kv":"fp8","max_drafts":0,"op":"kv_cache_write","page":64,"scale_layout":"linear","target":{"arch":"sm_90a","name":"sm90"},"threads":128}')
 kv_cache_write_fp8_p64_tok128: KvCacheWrite = bind_kernel(TARGET, '{"fp8_scales":"per_token_128","kv":"fp8","max_drafts":0,"op":"kv_cache_write","page":64,"scale_layout":"linear","target":{"arch":"sm_90a","name":"sm90"},"threads":128}')
 kv_cache_write_nvfp4_p128_linear_m0: KvCacheWrite = bind_kernel(TARGET, '{"fp8_scales":"per_token_128","kv":"nvfp4","max_drafts":0,"op":"kv_cache_write","page":128,"scale_layout":"linear","target":{"arch":"sm_90a","name":"sm90"},"threads":128}')
 kv_cache_write_nvfp4_p128_linear_m3: KvCacheWrite = bind_kernel(TARGET, '{"fp8_scales":"per_token_128","kv":"nvfp4","max_drafts":3,"op":"kv_cache_write","page":128,"scale_layout":"linear","target":{"arch":"sm_90a","name":"sm90"},"threads":128}')
 kv_cache_write_nvfp4_p128_linear_m7: KvCacheWrite = bind_kernel(TARGET, '{"fp8_scales":"per_token_128","kv":"nvfp4","max_drafts":7,"op":"kv_cache_write","page":128,"scale_layout":"linear","target":{"arch":"sm_90a","name":"sm90"},"threads":128}')
+mla_q_absorb_h12_fp32: MlaQAbsorb = bind_kernel(TARGET, '{"eps":1e-05,"heads":12,"op":"mla_q_absorb","recipe":"fp32","target":{"arch":"sm_90a","name":"sm90"}}')
+mla_q_absorb_h96_fp32: MlaQAbsorb = bind_kernel(TARGET, '{"eps":1e-05,"heads":96,"op":"mla_q_absorb","recipe":"fp32","target":{"arch":"sm_90a","name":"sm90"}}')
+mla_vb_gate_h12: MlaVbGate = bind_kernel(TARGET, '{"heads":12,"op":"mla_vb_gate","target":{"arch":"sm_90a","name":"sm90"}}')
+mla_vb_gate_h96: MlaVbGate = bind_kernel(TARGET, '{"heads":96,"op":"mla_vb_gate","target":{"arch":"sm_90a","name":"sm90"}}')
 
-__all__ = ['act_quant_fp8_k1536_fp32', 'act_quant_fp8_k1536_ue8m0', 'act_quant_fp8_k7168_fp32', 'act_quant_fp8_k7168_ue8m0', 'kda_decode_h12_bounded_bf16', 'kda_decode_h12_bounded_fp32', 'kda_decode_h12_softplus_bf16', 'kda_decode_h12_softplus_fp32', 'kda_decode_h24_bounded_bf16', 'kda_decode_h24_bounded_fp32', 'kda_decode_h48_bounded_bf16', 'kda_decode_h48_bounded_fp32', 'kda_decode_h6_bounded_bf16', 'kda_decode_h6_bounded_fp32', 'kda_decode_h96_bounded_bf16', 'kda_decode_h96_bounded_fp32', 'kv_cache_write_bf16_p64', 'kv_cache_write_fp8_p64_tensor', 'kv_cache_write_fp8_p64_tok128', 'kv_cache_write_nvfp4_p128_linear_m0', 'kv_cache_write_nvfp4_p128_linear_m3', 'kv_cache_write_nvfp4_p128_linear_m7']
+__all__ = ['act_quant_fp8_k1536_fp32', 'act_quant_fp8_k1536_ue8m0', 'act_quant_fp8_k7168_fp32', 'act_quant_fp8_k7168_ue8m0', 'fp8_block_gemm_n1536_k7168_fp32', 'fp8_block_gemm_n1536_k7168_ue8m0', 'fp8_block_gemm_n18432_k1536_fp32', 'fp8_block_gemm_n2304_k1536_fp32', 'fp8_block_gemm_n2304_k1536_ue8m0', 'fp8_block_gemm_n49152_k7168_fp32', 'fp8_block_gemm_n6144_k7168_fp32', 'fp8_block_gemm_n6144_k7168_ue8m0', 'fp8_block_gemm_n7168_k12288_fp32', 'fp8_block_gemm_n7168_k1536_fp32', 'fp8_block_gemm_n7168_k1536_ue8m0', 'kda_decode_h12_bounded_bf16', 'kda_decode_h12_bounded_fp32', 'kda_decode_h12_softplus_bf16', 'kda_decode_h12_softplus_fp32', 'kda_decode_h24_bounded_bf16', 'kda_decode_h24_bounded_fp32', 'kda_decode_h48_bounded_bf16', 'kda_decode_h48_bounded_fp32', 'kda_decode_h6_bounded_bf16', 'kda_decode_h6_bounded_fp32', 'kda_decode_h96_bounded_bf16', 'kda_decode_h96_bounded_fp32', 'kda_verify_h12_m3_bounded_bf16', 'kda_verify_h12_m3_bounded_fp32', 'kda_verify_h96_m3_bounded_bf16', 'kda_verify_h96_m3_bounded_fp32', 'kv_cache_write_bf16_p64', 'kv_cache_write_fp8_p64_tensor', 'kv_cache_write_fp8_p64_tok128', 'kv_cache_write_nvfp4_p128_linear_m0', 'kv_cache_write_nvfp4_p128_linear_m3', 'kv_cache_write_nvfp4_p128_linear_m7', 'mla_q_absorb_h12_fp32', 'mla_q_absorb_h96_fp32', 'mla_vb_gate_h12', 'mla_vb_gate_h96']

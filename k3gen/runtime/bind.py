@@ -10,6 +10,11 @@ LAUNCHERS = {
     "kv_cache_write": "k3gen.runtime.ops.kv_cache_write.KvCacheWrite",
     "act_quant_fp8": "k3gen.runtime.ops.act_quant_fp8.ActQuantFp8",
     "kda_decode": "k3gen.runtime.ops.kda_decode.KdaDecode",
+    "kda_verify": "k3gen.runtime.ops.kda_verify.KdaVerify",
+    "kda_prefill": "k3gen.runtime.ops.kda_prefill.KdaPrefill",
+    "fp8_block_gemm": "k3gen.runtime.ops.fp8_block_gemm.Fp8BlockGemm",
+    "mla_q_absorb": "k3gen.runtime.ops.mla_q_absorb.MlaQAbsorb",
+    "mla_vb_gate": "k3gen.runtime.ops.mla_vb_gate.MlaVbGate",
 }
 
 

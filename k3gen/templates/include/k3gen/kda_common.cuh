@@ -206,5 +206,314 @@ __device__ __forceinline__ void st_async(unsigned remote_addr, float v, unsigned
                : "memory");
 }
 
+// ---- multi-token engine (verify, prefill) ---------------------------------------------------
+// One CTA of 256 threads per (sequence, head) keeps the whole 128 x 128 state in registers (8 rows
+// per half-warp, 8 K values per lane) across every token it processes, so the state crosses
+// device memory once in and once per store the op asks for. Tokens are staged kChunk at a time:
+// conv, L2-norm inputs and forget gates of the chunk go to shared memory first (one barrier), the
+// recurrence then runs token after token with half-warp shuffles only, and the chunk's gated
+// RMSNorm runs after a second barrier. Lane l holds K = 4l..4l+3 and 64+4l..64+4l+3 of each row:
+// the FP32 records (the bulk of the bytes) then move as 256 contiguous bytes per half-warp LDG/STG.
+namespace multi {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowVecs = kDim * 2 / 16;  // uint4 per BF16 f_b row
+constexpr int kRows = 8;                 // state rows per half-warp (128 / 16)
+constexpr int kChunk = 4;                // tokens staged at once: keeps static smem under 48 KB
+
+struct Weights {
+  const __nv_bfloat16* conv_w;  // [3D, 4]
+  const uint4* fb_w;            // BF16 [D, 128], 16-byte aligned
+  const float* dt_bias;         // [D], 16-byte aligned
+  const float* a_log;           // [H]
+  const float* norm_w;          // [128]
+};
+
+// The token rows of one sequence: token t is row tok0 + t of every activation tensor.
+struct Tokens {
+  const __nv_bfloat16* qkvg;
+  const __nv_bfloat16* fa;
+  const __nv_bfloat16* beta;
+  __nv_bfloat16* out;           // [tokens, H, 128]
+  long long qkvg_stride, fa_stride, beta_stride;
+  long long tok0;
+};
+
+struct __align__(128) Smem {
+  uint4 fb[kDim * kRowVecs];    // f_b rows of this head (32 KB), bulk-copied once
+  float dtb[kDim];
+  float q[kChunk][kDim], k[kChunk][kDim], v[kChunk][kDim], eg[kChunk][kDim], o[kChunk][kDim];
+  float beta[kChunk];
+  unsigned long long bar;
+};
+
+// Per-thread conv channels: the q or k channel `tid` of the head, and v channel `tid` (tid < 128).
+// Only the windows stay in registers across chunks; taps and channel indices are re-derived per
+// chunk (L1 hits), so the rows keep the register file.
+struct Window {
+  float qk[3], v[3];            // raw inputs, oldest first
+};
+
+template <int H>
+__device__ __forceinline__ int chan_qk(int h) {
+  const int tid = threadIdx.x;
+  return (tid >> 7) * (H * kDim) + h * kDim + (tid & (kDim - 1));
+}
+
+template <int H>
+__device__ __forceinline__ int chan_v(int h) {  // valid for tid < 128
+  return 2 * (H * kDim) + h * kDim + (threadIdx.x & (kDim - 1));
+}
+
+__device__ __forceinline__ void taps_of(const __nv_bfloat16* conv_w, int c, float (&w)[4]) {
+  const uint2 cw = __ldg(reinterpret_cast<const uint2*>(conv_w) + c);
+  w[0] = bf16_bits_to_float(cw.x & 0xffffu);
+  w[1] = bf16_bits_to_float(cw.x >> 16);
+  w[2] = bf16_bits_to_float(cw.y & 0xffffu);
+  w[3] = bf16_bits_to_float(cw.y >> 16);
+}
+
+// Thread 0 starts the f_b / dt_bias bulk copy. Callers __syncthreads() before anyone polls bar
+// (a previous CTA's completed barrier may still sit in this shared memory).
+__device__ __forceinline__ void start_weights(const Weights& w, int h, Smem& sm) {
+  if (threadIdx.x == 0) {
+    mbar_init(&sm.bar, 1);
+    fence_proxy_async_smem();
+    mbar_arrive_expect_tx(&sm.bar, kDim * (kDim * 2 + 4));
+    bulk_g2s(sm.fb, w.fb_w + static_cast<long long>(h) * kDim * kRowVecs, kDim * kDim * 2, &sm.bar);
+    bulk_g2s(sm.dtb, w.dt_bias + h * kDim, kDim * 4, &sm.bar);
+  }
+}
+
+// Stage tokens t0 .. t0+n-1 (n <= kChunk) into shared memory: conv + SiLU of q, k, v, sigmoid(b)
+// and exp(g); shifts the register windows. With `ext` (verify), raw input t also goes to column
+// 2 + t0 + t of the FP32 conv cache of the slot ([3D, ext_cols]).
+template <Gate G_, int H>
+__device__ __forceinline__ void stage(const Tokens& tk, const Weights& w, int h, int t0, int n, Window& win,
+                                      Smem& sm, float a_gate, float* ext = nullptr, int ext_cols = 0) {
+  const int tid = threadIdx.x, hw = tid >> 4, hl = tid & 15;
+  const int sec = tid >> 7, ch = tid & (kDim - 1);
+  const bool has_v = tid < kDim;
+  const int cqk = chan_qk<H>(h), cv = chan_v<H>(h);
+  float wqk[4], wv[4];
+  taps_of(w.conv_w, cqk, wqk);
+  taps_of(w.conv_w, cv, wv);
+#pragma unroll
+  for (int t = 0; t < kChunk; ++t) {
+    if (t < n) {
+      const __nv_bfloat16* xrow = tk.qkvg + (tk.tok0 + t0 + t) * tk.qkvg_stride;
+      const float x = __bfloat162float(xrow[cqk]);
+      (sec == 0 ? sm.q[t] : sm.k[t])[ch] = conv_silu(wqk, win.qk[0], win.qk[1], win.qk[2], x);
+      win.qk[0] = win.qk[1], win.qk[1] = win.qk[2], win.qk[2] = x;
+      if (ext) ext[static_cast<long long>(cqk) * ext_cols + 2 + t0 + t] = x;
+      if (has_v) {
+        const float xv = __bfloat162float(xrow[cv]);
+        sm.v[t][tid] = conv_silu(wv, win.v[0], win.v[1], win.v[2], xv);
+        win.v[0] = win.v[1], win.v[1] = win.v[2], win.v[2] = xv;
+        if (ext) ext[static_cast<long long>(cv) * ext_cols + 2 + t0 + t] = xv;
+      }
+    }
+  }
+  if (tid < n) sm.beta[tid] = sigmoidf_(__bfloat162float(tk.beta[(tk.tok0 + t0 + tid) * tk.beta_stride + h]));
+  mbar_wait(&sm.bar, 0);  // completed once; later chunks pass at once
+  // Half-warp hw computes channels hw + 16 j in two groups of 4 rows (fewer f_b words in flight
+  // next to the start state's registers); each reduce-scatter leaves one channel in 4 lanes.
+  constexpr int G = kRows / 2;
+#pragma unroll 1
+  for (int t = 0; t < n; ++t) {
+    float fa[8];
+    const __nv_bfloat16* farow = tk.fa + (tk.tok0 + t0 + t) * tk.fa_stride + 8 * hl;  // 2-byte aligned rows
+#pragma unroll
+    for (int e = 0; e < 8; ++e) fa[e] = __bfloat162float(farow[e]);
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      float zp[G];
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        float wf[8];
+        unpack_bf16x8(sm.fb[(hw + 16 * (g * G + j)) * kRowVecs + hl], wf);
+        zp[j] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) zp[j] = fmaf(wf[e], fa[e], zp[j]);
+      }
+      half_reduce_scatter<G>(zp, hl);
+      const int gi = hw + 16 * (g * G + (hl >> 2));
+      if ((hl & 3) == 0) sm.eg[t][gi] = decay<G_>(zp[0] + sm.dtb[gi], a_gate);
+    }
+  }
+}
+
+// This thread's 8 rows: row_of(j) = warp * 16 + half + 2 j.
+__device__ __forceinline__ int row_of(int j) {
+  const int tid = threadIdx.x;
+  return (tid >> 5) * 16 + ((tid >> 4) & 1) + 2 * j;
+}
+
+// Raw 32-bit words of the start state, loaded before the chunk staging so the loads overlap it.
+// FP32 rows fill all 64 words; BF16 rows the first 32 (unpacked by rows_from_bf16).
+__device__ __forceinline__ void load_rows_f32(const float* head, unsigned (&raw)[64]) {
+  const int hl = threadIdx.x & 15;
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    const float4* p = reinterpret_cast<const float4*>(head + row_of(j) * kDim);
+    const float4 a = __ldcs(p + hl), b = __ldcs(p + 16 + hl);
+    raw[8 * j + 0] = __float_as_uint(a.x), raw[8 * j + 1] = __float_as_uint(a.y);
+    raw[8 * j + 2] = __float_as_uint(a.z), raw[8 * j + 3] = __float_as_uint(a.w);
+    raw[8 * j + 4] = __float_as_uint(b.x), raw[8 * j + 5] = __float_as_uint(b.y);
+    raw[8 * j + 6] = __float_as_uint(b.z), raw[8 * j + 7] = __float_as_uint(b.w);
+  }
+}
+
+__device__ __forceinline__ void load_rows_bf16(const __nv_bfloat16* head, unsigned (&raw)[64]) {
+  const int hl = threadIdx.x & 15;
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    const uint2* p = reinterpret_cast<const uint2*>(head + row_of(j) * kDim);
+    const uint2 a = __ldcs(p + hl), b = __ldcs(p + 16 + hl);
+    raw[4 * j + 0] = a.x, raw[4 * j + 1] = a.y, raw[4 * j + 2] = b.x, raw[4 * j + 3] = b.y;
+  }
+}
+
+__device__ __forceinline__ void rows_from_f32(const unsigned (&raw)[64], float (&d)[kRows][8]) {
+#pragma unroll
+  for (int j = 0; j < kRows; ++j)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) d[j][e] = __uint_as_float(raw[8 * j + e]);
+}
+
+__device__ __forceinline__ void rows_from_bf16(const unsigned (&raw)[64], float (&d)[kRows][8]) {
+#pragma unroll
+  for (int j = 0; j < kRows; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      d[j][2 * i] = __uint_as_float(raw[4 * j + i] << 16);
+      d[j][2 * i + 1] = __uint_as_float(raw[4 * j + i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ void store_rows_f32(float* head, const float (&d)[kRows][8]) {
+  const int hl = threadIdx.x & 15;
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    float4* p = reinterpret_cast<float4*>(head + row_of(j) * kDim);
+    __stcs(p + hl, make_float4(d[j][0], d[j][1], d[j][2], d[j][3]));
+    __stcs(p + 16 + hl, make_float4(d[j][4], d[j][5], d[j][6], d[j][7]));
+  }
+}
+
+__device__ __forceinline__ void store_rows_bf16(__nv_bfloat16* head, const float (&d)[kRows][8]) {
+  const int hl = threadIdx.x & 15;
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    uint2* p = reinterpret_cast<uint2*>(head + row_of(j) * kDim);
+    __stcs(p + hl, make_uint2(pack_bf16x2(d[j][0], d[j][1]), pack_bf16x2(d[j][2], d[j][3])));
+    __stcs(p + 16 + hl, make_uint2(pack_bf16x2(d[j][4], d[j][5]), pack_bf16x2(d[j][6], d[j][7])));
+  }
+}
+
+// One token of the recurrence on the register rows (the decode kernel's row algebra:
+// d = e^g S[v,:], a = d.k, c = d.q, u = beta (v - a), S[v,:] = d + k u, o = c + (q.k) u).
+// Writes o of the token to sm.o[t]; no barrier.
+__device__ __forceinline__ void recur(float (&d)[kRows][8], Smem& sm, int t) {
+  const int tid = threadIdx.x, half = (tid >> 4) & 1, hl = tid & 15;
+  float qv[8], kv[8], ev[8];
+  {
+    const float* src[3] = {sm.q[t], sm.k[t], sm.eg[t]};
+    float* dst[3] = {qv, kv, ev};
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+      const float4 lo = *reinterpret_cast<const float4*>(src[s] + 4 * hl);
+      const float4 hi = *reinterpret_cast<const float4*>(src[s] + 64 + 4 * hl);
+      dst[s][0] = lo.x, dst[s][1] = lo.y, dst[s][2] = lo.z, dst[s][3] = lo.w;
+      dst[s][4] = hi.x, dst[s][5] = hi.y, dst[s][6] = hi.z, dst[s][7] = hi.w;
+    }
+  }
+  float ssq_q = 0.0f, ssq_k = 0.0f, qk = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    ssq_q = fmaf(qv[e], qv[e], ssq_q);
+    ssq_k = fmaf(kv[e], kv[e], ssq_k);
+    qk = fmaf(qv[e], kv[e], qk);
+  }
+  ssq_q = half_sum(ssq_q);
+  ssq_k = half_sum(ssq_k);
+  qk = half_sum(qk);
+  const float iq = rsqrtf(ssq_q + kL2Eps) * 0.08838834764831845f;  // 128^-0.5
+  const float ik = rsqrtf(ssq_k + kL2Eps);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    qv[e] *= iq;
+    kv[e] *= ik;
+  }
+  qk *= iq * ik;
+  const float beta = sm.beta[t];
+  // Rows in two groups of 4: each group's 8 dot products (a_j, c_j) are reduce-scattered together,
+  // so only 8 partial sums are live next to the 64 row values (the same shuffle count as one
+  // 16-value reduce-scatter, and no spills under the 128-register cap of two CTAs per SM).
+  constexpr int G = kRows / 2;
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+    float red[2 * G];  // a_j (index j), c_j (index G + j) of rows g G + j
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      red[j] = 0.0f;
+      red[G + j] = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        d[g * G + j][e] *= ev[e];
+        red[j] = fmaf(d[g * G + j][e], kv[e], red[j]);
+        red[G + j] = fmaf(d[g * G + j][e], qv[e], red[G + j]);
+      }
+    }
+    half_reduce_scatter<2 * G>(red, hl);  // lane hl holds sum hl / 2
+    const int idx = hl >> 1;
+    const bool a_lane = idx < G;
+    const int jr = g * G + (idx & (G - 1));
+    const float u_own = beta * (sm.v[t][row_of(jr)] - red[0]);  // valid in a-lanes
+    const float u_c = __shfl_sync(0xffffffffu, u_own, half * 16 + 2 * (idx & (G - 1)));
+    if (!a_lane && (hl & 1) == 0) sm.o[t][row_of(jr)] = fmaf(qk, u_c, red[0]);
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const float u = __shfl_sync(0xffffffffu, u_own, half * 16 + 2 * j);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) d[g * G + j][e] = fmaf(kv[e], u, d[g * G + j][e]);
+    }
+  }
+}
+
+// Gated RMSNorm of tokens t0 .. t0+n-1 (after a barrier): warp t takes token t.
+template <int H>
+__device__ __forceinline__ void emit(const Tokens& tk, const Weights& w, int h, int t0, int n, const Smem& sm) {
+  constexpr int D = H * kDim;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp >= n) return;
+  const long long tok = tk.tok0 + t0 + warp;
+  float o[4], ssq = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    o[i] = sm.o[warp][4 * lane + i];
+    ssq = fmaf(o[i], o[i], ssq);
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, m);
+  const float rstd = rsqrtf(ssq * (1.0f / kDim) + kNormEps);
+  const __nv_bfloat16* go = tk.qkvg + tok * tk.qkvg_stride + 3 * D + h * kDim + 4 * lane;
+  float y[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) y[i] = o[i] * rstd * __ldg(w.norm_w + 4 * lane + i) * sigmoidf_(__bfloat162float(go[i]));
+  *reinterpret_cast<uint2*>(tk.out + (tok * H + h) * kDim + 4 * lane) =
+      make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
+}
+
+// Zeros for the outputs of tokens [0, n) of a padded row.
+template <int H>
+__device__ __forceinline__ void zero_outputs(const Tokens& tk, int h, long long n) {
+  for (long long i = threadIdx.x; i < n * kDim; i += kThreads)
+    tk.out[((tk.tok0 + i / kDim) * H + h) * kDim + i % kDim] = __float2bfloat16(0.0f);
+}
+
+}  // namespace multi
+
 }  // namespace kda
 }  // namespace k3gen

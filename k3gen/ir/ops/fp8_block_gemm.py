@@ -1,0 +1,139 @@
+"""fp8_block_gemm: y[M, N] = x[M, K] @ W[N, K]^T with FP8 block scales, BF16 out (SPEC.md section 6).
+
+Kernel contract (shared by templates/fp8_block_gemm.cu.j2, reference/fp8_block_gemm.py and the
+launcher runtime/ops/fp8_block_gemm.py):
+
+- x_codes[M, K] E4M3 bytes (uint8), row-major contiguous; x_scales[M, ceil(K/128)]: one scale per
+  token per 128 columns (the output of act_quant_fp8; a partial last group when K % 128 != 0).
+- w_codes[N, K] E4M3 bytes, row-major contiguous; w_scales[ceil(N/128), ceil(K/128)]: one scale
+  per 128x128 weight tile (partial tiles at the N and K edges).
+- Scales follow the spec's recipe: FP32 values, or UE8M0 bytes (uint8, value 2^(b-127)). The two
+  tensors must use the same recipe: a launcher built for one rejects the other's dtype, and
+  `check_activations` rejects an act_quant_fp8 spec of the other recipe. Mixing them gives
+  garbage (SPEC.md section 6), so this is an error at the IR level, not a runtime surprise.
+- out[M, N] BF16 row-major contiguous: sum over 128-column blocks kb of
+  (sum_k x[m, k] w[n, k] in FP32) * (x_scale[m, kb] * w_scale[n / 128, kb]), rounded once to BF16.
+- N static, a multiple of 8 (16-byte output rows); K static, a multiple of 16 (16-byte copies);
+  neither needs to be a multiple of 128. M dynamic, >= 0 (M = 1 included).
+
+Launch geometry (SM90 mma.sync kernel): 4 warps, a CTA owns BN = 64 weight rows and up to `bm`
+tokens; grid = (split, ceil(M / bm), ceil(N / 64)) with clusters (split, 1, 1): the `split` CTAs of
+a cluster share the K range in whole 128-column blocks and reduce through distributed shared
+memory. The launcher picks split from the grid size (see `choose_split`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import SpecError
+from ..dims import sym
+from ..dtypes import BF16, FP32, UE8M0, ScaleRecipe
+from ..spec import OpSpec, register_op
+
+BLOCK = 128            # scale granularity along N (weights) and K (both operands)
+BN = 64                # weight rows per CTA: 4 warps x one m16 tile
+WARPS = 4
+BM_CHOICES = (16, 32, 64)
+STAGE_CHOICES = (3, 4, 5, 6)
+MAX_SPLIT = 8          # portable cluster size
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def choose_split(n: int, k: int, m: int, bm: int, sms: int, max_split: int = MAX_SPLIT,
+                 ctas_per_sm: int = 2) -> int:
+    """CTAs per output tile along K: the largest split whose grid still fits one resident wave
+    (two ~82 KB CTAs per SM), so that every SM streams its share of W at once (small M is
+    weight-bandwidth-bound) and no partial second wave leaves a tail; never more splits than
+    128-column K blocks."""
+    tiles = cdiv(n, BN) * max(1, cdiv(m, bm))
+    cap = max(1, min(max_split, cdiv(k, BLOCK)))
+    return max(1, min(cap, ctas_per_sm * sms // tiles))
+
+
+@register_op("fp8_block_gemm")
+@dataclass(frozen=True, kw_only=True)
+class Fp8BlockGemmSpec(OpSpec):
+    n: int                                # output features (weight rows), static
+    k: int                                # input features, static
+    recipe: ScaleRecipe | None = None     # defaults to the target's GEMM scale recipe
+    bm: int = 64                          # tokens per CTA (compile-time upper bound of the M tile)
+    stages: int = 4                       # cp.async pipeline depth in 128-column K blocks
+
+    def __post_init__(self):
+        if self.recipe is None:
+            object.__setattr__(self, "recipe", self.target.scale_recipe)
+        super().__post_init__()
+
+    def validate(self) -> None:
+        for name, v, mult in (("n", self.n, 8), ("k", self.k, 16)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % mult:
+                raise SpecError(name, v, f"positive multiples of {mult}", "16-byte rows")
+        if self.n * self.k >= 2 ** 31:
+            raise SpecError("n*k", self.n * self.k, "< 2^31", "32-bit weight offsets per row block")
+        if not isinstance(self.recipe, ScaleRecipe):
+            raise SpecError("recipe", self.recipe, [r.value for r in ScaleRecipe])
+        if self.bm not in BM_CHOICES:
+            raise SpecError("bm", self.bm, BM_CHOICES, "n8 tiles per warp, <= 128 registers")
+        if self.stages not in STAGE_CHOICES:
+            raise SpecError("stages", self.stages, STAGE_CHOICES)
+
+    # -- pairing ---------------------------------------------------------------------------
+    def check_activations(self, act) -> None:
+        """Raise SpecError unless `act` (an ActQuantFp8Spec) produces what this GEMM reads."""
+        if act.recipe is not self.recipe:
+            raise SpecError("act.recipe", act.recipe.value, [self.recipe.value],
+                            f"activations must use the GEMM's scale recipe ({self.slug()})")
+        if act.k != self.k:
+            raise SpecError("act.k", act.k, [self.k], "activation columns = GEMM K")
+
+    # -- kernel contract --------------------------------------------------------------------
+    @property
+    def k_blocks(self) -> int:
+        return cdiv(self.k, BLOCK)
+
+    @property
+    def n_blocks(self) -> int:
+        return cdiv(self.n, BLOCK)
+
+    @property
+    def scale_dtype(self):
+        return FP32 if self.recipe is ScaleRecipe.FP32 else UE8M0
+
+    @property
+    def threads(self) -> int:
+        return WARPS * 32
+
+    def smem_bytes(self, split: int) -> int:
+        """Dynamic shared memory: the FP8 pipeline, the F16 token tile, then the combined scales of
+        one split's K blocks."""
+        return (self.stages * (BN + self.bm) * BLOCK + self.bm * BLOCK * 2
+                + 4 * self.bm * cdiv(self.k_blocks, split))
+
+    def grid(self, m: int, split: int) -> tuple[int, int, int]:
+        return (split, cdiv(m, self.bm), cdiv(self.n, BN))
+
+    def slug(self) -> str:
+        s = f"n{self.n}-k{self.k}-{self.recipe.value}"
+        if self.bm != 64:
+            s += f"-bm{self.bm}"
+        if self.stages != 4:
+            s += f"-s{self.stages}"
+        return s
+
+    # -- estimates --------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        return self.n * self.k + self.n_blocks * self.k_blocks * int(self.scale_dtype.bytes)
+
+    def bytes_moved(self):
+        """Bytes for M tokens (sympy over M): weights once, activations, output."""
+        M = sym("M")
+        return (self.weight_bytes() + M * (self.k + self.k_blocks * int(self.scale_dtype.bytes))
+                + M * self.n * int(BF16.bytes))
+
+    def flops(self):
+        M = sym("M")
+        return 2 * M * self.n * self.k
+

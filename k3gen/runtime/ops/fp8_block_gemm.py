@@ -1,0 +1,122 @@
+"""Launcher of fp8_block_gemm (ABI: templates/fp8_block_gemm.cu.j2; contract: ir/ops/fp8_block_gemm.py).
+
+Graph-safe: the checks read tensor metadata only, the split depends on M and the SM count (read at
+load()), and the shared-memory attribute is set once per device before any capture.
+"""
+from __future__ import annotations
+
+import functools
+
+from ...errors import SpecError
+from ...ir.dtypes import ScaleRecipe
+from ...ir.ops.fp8_block_gemm import MAX_SPLIT, cdiv, choose_split
+from ..bind import Launcher
+from ..loader import I32, PTR, _check
+
+
+def check_tensor(name, t, dtype, shape, align: int = 0) -> None:
+    """Raise SpecError unless t is a contiguous `dtype` tensor of `shape` (optionally aligned)."""
+    ok = (t.dtype == dtype and tuple(t.shape) == tuple(shape) and t.is_contiguous()
+          and (not align or t.data_ptr() % align == 0))
+    if not ok:
+        want = f"contiguous {str(dtype).replace('torch.', '')} {list(shape)}"
+        if align:
+            want += f", {align}-byte aligned"
+        raise SpecError(name, (tuple(t.shape), str(t.dtype).replace("torch.", "")), [want])
+
+
+def scale_torch_dtype(recipe: ScaleRecipe):
+    import torch
+    return torch.float32 if recipe is ScaleRecipe.FP32 else torch.uint8
+
+
+class Fp8BlockGemm(Launcher):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._smem_set: set[int] = set()
+
+    @functools.cached_property
+    def sm_count(self) -> int:
+        import torch
+        return torch.cuda.get_device_properties(self.device_index).multi_processor_count
+
+    def load(self):
+        super().load()
+        self.sm_count  # noqa: B018  (queried once, outside any graph capture)
+        self._allow_smem(self.device_index)
+        return self
+
+    def _allow_smem(self, device: int) -> None:
+        if device in self._smem_set:
+            return
+        from cuda.bindings import driver
+        f = self._kernel.function(device)  # not self.kernel: that calls load(), which calls us
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(f, attr, self.spec.smem_bytes(1)), "cuFuncSetAttribute")
+        self._smem_set.add(device)
+
+    def split_for(self, m: int) -> int:
+        s = self.spec
+        return choose_split(s.n, s.k, m, s.bm, self.sm_count)
+
+    def check(self, x_codes, x_scales, w_codes, w_scales, out) -> int:
+        import torch
+        s = self.spec
+        m = x_codes.shape[0] if x_codes.dim() == 2 else -1
+        sdt = scale_torch_dtype(s.recipe)
+        # A scale tensor of the other recipe is the pairing error SPEC.md section 6 warns about.
+        for name, t in (("x_scales", x_scales), ("w_scales", w_scales)):
+            if t.dtype != sdt:
+                raise SpecError(f"{name}.dtype", str(t.dtype).replace("torch.", ""), [str(sdt).replace("torch.", "")],
+                                f"recipe {s.recipe.value}: FP32 scales are float32, UE8M0 scales uint8 bytes")
+        check_tensor("x_codes", x_codes, torch.uint8, (m, s.k), align=16)
+        check_tensor("x_scales", x_scales, sdt, (m, s.k_blocks))
+        check_tensor("w_codes", w_codes, torch.uint8, (s.n, s.k), align=16)
+        check_tensor("w_scales", w_scales, sdt, (s.n_blocks, s.k_blocks))
+        check_tensor("out", out, torch.bfloat16, (m, s.n), align=16)
+        devs = {t.device for t in (x_codes, x_scales, w_codes, w_scales, out)}
+        if len(devs) != 1 or next(iter(devs)).type != "cuda":
+            raise SpecError("device", sorted(map(str, devs)), "one CUDA device for all tensors")
+        if cdiv(max(m, 1), s.bm) > 65535:
+            raise SpecError("M", m, f"<= {65535 * s.bm}", "grid.y")
+        return m
+
+    def __call__(self, x_codes, x_scales, w_codes, w_scales, out, *, split: int | None = None):
+        """out[M, N] (BF16) = dequant(x_codes, x_scales) @ dequant(w_codes, w_scales)^T; returns out."""
+        import torch
+        m = self.check(x_codes, x_scales, w_codes, w_scales, out)
+        if m == 0:
+            return out
+        cap = min(MAX_SPLIT, self.spec.k_blocks)
+        if split is not None and not 1 <= split <= cap:
+            raise SpecError("split", split, f"1..{cap}", "K blocks per cluster CTA >= 1")
+        split = split or self.split_for(m)
+        dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
+        self._allow_smem(dev)
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        args = (x_codes.data_ptr(), x_scales.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),
+                out.data_ptr(), m)
+        types = (PTR, PTR, PTR, PTR, PTR, I32)
+        grid, block = self.spec.grid(m, split), (self.spec.threads, 1, 1)
+        smem = self.spec.smem_bytes(split)
+        if split == 1:
+            self.kernel.launch(grid, block, args, types, dev, stream, smem)
+        else:
+            launch_cluster(self.kernel, grid, block, (split, 1, 1), smem, args, types, dev, stream)
+        return out
+
+
+def launch_cluster(kernel, grid, block, cluster, smem, args, types, device, stream) -> None:
+    from cuda.bindings import driver
+    f = kernel.function(device)
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+    cfg.sharedMemBytes = smem
+    cfg.hStream = stream
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    _check(driver.cuLaunchKernelEx(cfg, f, (args, types), 0), f"cluster launch {kernel.entry}")

@@ -1,0 +1,82 @@
+"""Launcher of kda_prefill (ABI: templates/kda_prefill.cu.j2; contract: ir/ops/kda_prefill.py).
+
+CUDA-graph safe: metadata checks only; the grid depends on the number of sequences alone (the
+kernel reads cu_seqlens on the device), so one graph serves any lengths with the same B.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from ...config import settings
+from ...errors import SpecError
+from ...ir.dtypes import SsmDtype
+from ...ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
+from ..bind import Launcher
+from ..loader import I32, PTR
+from .kda_decode import MAX_GRID_Z, KdaDecode
+
+I64 = ctypes.c_longlong
+
+
+class KdaPrefill(Launcher):
+    _check = KdaDecode._check
+
+    def check(self, qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, conv_w, fb_w, dt_bias, a_log,
+              norm_w, out) -> tuple[int, int]:
+        """Validate every tensor against the contract; return (batch, num_slots)."""
+        import torch
+        H, D = self.spec.heads, self.spec.d
+        bf16 = torch.bfloat16
+        self._check("slots", slots, torch.int32, (None,))
+        B = slots.shape[0]
+        self._check("cu_seqlens", cu_seqlens, torch.int32, (B + 1,))
+        self._check("resume", resume, torch.int32, (B,))
+        N = qkvg.shape[0] if qkvg.dim() == 2 else -1
+        self._check("qkvg", qkvg, bf16, (N, None), contiguous=False, inner_unit=True)
+        if qkvg.shape[1] < 4 * D:
+            raise SpecError("qkvg", tuple(qkvg.shape), f"[N, >= {4 * D}]", "one row [q | k | v | g_out]")
+        self._check("fa", fa, bf16, (N, KDA_DK), contiguous=False, inner_unit=True)
+        self._check("beta_logit", beta_logit, bf16, (N, H), contiguous=False, inner_unit=True)
+        sdt = torch.float32 if self.spec.ssm is SsmDtype.FP32 else bf16
+        self._check("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
+        S = ssm.shape[0]
+        self._check("conv", conv, bf16, (S, 3 * D, CONV_TAPS - 1))
+        self._check("conv_w", conv_w, bf16, (3 * D, CONV_TAPS), align=8)
+        self._check("fb_w", fb_w, bf16, (D, KDA_DK), align=16)
+        self._check("dt_bias", dt_bias, torch.float32, (D,), align=16)
+        self._check("a_log", a_log, torch.float32, (H,))
+        self._check("norm_w", norm_w, torch.float32, (KDA_DV,))
+        self._check("out", out, bf16, (N, H, KDA_DV), align=8)
+        dev = out.device
+        if dev.type != "cuda" or any(t.device != dev for t in (qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm,
+                                                                 conv, conv_w, fb_w, dt_bias, a_log, norm_w)):
+            raise SpecError("device", str(dev), "one CUDA device for every tensor")
+        if B > MAX_GRID_Z:
+            raise SpecError("batch", B, f"<= {MAX_GRID_Z}", "sequences are grid.y")
+        if N >= 2**31 or S >= 2**31:
+            raise SpecError("tokens", N, "< 2^31 tokens and slots")
+        return B, S
+
+    def __call__(self, qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, conv_w, fb_w, dt_bias, a_log,
+                 norm_w, out):
+        """Prefill the sequences of `cu_seqlens` [B + 1] into slots [B]; resume [B] int32 non-zero
+        continues from the slot's state and window. Returns `out` [N, H, 128]."""
+        import torch
+        B, S = self.check(qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, conv_w, fb_w, dt_bias, a_log,
+                          norm_w, out)
+        if B == 0:
+            return out
+        if settings().validate:
+            KdaDecode.validate_slots(slots, S)
+            cu = cu_seqlens.cpu().tolist()
+            if cu[0] != 0 or cu[-1] != qkvg.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+                raise SpecError("cu_seqlens", cu[:8], f"non-decreasing from 0 to {qkvg.shape[0]}")
+        args = (qkvg.data_ptr(), qkvg.stride(0), fa.data_ptr(), fa.stride(0), beta_logit.data_ptr(),
+                beta_logit.stride(0), cu_seqlens.data_ptr(), slots.data_ptr(), resume.data_ptr(), ssm.data_ptr(),
+                conv.data_ptr(), S, conv_w.data_ptr(), fb_w.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(),
+                norm_w.data_ptr(), out.data_ptr())
+        types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR)
+        dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream)
+        return out

@@ -1,0 +1,160 @@
+"""fp8_block_gemm on the H200 (sm_90a cubin via NVRTC) against the FP32 reference and a float64
+product of the dequantized operands: both scale recipes, M in {1, 2, 7, 8, 33, 128}, N and K not
+multiples of 128, every split, CUDA-graph replay, poisoned outputs."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from k3gen.errors import SpecError
+from k3gen.ir.dtypes import ScaleRecipe
+from k3gen.ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
+from k3gen.reference.fp8_block_gemm import fp8_block_gemm, quantize_activations, quantize_weights
+from k3gen.runtime.ops.fp8_block_gemm import Fp8BlockGemm
+from k3gen.targets import TARGETS
+
+pytestmark = pytest.mark.gpu
+
+SM90 = TARGETS["sm90"]
+RECIPES = tuple(ScaleRecipe)
+MS = (1, 2, 7, 8, 33, 128)
+SHAPES = ((2304, 1536), (200, 272), (7168, 1536))   # q_b TP8, ragged edges, o_proj TP8
+BF16_REL_RMS = 1e-2            # BF16 output rounding plus FP32 accumulation order
+SPECS = {(n, k, r, bm): Fp8BlockGemmSpec(target=SM90, n=n, k=k, recipe=r, bm=bm)
+         for n, k in SHAPES for r in RECIPES for bm in (64, 16)}
+
+
+def rel_rms(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@functools.lru_cache(maxsize=None)
+def _op(n, k, recipe, bm=64) -> Fp8BlockGemm:
+    op = Fp8BlockGemm(SPECS[(n, k, recipe, bm)]).load()
+    assert op.meta["arch"] == "sm_90a"
+    return op
+
+
+def _inputs(m, n, k, recipe, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m).unsqueeze(1)).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, n).unsqueeze(1)
+    xc, xs = quantize_activations(x, recipe)
+    wc, ws = quantize_weights(w, recipe)
+    return [t.cuda() for t in (xc, xs, wc, ws)]
+
+
+def _poisoned(m, n):
+    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+def _check(out, xc, xs, wc, ws, recipe):
+    assert not torch.isnan(out).any()
+    ref64 = fp8_block_gemm(xc.cpu(), xs.cpu(), wc.cpu(), ws.cpu(), recipe, dtype=torch.float64)
+    ref32 = fp8_block_gemm(xc.cpu(), xs.cpu(), wc.cpu(), ws.cpu(), recipe)
+    got = out.cpu().double()
+    assert rel_rms(got, ref64) <= BF16_REL_RMS
+    assert rel_rms(got, ref32) <= BF16_REL_RMS
+    # Every element within BF16 rounding of the exact value plus FP32 accumulation error.
+    tol = ref64.abs() * 2 ** -7 + ref64.abs().amax(dim=1, keepdim=True) * 1e-4
+    assert ((got - ref64).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+@pytest.mark.parametrize("n,k", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("m", MS)
+def test_matches_reference(m, n, k, recipe):
+    op = _op(n, k, recipe)
+    xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=m * 7919 + n + k)
+    out = _poisoned(m, n)
+    op(xc, xs, wc, ws, out)
+    torch.cuda.synchronize()
+    _check(out, xc, xs, wc, ws, recipe)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+def test_every_split_and_small_tile_agree(recipe):
+    n, k, m = 200, 272, 33
+    xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=5)
+    outs = []
+    for split in (1, 2, 3):
+        out = _poisoned(m, n)
+        _op(n, k, recipe)(xc, xs, wc, ws, out, split=split)
+        outs.append(out)
+    out16 = _poisoned(m, n)
+    _op(n, k, recipe, 16)(xc, xs, wc, ws, out16)
+    torch.cuda.synchronize()
+    for o in outs + [out16]:
+        _check(o, xc, xs, wc, ws, recipe)
+    # Split-K reduces in rank order inside the cluster: deterministic run to run.
+    again = _poisoned(m, n)
+    _op(n, k, recipe)(xc, xs, wc, ws, again, split=3)
+    torch.cuda.synchronize()
+    assert torch.equal(again, outs[2])
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+def test_graph_replay(recipe):
+    n, k, m = 2304, 1536, 8
+    op = _op(n, k, recipe)
+    xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=11)
+    out = _poisoned(m, n)
+    op(xc, xs, wc, ws, out)
+    torch.cuda.synchronize()
+    eager = out.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            op(xc, xs, wc, ws, out)
+    torch.cuda.current_stream().wait_stream(s)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    nxc, nxs, _, _ = _inputs(m, n, k, recipe, seed=12)
+    xc.copy_(nxc)
+    xs.copy_(nxs)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, xc, xs, wc, ws, recipe)
+
+
+def test_recipe_mismatch_and_shape_checks():
+    op = _op(2304, 1536, ScaleRecipe.FP32)
+    xc, xs, wc, ws = _inputs(4, 2304, 1536, ScaleRecipe.UE8M0, seed=3)
+    out = _poisoned(4, 2304)
+    with pytest.raises(SpecError, match="x_scales.dtype"):
+        op(xc, xs, wc, ws, out)
+    xc, xs, wc, ws = _inputs(4, 2304, 1536, ScaleRecipe.FP32, seed=3)
+    with pytest.raises(SpecError, match="out"):
+        op(xc, xs, wc, ws, out[:, :2296])
+    with pytest.raises(SpecError, match="split"):
+        op(xc, xs, wc, ws, out, split=9)
+
+
+def test_empty_batch_launches_nothing():
+    op = _op(200, 272, ScaleRecipe.FP32)
+    xc, xs, wc, ws = _inputs(1, 200, 272, ScaleRecipe.FP32, seed=1)
+    op(xc[:0], xs[:0], wc, ws, torch.empty(0, 200, dtype=torch.bfloat16, device="cuda"))
+    torch.cuda.synchronize()
+
+
+def test_sanitize_small_ragged_case():
+    """Small enough for `compute-sanitizer --tool memcheck pytest -k sanitize` (racecheck too):
+    ragged N and K, a partial token tile, a 3-CTA cluster."""
+    for recipe in RECIPES:
+        xc, xs, wc, ws = _inputs(3, 200, 272, recipe, seed=9)
+        out = _poisoned(3, 200)
+        _op(200, 272, recipe)(xc, xs, wc, ws, out, split=3)
+        torch.cuda.synchronize()
+        _check(out, xc, xs, wc, ws, recipe)
+
+
+def prebuild_specs():
+    return list(SPECS.values())

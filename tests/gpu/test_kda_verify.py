@@ -1,0 +1,262 @@
+"""kda_verify kernels (sm90) vs the FP32 reference and vs the kda_decode kernel run token by token.
+
+Tolerances as tests/gpu/test_kda_decode.py: BF16 outputs relative RMS <= 1e-2 and elementwise
+2^-6 |ref| + 1e-3 max|ref|; FP32 states (ssm FP32, every record) relative RMS <= 1e-5; BF16 ssm
+within one BF16 ulp of the FP32 value; conv caches and untouched slots bitwise. Outputs are
+poisoned with NaN before every run; NaN never passes.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from k3gen.ir.dtypes import GateKind, SsmDtype
+from k3gen.ir.ops.kda_decode import KdaDecodeSpec
+from k3gen.ir.ops.kda_verify import KdaVerifySpec, VerifyVariant
+from k3gen.reference.kda_decode import random_weights
+from k3gen.reference.kda_verify import commit
+from k3gen.reference.kda_verify import kda_verify as ref_verify
+from k3gen.targets import get_target
+
+pytestmark = pytest.mark.gpu
+K = 128
+DEV = "cuda"
+TORCH_SSM = {SsmDtype.FP32: torch.float32, SsmDtype.BF16: torch.bfloat16}
+
+
+def prebuild_specs():
+    """Specs these tests load that `k3gen build --arch sm90` does not list."""
+    t = get_target("sm90")
+    out = [KdaVerifySpec(target=t, heads=h, drafts=m, ssm=s) for h in (6, 12, 96) for m in (1, 3, 7) for s in SsmDtype]
+    out += [KdaVerifySpec(target=t, heads=12, drafts=3, variant=VerifyVariant.ORIGINAL),
+            KdaVerifySpec(target=t, heads=12, drafts=3, gate=GateKind.SOFTPLUS)]
+    out += [KdaDecodeSpec(target=t, heads=h, ssm=s) for h in (6, 12) for s in SsmDtype]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def verify_op(heads, drafts, ssm=SsmDtype.FP32, gate=GateKind.BOUNDED, variant=VerifyVariant.NVFP4):
+    from k3gen.runtime.ops.kda_verify import KdaVerify
+    return KdaVerify(KdaVerifySpec(target=get_target("sm90"), heads=heads, drafts=drafts, ssm=ssm, gate=gate,
+                                   variant=variant)).load()
+
+
+@functools.lru_cache(maxsize=None)
+def decode_op(heads, ssm):
+    from k3gen.runtime.ops.kda_decode import KdaDecode
+    return KdaDecode(KdaDecodeSpec(target=get_target("sm90"), heads=heads, ssm=ssm)).load()
+
+
+def rel_rms(a, b) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def assert_out_close(got, ref):
+    got, ref = got.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(got).all(), "non-finite output"
+    assert rel_rms(got, ref) <= 1e-2, rel_rms(got, ref)
+    bad = (got - ref).abs() > ref.abs() * 2**-6 + 1e-3 * ref.abs().max()
+    assert not bad.any(), f"{int(bad.sum())} elements off"
+
+
+def assert_state_close(got, ref32, dtype):
+    got, ref32 = got.cpu().float(), ref32.cpu().float()
+    assert torch.isfinite(got).all(), "non-finite state"
+    if dtype == torch.float32:
+        assert rel_rms(got, ref32) <= 1e-5, rel_rms(got, ref32)
+        return
+    ulp = torch.exp2(torch.floor(torch.log2(ref32.abs().clamp_min(2.0**-126))) - 7)
+    err = (got - ref32).abs()
+    bad = (err > ulp) & (err > 1e-5 * float(ref32.pow(2).mean().sqrt()))
+    assert not bad.any(), f"BF16 state: {int(bad.sum())} elements off"
+
+
+class Case:
+    """Pools with random committed states, records and windows, and one step's tokens."""
+
+    def __init__(self, H, M, B, ssm: SsmDtype, seed, *, padded=(), pending=None):
+        g = torch.Generator().manual_seed(seed)
+        D, T, S = H * K, 1 + M, 2 * B + 3
+        self.H, self.M, self.B, self.T, self.ssm_dtype = H, M, B, T, TORCH_SSM[ssm]
+        self.w = random_weights(H, generator=g)
+        self.qkvg = torch.randn(B * T, 4 * D + 16, generator=g).to(torch.bfloat16)
+        fab = torch.randn(B * T, K + H + 3, generator=g).to(torch.bfloat16)
+        self.fab = fab
+        self.ssm = (torch.randn(S, H, K, K, generator=g) * 0.05).to(self.ssm_dtype)
+        self.rec = torch.randn(S, M, H, K, K, generator=g) * 0.05
+        self.conv_ext = torch.randn(S, 3 * D, 3 + M, generator=g).to(torch.bfloat16).float()
+        self.pending = (torch.randint(0, M + 1, (S,), generator=g) if pending is None
+                        else torch.full((S,), pending)).to(torch.int32)
+        self.slots = torch.randperm(S, generator=g)[:B].to(torch.int32)
+        for i in padded:
+            self.slots[i] = -1 - i
+
+    def pools(self):
+        return [self.ssm.clone(), self.rec.clone(), self.conv_ext.clone(), self.pending.clone()]
+
+    def gpu(self, pools=None):
+        ssm, rec, ce, pend = pools or self.pools()
+        fab = self.fab.to(DEV)
+        wg = self.w.to(DEV)
+        return dict(qkvg=self.qkvg.to(DEV), fa=fab[:, :K], beta_logit=fab[:, K:K + self.H], ssm=ssm.to(DEV),
+                    draft_rec=rec.to(DEV), conv_ext=ce.to(DEV), pending=pend.to(DEV), slots=self.slots.to(DEV),
+                    conv_w=wg.conv_w, fb_w=wg.fb_w, dt_bias=wg.dt_bias, a_log=wg.a_log, norm_w=wg.norm_w,
+                    out=torch.full((self.B, self.T, self.H, K), float("nan"), dtype=torch.bfloat16, device=DEV))
+
+
+def run(op, t):
+    return op(t["qkvg"], t["fa"], t["beta_logit"], t["ssm"], t["draft_rec"], t["conv_ext"], t["pending"], t["slots"],
+              t["conv_w"], t["fb_w"], t["dt_bias"], t["a_log"], t["norm_w"], t["out"])
+
+
+def check_against_reference(case: Case, gate=GateKind.BOUNDED, variant=VerifyVariant.NVFP4):
+    ssm_e = SsmDtype.FP32 if case.ssm_dtype == torch.float32 else SsmDtype.BF16
+    op = verify_op(case.H, case.M, ssm_e, gate, variant)
+    t = case.gpu()
+    run(op, t)
+    torch.cuda.synchronize()
+    ssm, rec, ce, pend = case.pools()
+    ssm32 = ssm.float()
+    out = ref_verify(case.qkvg, case.fab[:, :K], case.fab[:, K:K + case.H], ssm32, rec, ce, pend, case.slots, case.w,
+                     gate=gate)
+    live = case.slots >= 0
+    got_out = t["out"].cpu()
+    assert torch.equal(got_out[~live], torch.zeros_like(got_out[~live])), "padded rows must be zeros"
+    assert_out_close(got_out[live], out[live])
+    idx = case.slots[live].long()
+    untouched = torch.ones(case.ssm.shape[0], dtype=torch.bool)
+    untouched[idx] = False
+    for name, got, base in (("ssm", t["ssm"], case.ssm), ("draft_rec", t["draft_rec"], case.rec),
+                            ("conv_ext", t["conv_ext"], case.conv_ext)):
+        assert torch.equal(got.cpu()[untouched], base[untouched]), f"{name} outside `slots` changed"
+    assert torch.equal(t["pending"].cpu(), case.pending), "the kernel never writes pending"
+    assert torch.equal(t["conv_ext"].cpu()[idx], ce[idx]), "conv_ext"
+    assert_state_close(t["ssm"][idx.to(DEV)], ssm32[idx], case.ssm_dtype)
+    assert_state_close(t["draft_rec"][idx.to(DEV)], rec[idx], torch.float32)
+    return t
+
+
+CASES = [  # (H, M, B, ssm, padded)
+    (6, 1, 3, SsmDtype.FP32, (1,)),
+    (12, 1, 5, SsmDtype.BF16, ()),
+    (12, 3, 8, SsmDtype.FP32, (0, 5)),
+    (12, 3, 37, SsmDtype.BF16, (36,)),
+    (12, 7, 4, SsmDtype.FP32, (2,)),
+    (12, 7, 9, SsmDtype.BF16, ()),
+    (96, 3, 2, SsmDtype.FP32, ()),
+    (96, 7, 3, SsmDtype.BF16, (1,)),
+]
+
+
+@pytest.mark.parametrize("H,M,B,ssm,padded", CASES, ids=[f"H{c[0]}-M{c[1]}-B{c[2]}-{c[3].value}" for c in CASES])
+def test_matches_reference(H, M, B, ssm, padded):
+    check_against_reference(Case(H, M, B, ssm, seed=H * 100 + M * 10 + B, padded=padded))
+
+
+def test_softplus_gate_and_original_variant():
+    check_against_reference(Case(12, 3, 6, SsmDtype.FP32, seed=9), gate=GateKind.SOFTPLUS)
+    check_against_reference(Case(12, 3, 6, SsmDtype.FP32, seed=10), variant=VerifyVariant.ORIGINAL)
+
+
+@pytest.mark.parametrize("M", [1, 3, 7])
+@pytest.mark.parametrize("ssm", list(SsmDtype))
+def test_verify_commit_equals_decode_kernel(M, ssm):
+    """Done-when: for every accepted count 0..M (row b accepts (b + round) % (M + 1) drafts), three
+    rounds so that pending differs across rows, verify + commit leaves the state and window that
+    the kda_decode kernel reaches on the accepted tokens; all 1 + M outputs match it too."""
+    H, B, T = 12, M + 1, 1 + M
+    D, S = H * K, 2 * B + 1
+    g = torch.Generator().manual_seed(1000 + M)
+    w = random_weights(H, generator=g)
+    wg = w.to(DEV)
+    sdt = TORCH_SSM[ssm]
+    vop, dop = verify_op(H, M, ssm), decode_op(H, ssm)
+    ssm_v = (torch.randn(S, H, K, K, generator=g) * 0.05).to(sdt).to(DEV)
+    rec = torch.full((S, M, H, K, K), float("nan"), device=DEV)
+    conv = torch.randn(S, 3 * D, 3, generator=g).to(torch.bfloat16).to(DEV)
+    ce = torch.full((S, 3 * D, 3 + M), float("nan"), device=DEV)
+    ce[..., :3] = conv.float()
+    pend = torch.zeros(S, dtype=torch.int32, device=DEV)
+    ssm_d, conv_d = ssm_v.clone(), conv.clone()
+    slots = torch.randperm(S, generator=g)[:B].to(torch.int32).to(DEV)
+    for rnd in range(3):
+        qkvg = torch.randn(B * T, 4 * D, generator=g).to(torch.bfloat16).to(DEV)
+        fab = torch.randn(B * T, K + H, generator=g).to(torch.bfloat16).to(DEV)
+        out = torch.full((B, T, H, K), float("nan"), dtype=torch.bfloat16, device=DEV)
+        vop(qkvg, fab[:, :K], fab[:, K:], ssm_v, rec, ce, pend, slots, wg.conv_w, wg.fb_w, wg.dt_bias, wg.a_log,
+            wg.norm_w, out)
+        accepted = torch.tensor([(i + rnd) % (M + 1) for i in range(B)])
+        commit(pend, slots, (accepted + 1).to(DEV))
+        torch.cuda.synchronize()
+        for i in range(B):
+            sl = slots[i:i + 1]
+            y = torch.empty(1, H, K, dtype=torch.bfloat16, device=DEV)
+            for t in range(1 + int(accepted[i])):
+                r = i * T + t
+                dop(qkvg[r:r + 1], fab[r:r + 1, :K], fab[r:r + 1, K:], ssm_d, conv_d, sl, wg.conv_w, wg.fb_w,
+                    wg.dt_bias, wg.a_log, wg.norm_w, y)
+                assert_out_close(out[i, t], y[0].float())
+            torch.cuda.synchronize()
+            s, P = int(sl), int(accepted[i])
+            state = ssm_v[s].float() if P == 0 else rec[s, P - 1]
+            assert torch.equal(ce[s, :, P:P + 3].cpu(), conv_d[s].float().cpu()), "committed window"
+            if ssm is SsmDtype.FP32:
+                assert rel_rms(state, ssm_d[s]) <= 1e-5, rel_rms(state, ssm_d[s])
+            else:  # records skip the per-token BF16 rounding of the decode chain
+                assert rel_rms(state, ssm_d[s].float()) <= (2**-8 if P else 2**-9)
+                ssm_d[s] = state.to(sdt)  # continue both chains from the same committed state
+
+
+@pytest.mark.parametrize("B", [3, 40])
+def test_cuda_graph_replay_equals_eager(B):
+    H, M = 12, 3
+    op = verify_op(H, M)
+    base = Case(H, M, B, SsmDtype.FP32, seed=21)
+    t = base.gpu()
+    run(op, t)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph, stream=side):
+            run(op, t)
+    torch.cuda.current_stream().wait_stream(side)
+    for step in range(3):
+        src = Case(H, M, B, SsmDtype.FP32, seed=100 + step, padded=(step % B,) if step else ()).gpu()
+        names = ("qkvg", "ssm", "draft_rec", "conv_ext", "pending", "slots", "fa", "beta_logit")
+        for name in names:
+            t[name].copy_(src[name])
+        t["out"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        g_res = [t[n].clone() for n in ("out", "ssm", "draft_rec", "conv_ext")]
+        for name in ("ssm", "draft_rec", "conv_ext"):
+            t[name].copy_(src[name])
+        t["out"].fill_(float("nan"))
+        run(op, t)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, t[n]) for a, n in zip(g_res, ("out", "ssm", "draft_rec", "conv_ext")))
+        assert torch.isfinite(g_res[0].float()).all()
+
+
+def test_twenty_runs_bitwise_identical():
+    op = verify_op(12, 3, SsmDtype.BF16)
+    case = Case(12, 3, 9, SsmDtype.BF16, seed=31)
+    first = None
+    for _ in range(20):
+        t = case.gpu()
+        run(op, t)
+        torch.cuda.synchronize()
+        now = [t[n].cpu() for n in ("out", "ssm", "draft_rec", "conv_ext")]
+        first = first or now
+        assert all(torch.equal(a, b) for a, b in zip(first, now))
+
+
+def test_sanitize_reduced_matrix():
+    """Small enough for compute-sanitizer memcheck (scripts/h200.sh selects `sanitize`)."""
+    check_against_reference(Case(6, 3, 3, SsmDtype.BF16, seed=3, padded=(1,)))
+    check_against_reference(Case(6, 7, 2, SsmDtype.FP32, seed=4))
