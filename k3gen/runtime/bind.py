@@ -57,5 +57,11 @@ class Launcher:
         import torch
         return torch.cuda.current_device()
 
+    @functools.cached_property
+    def sm_count(self) -> int:
+        """Multiprocessors of the device; launchers that size grids by it read it in load()."""
+        import torch
+        return torch.cuda.get_device_properties(self.device_index).multi_processor_count
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec.file_stem})"

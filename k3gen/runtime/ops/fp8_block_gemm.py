@@ -5,7 +5,6 @@ load()), and the shared-memory attribute is set once per device before any captu
 """
 from __future__ import annotations
 
-import functools
 
 from ...errors import SpecError
 from ...ir.dtypes import ScaleRecipe
@@ -34,11 +33,6 @@ class Fp8BlockGemm(Launcher):
     def __init__(self, spec):
         super().__init__(spec)
         self._smem_set: set[int] = set()
-
-    @functools.cached_property
-    def sm_count(self) -> int:
-        import torch
-        return torch.cuda.get_device_properties(self.device_index).multi_processor_count
 
     def load(self):
         super().load()

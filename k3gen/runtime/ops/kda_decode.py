@@ -6,7 +6,6 @@ grid and cluster size depend on the batch size alone, and nothing is compiled af
 from __future__ import annotations
 
 import ctypes
-import functools
 
 from ...config import settings
 from ...errors import PageIndexError, SpecError
@@ -36,11 +35,6 @@ def choose_split(batch: int, heads: int, sms: int, max_split: int = 8) -> int:
 
 
 class KdaDecode(Launcher):
-    @functools.cached_property
-    def sm_count(self) -> int:
-        import torch
-        return torch.cuda.get_device_properties(self.device_index).multi_processor_count
-
     def load(self):
         super().load()
         self.sm_count  # noqa: B018  (queried once, outside any graph capture)
