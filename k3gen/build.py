@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -284,6 +283,3 @@ def resolve(spec: OpSpec) -> tuple[bytes, dict]:
     entry, _ = cache.get_or_build(art.key, lambda: _compile(art), source=art.source)
     return entry.cubin, entry.meta
 
-
-def remove_tree(target: Target, root: Path = GENERATED_ROOT) -> None:
-    shutil.rmtree(root / target.module_name, ignore_errors=True)

@@ -68,6 +68,24 @@ class CudaKernel:
         f = self.function(device)
         _check(driver.cuLaunchKernel(f, *grid, *block, smem, stream, (args, types), 0), f"launch {self.entry}")
 
+    def launch_cluster(self, grid: tuple[int, int, int], block: tuple[int, int, int],
+                       cluster: tuple[int, int, int], args: tuple, types: tuple, device: int, stream: int,
+                       smem: int = 0) -> None:
+        """Launch with a thread-block cluster shape (cuLaunchKernelEx); graph-capturable."""
+        from cuda.bindings import driver
+        f = self.function(device)
+        cfg = driver.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+        cfg.sharedMemBytes = smem
+        cfg.hStream = stream
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        _check(driver.cuLaunchKernelEx(cfg, f, (args, types), 0), f"cluster launch {self.entry}")
+
 
 PTR = ctypes.c_void_p
 I32 = ctypes.c_int

@@ -10,18 +10,8 @@ from ...errors import SpecError
 from ...ir.dtypes import ScaleRecipe
 from ...ir.ops.fp8_block_gemm import MAX_SPLIT, cdiv, choose_split
 from ..bind import Launcher
+from ..checks import check_tensor
 from ..loader import I32, PTR, _check
-
-
-def check_tensor(name, t, dtype, shape, align: int = 0) -> None:
-    """Raise SpecError unless t is a contiguous `dtype` tensor of `shape` (optionally aligned)."""
-    ok = (t.dtype == dtype and tuple(t.shape) == tuple(shape) and t.is_contiguous()
-          and (not align or t.data_ptr() % align == 0))
-    if not ok:
-        want = f"contiguous {str(dtype).replace('torch.', '')} {list(shape)}"
-        if align:
-            want += f", {align}-byte aligned"
-        raise SpecError(name, (tuple(t.shape), str(t.dtype).replace("torch.", "")), [want])
 
 
 def scale_torch_dtype(recipe: ScaleRecipe):
@@ -96,21 +86,6 @@ class Fp8BlockGemm(Launcher):
         if split == 1:
             self.kernel.launch(grid, block, args, types, dev, stream, smem)
         else:
-            launch_cluster(self.kernel, grid, block, (split, 1, 1), smem, args, types, dev, stream)
+            self.kernel.launch_cluster(grid, block, (split, 1, 1), args, types, dev, stream, smem)
         return out
 
-
-def launch_cluster(kernel, grid, block, cluster, smem, args, types, device, stream) -> None:
-    from cuda.bindings import driver
-    f = kernel.function(device)
-    cfg = driver.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
-    cfg.sharedMemBytes = smem
-    cfg.hStream = stream
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
-    cfg.attrs = [attr]
-    cfg.numAttrs = 1
-    _check(driver.cuLaunchKernelEx(cfg, f, (args, types), 0), f"cluster launch {kernel.entry}")

@@ -13,6 +13,7 @@ from ...ir.dtypes import SsmDtype
 from ...ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
 from ...ir.ops.kda_decode import SPLITS
 from ..bind import Launcher
+from ..checks import check_kda_weights, check_one_device, check_tensor
 from ..loader import I32, PTR
 
 I64 = ctypes.c_longlong
@@ -44,22 +45,6 @@ class KdaDecode(Launcher):
         return choose_split(batch, self.spec.heads, self.sm_count, self.spec.max_split)
 
     # -- checks -------------------------------------------------------------------------------
-    def _check(self, name, t, dtype, shape, *, contiguous=True, inner_unit=False, align=0):
-        """shape entries: an int, or None for 'any'."""
-        ok = t.dtype == dtype and t.dim() == len(shape) and all(
-            want is None or got == want for got, want in zip(t.shape, shape))
-        if ok and contiguous:
-            ok = t.is_contiguous()
-        if ok and inner_unit:
-            ok = t.stride(-1) == 1
-        if ok and align:
-            ok = t.data_ptr() % align == 0
-        if not ok:
-            layout = "contiguous" if contiguous else "unit inner stride" if inner_unit else ""
-            want = f"{str(dtype).replace('torch.', '')} {list('*' if s is None else s for s in shape)}"
-            raise SpecError(name, (tuple(t.shape), str(t.dtype).replace("torch.", "")),
-                            [want], ", ".join(x for x in (layout, f"{align}-byte aligned" if align else "") if x))
-
     def check(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w,
               out) -> tuple[int, int]:
         """Validate every tensor against the contract; return (batch, num_slots)."""
@@ -67,26 +52,19 @@ class KdaDecode(Launcher):
         H, D = self.spec.heads, self.spec.d
         bf16 = torch.bfloat16
         B = slots.shape[0] if slots.dim() == 1 else -1
-        self._check("slots", slots, torch.int32, (None,))
-        self._check("qkvg", qkvg, bf16, (B, None), contiguous=False, inner_unit=True)
+        check_tensor("slots", slots, torch.int32, (None,))
+        check_tensor("qkvg", qkvg, bf16, (B, None), contiguous=False, inner_unit=True)
         if qkvg.shape[1] < 4 * D:
             raise SpecError("qkvg", tuple(qkvg.shape), f"[{B}, >= {4 * D}]", "one row [q | k | v | g_out]")
-        self._check("fa", fa, bf16, (B, KDA_DK), contiguous=False, inner_unit=True)
-        self._check("beta_logit", beta_logit, bf16, (B, H), contiguous=False, inner_unit=True)
+        check_tensor("fa", fa, bf16, (B, KDA_DK), contiguous=False, inner_unit=True)
+        check_tensor("beta_logit", beta_logit, bf16, (B, H), contiguous=False, inner_unit=True)
         sdt = torch.float32 if self.spec.ssm is SsmDtype.FP32 else bf16
-        self._check("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
+        check_tensor("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
         num_slots = ssm.shape[0]
-        self._check("conv", conv, bf16, (num_slots, 3 * D, CONV_TAPS - 1))
-        self._check("conv_w", conv_w, bf16, (3 * D, CONV_TAPS), align=8)
-        self._check("fb_w", fb_w, bf16, (D, KDA_DK), align=16)
-        self._check("dt_bias", dt_bias, torch.float32, (D,), align=16)
-        self._check("a_log", a_log, torch.float32, (H,))
-        self._check("norm_w", norm_w, torch.float32, (KDA_DV,))
-        self._check("out", out, bf16, (B, H, KDA_DV))
-        dev = out.device
-        if dev.type != "cuda" or any(t.device != dev for t in (qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w,
-                                                                 dt_bias, a_log, norm_w)):
-            raise SpecError("device", str(dev), "one CUDA device for every tensor")
+        check_tensor("conv", conv, bf16, (num_slots, 3 * D, CONV_TAPS - 1))
+        check_kda_weights(H, conv_w, fb_w, dt_bias, a_log, norm_w)
+        check_tensor("out", out, bf16, (B, H, KDA_DV))
+        check_one_device(out, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w)
         if B > MAX_GRID_Z:
             raise SpecError("batch", B, f"<= {MAX_GRID_Z}", "sequences are grid.z")
         if num_slots >= 2**31:
@@ -126,7 +104,7 @@ class KdaDecode(Launcher):
         if split == 1:
             self.kernel.launch(grid, block, args, types, dev, stream)
         else:
-            self._launch_cluster(grid, block, split, args, types, dev, stream)
+            self.kernel.launch_cluster(grid, block, (split, 1, 1), args, types, dev, stream)
         return out
 
     @staticmethod
@@ -139,20 +117,3 @@ class KdaDecode(Launcher):
         if len(set(live)) != len(live):
             raise SpecError("slots", sorted(x for x in set(live) if live.count(x) > 1), "distinct live slots",
                             "two rows would update one state in place")
-
-    def _launch_cluster(self, grid, block, cluster_x, args, types, device, stream) -> None:
-        from cuda.bindings import driver
-
-        from ..loader import _check
-        f = self.kernel.function(device)
-        cfg = driver.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
-        cfg.sharedMemBytes = 0
-        cfg.hStream = stream
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster_x, 1, 1
-        cfg.attrs = [attr]
-        cfg.numAttrs = 1
-        _check(driver.cuLaunchKernelEx(cfg, f, (args, types), 0), f"cluster launch {self.kernel.entry}")

@@ -12,6 +12,7 @@ from ...errors import SpecError
 from ...ir.dtypes import SsmDtype
 from ...ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
 from ..bind import Launcher
+from ..checks import check_kda_weights, check_one_device, check_tensor
 from ..loader import I32, PTR
 from .kda_decode import MAX_GRID_Z, KdaDecode
 
@@ -19,7 +20,6 @@ I64 = ctypes.c_longlong
 
 
 class KdaPrefill(Launcher):
-    _check = KdaDecode._check
 
     def check(self, qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, conv_w, fb_w, dt_bias, a_log,
               norm_w, out) -> tuple[int, int]:
@@ -27,30 +27,24 @@ class KdaPrefill(Launcher):
         import torch
         H, D = self.spec.heads, self.spec.d
         bf16 = torch.bfloat16
-        self._check("slots", slots, torch.int32, (None,))
+        check_tensor("slots", slots, torch.int32, (None,))
         B = slots.shape[0]
-        self._check("cu_seqlens", cu_seqlens, torch.int32, (B + 1,))
-        self._check("resume", resume, torch.int32, (B,))
+        check_tensor("cu_seqlens", cu_seqlens, torch.int32, (B + 1,))
+        check_tensor("resume", resume, torch.int32, (B,))
         N = qkvg.shape[0] if qkvg.dim() == 2 else -1
-        self._check("qkvg", qkvg, bf16, (N, None), contiguous=False, inner_unit=True)
+        check_tensor("qkvg", qkvg, bf16, (N, None), contiguous=False, inner_unit=True)
         if qkvg.shape[1] < 4 * D:
             raise SpecError("qkvg", tuple(qkvg.shape), f"[N, >= {4 * D}]", "one row [q | k | v | g_out]")
-        self._check("fa", fa, bf16, (N, KDA_DK), contiguous=False, inner_unit=True)
-        self._check("beta_logit", beta_logit, bf16, (N, H), contiguous=False, inner_unit=True)
+        check_tensor("fa", fa, bf16, (N, KDA_DK), contiguous=False, inner_unit=True)
+        check_tensor("beta_logit", beta_logit, bf16, (N, H), contiguous=False, inner_unit=True)
         sdt = torch.float32 if self.spec.ssm is SsmDtype.FP32 else bf16
-        self._check("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
+        check_tensor("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
         S = ssm.shape[0]
-        self._check("conv", conv, bf16, (S, 3 * D, CONV_TAPS - 1))
-        self._check("conv_w", conv_w, bf16, (3 * D, CONV_TAPS), align=8)
-        self._check("fb_w", fb_w, bf16, (D, KDA_DK), align=16)
-        self._check("dt_bias", dt_bias, torch.float32, (D,), align=16)
-        self._check("a_log", a_log, torch.float32, (H,))
-        self._check("norm_w", norm_w, torch.float32, (KDA_DV,))
-        self._check("out", out, bf16, (N, H, KDA_DV), align=8)
-        dev = out.device
-        if dev.type != "cuda" or any(t.device != dev for t in (qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm,
-                                                                 conv, conv_w, fb_w, dt_bias, a_log, norm_w)):
-            raise SpecError("device", str(dev), "one CUDA device for every tensor")
+        check_tensor("conv", conv, bf16, (S, 3 * D, CONV_TAPS - 1))
+        check_kda_weights(H, conv_w, fb_w, dt_bias, a_log, norm_w)
+        check_tensor("out", out, bf16, (N, H, KDA_DV), align=8)
+        check_one_device(out, qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv,
+                         conv_w, fb_w, dt_bias, a_log, norm_w)
         if B > MAX_GRID_Z:
             raise SpecError("batch", B, f"<= {MAX_GRID_Z}", "sequences are grid.y")
         if N >= 2**31 or S >= 2**31:

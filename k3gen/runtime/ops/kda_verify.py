@@ -12,6 +12,7 @@ from ...errors import SpecError
 from ...ir.dtypes import SsmDtype
 from ...ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
 from ..bind import Launcher
+from ..checks import check_kda_weights, check_one_device, check_tensor
 from ..loader import I32, PTR
 from .kda_decode import MAX_GRID_Z, KdaDecode
 
@@ -19,7 +20,6 @@ I64 = ctypes.c_longlong
 
 
 class KdaVerify(Launcher):
-    _check = KdaDecode._check
 
     def check(self, qkvg, fa, beta_logit, ssm, draft_rec, conv_ext, pending, slots, conv_w, fb_w, dt_bias, a_log,
               norm_w, out) -> tuple[int, int]:
@@ -27,30 +27,23 @@ class KdaVerify(Launcher):
         import torch
         H, D, M, T = self.spec.heads, self.spec.d, self.spec.drafts, self.spec.tokens
         bf16 = torch.bfloat16
-        self._check("slots", slots, torch.int32, (None,))
+        check_tensor("slots", slots, torch.int32, (None,))
         B = slots.shape[0]
-        self._check("qkvg", qkvg, bf16, (B * T, None), contiguous=False, inner_unit=True)
+        check_tensor("qkvg", qkvg, bf16, (B * T, None), contiguous=False, inner_unit=True)
         if qkvg.shape[1] < 4 * D:
             raise SpecError("qkvg", tuple(qkvg.shape), f"[{B * T}, >= {4 * D}]", "one row [q | k | v | g_out]")
-        self._check("fa", fa, bf16, (B * T, KDA_DK), contiguous=False, inner_unit=True)
-        self._check("beta_logit", beta_logit, bf16, (B * T, H), contiguous=False, inner_unit=True)
+        check_tensor("fa", fa, bf16, (B * T, KDA_DK), contiguous=False, inner_unit=True)
+        check_tensor("beta_logit", beta_logit, bf16, (B * T, H), contiguous=False, inner_unit=True)
         sdt = torch.float32 if self.spec.ssm is SsmDtype.FP32 else bf16
-        self._check("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
+        check_tensor("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
         S = ssm.shape[0]
-        self._check("draft_rec", draft_rec, torch.float32, (S, M, H, KDA_DV, KDA_DK), align=16)
-        self._check("conv_ext", conv_ext, torch.float32, (S, 3 * D, CONV_TAPS - 1 + M))
-        self._check("pending", pending, torch.int32, (S,))
-        self._check("conv_w", conv_w, bf16, (3 * D, CONV_TAPS), align=8)
-        self._check("fb_w", fb_w, bf16, (D, KDA_DK), align=16)
-        self._check("dt_bias", dt_bias, torch.float32, (D,), align=16)
-        self._check("a_log", a_log, torch.float32, (H,))
-        self._check("norm_w", norm_w, torch.float32, (KDA_DV,))
-        self._check("out", out, bf16, (B, T, H, KDA_DV), align=8)
-        dev = out.device
-        if dev.type != "cuda" or any(t.device != dev for t in (qkvg, fa, beta_logit, ssm, draft_rec, conv_ext,
-                                                                 pending, slots, conv_w, fb_w, dt_bias, a_log,
-                                                                 norm_w)):
-            raise SpecError("device", str(dev), "one CUDA device for every tensor")
+        check_tensor("draft_rec", draft_rec, torch.float32, (S, M, H, KDA_DV, KDA_DK), align=16)
+        check_tensor("conv_ext", conv_ext, torch.float32, (S, 3 * D, CONV_TAPS - 1 + M))
+        check_tensor("pending", pending, torch.int32, (S,))
+        check_kda_weights(H, conv_w, fb_w, dt_bias, a_log, norm_w)
+        check_tensor("out", out, bf16, (B, T, H, KDA_DV), align=8)
+        check_one_device(out, qkvg, fa, beta_logit, ssm, draft_rec, conv_ext, pending, slots,
+                         conv_w, fb_w, dt_bias, a_log, norm_w)
         if B > MAX_GRID_Z:
             raise SpecError("batch", B, f"<= {MAX_GRID_Z}", "sequences are grid.y")
         if S >= 2**31:

@@ -12,7 +12,8 @@ from ...errors import SpecError
 from ...ir.ops.mla_q_absorb import BATCH_TILE, NOPE, OUT_HEAD, Q_LORA, QK_HEAD
 from ..bind import Launcher
 from ..loader import I32, PTR, CudaKernel
-from .fp8_block_gemm import Fp8BlockGemm, check_tensor, scale_torch_dtype
+from ..checks import check_tensor
+from .fp8_block_gemm import Fp8BlockGemm, scale_torch_dtype
 from .mla_vb_gate import check_head_weights
 
 I64 = ctypes.c_longlong

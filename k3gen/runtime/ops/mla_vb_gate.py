@@ -8,7 +8,7 @@ from ...ir.layouts import MLA_LATENT
 from ...ir.ops.mla_vb_gate import THREADS, V_HEAD
 from ..bind import Launcher
 from ..loader import I32, PTR
-from .fp8_block_gemm import check_tensor
+from ..checks import check_tensor
 
 I64 = ctypes.c_longlong
 
