@@ -7,9 +7,11 @@
 // Algorithm: include/k3gen/kda_decode.cuh. Contract: k3gen/ir/ops/kda_decode.py.
 // Launch: grid (split, 24, B), 256 threads, cluster (split, 1, 1);
 // split in 1, 2, 4, 8 up to 8, chosen by the launcher.
+// Large batches: k3gen_kda_decode_stream, grid (persistent CTAs), same threads, dynamic shared
+// memory k3gen_kda_decode_stream_smem bytes (include/k3gen/kda_decode_stream.cuh).
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_decode.cuh"
+#include "k3gen/kda_decode_stream.cuh"
 
 struct Config {
   static constexpr int kHeads = 24;
@@ -40,4 +42,19 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_decode(
   const k3gen::kda::Params p{qkvg, fa, beta_logit, slots, ssm, conv, conv_w, reinterpret_cast<const uint4*>(fb_w),
                              dt_bias, a_log, norm_w, out, qkvg_stride, fa_stride, beta_stride, num_slots, split};
   k3gen::kda::decode_step<Config>(p);
+}
+
+extern "C" __constant__ int k3gen_kda_decode_stream_smem = k3gen::kda::stream_smem_bytes<Config>();
+
+extern "C" __global__ void __launch_bounds__(256, 1) k3gen_kda_decode_stream(
+    const __nv_bfloat16* qkvg, long long qkvg_stride, const __nv_bfloat16* fa, long long fa_stride,
+    const __nv_bfloat16* beta_logit, long long beta_stride, const int* slots,
+    void* ssm, __nv_bfloat16* conv, int num_slots,
+    const __nv_bfloat16* conv_w, const __nv_bfloat16* fb_w, const float* dt_bias, const float* a_log,
+    const float* norm_w, __nv_bfloat16* out, int batch) {
+  const k3gen::kda::StreamParams sp{
+      k3gen::kda::Params{qkvg, fa, beta_logit, slots, ssm, conv, conv_w, reinterpret_cast<const uint4*>(fb_w),
+                         dt_bias, a_log, norm_w, out, qkvg_stride, fa_stride, beta_stride, num_slots, 1},
+      batch};
+  k3gen::kda::decode_stream<Config>(sp);
 }

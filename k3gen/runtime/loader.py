@@ -57,6 +57,27 @@ class CudaKernel:
             self._modules[device], self._funcs[device] = mod, f
         return f
 
+    def sibling(self, entry: str) -> "CudaKernel":
+        """Another kernel function of the same cubin (loaded once per device on its own)."""
+        return CudaKernel(self.cubin, entry)
+
+    def read_i32(self, name: str, device: int) -> int:
+        """Value of an `extern "C" __constant__ int` of the module, e.g. a size the kernel defines."""
+        from cuda.bindings import driver
+        self.function(device)
+        dptr, size = _check(driver.cuModuleGetGlobal(self._modules[device], name.encode()), f"cuModuleGetGlobal({name})")
+        if size != 4:
+            raise RuntimeError(f"{name}: {size} bytes, expected an int")
+        buf = (ctypes.c_int * 1)()
+        _check(driver.cuMemcpyDtoH(ctypes.addressof(buf), dptr, 4), f"read {name}")
+        return int(buf[0])
+
+    def set_max_dynamic_smem(self, nbytes: int, device: int) -> None:
+        from cuda.bindings import driver
+        _check(driver.cuFuncSetAttribute(
+            self.function(device), driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            nbytes), "cuFuncSetAttribute(max dynamic smem)")
+
     def num_regs(self, device: int = 0) -> int:
         from cuda.bindings import driver
         return _check(driver.cuFuncGetAttribute(

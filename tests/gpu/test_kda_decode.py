@@ -78,9 +78,9 @@ class Case:
         return ssm
 
 
-def run(op, t, split=None):
+def run(op, t, split=None, schedule=None):
     return op(t["qkvg"], t["fa"], t["beta_logit"], t["ssm"], t["conv"], t["slots"], t["conv_w"], t["fb_w"],
-              t["dt_bias"], t["a_log"], t["norm_w"], t["out"], split=split)
+              t["dt_bias"], t["a_log"], t["norm_w"], t["out"], split=split, schedule=schedule)
 
 
 def rel_rms(a, b) -> float:
@@ -125,10 +125,10 @@ def assert_state_close(got, ref, ssm: SsmDtype, ref32=None):
     assert float((got == ref).double().mean()) > 0.99, "BF16 state rounds differently from the reference"
 
 
-def check_case(case: Case, gate: GateKind, split=None):
+def check_case(case: Case, gate: GateKind, split=None, schedule=None):
     op = op_for(case.H, gate, case.ssm_dtype)
     t = case.gpu()
-    run(op, t, split)
+    run(op, t, split, schedule)
     sync()
     out, ssm, conv = case.reference(gate)
     live = case.slots >= 0
@@ -219,20 +219,62 @@ def test_8192_steps_drift():
     assert_out_close(last[0], ref_out[0, -1].float())
 
 
-@pytest.mark.parametrize("B", [2, 40], ids=["cluster", "single"])
-def test_cuda_graph_replay_equals_eager(B):
+STREAM_CASES = [  # (H, B, gate, ssm, padded rows): several items per CTA, ranges crossing heads
+    (12, 64, GateKind.BOUNDED, SsmDtype.FP32, (0, 63)),
+    (12, 50, GateKind.SOFTPLUS, SsmDtype.BF16, (7,)),
+    (96, 4, GateKind.BOUNDED, SsmDtype.BF16, (2,)),   # head run of 4 items = the BF16 ring's limit
+    (96, 5, GateKind.BOUNDED, SsmDtype.FP32, ()),
+    (6, 4, GateKind.BOUNDED, SsmDtype.FP32, (3,)),    # fewer items than SMs: one item per CTA
+    (24, 45, GateKind.BOUNDED, SsmDtype.BF16, (44,)),
+]
+
+
+@pytest.mark.parametrize("H,B,gate,ssm,padded", STREAM_CASES,
+                         ids=[f"H{c[0]}-B{c[1]}-{c[2].value}-{c[3].value}" for c in STREAM_CASES])
+def test_stream_schedule_matches_reference(H, B, gate, ssm, padded):
+    check_case(Case(H, B, ssm, seed=H * 7 + B, padded=padded), gate, schedule="stream")
+
+
+@pytest.mark.parametrize("ssm", list(SsmDtype))
+def test_stream_equals_rows_bitwise(ssm):
+    """Both schedules do the same arithmetic per item: same output, state and windows, bit for bit."""
+    case = Case(24, 30, ssm, seed=9, padded=(4,))
+    got = []
+    for schedule in ("rows", "stream"):
+        t = check_case(case, GateKind.BOUNDED, split=1 if schedule == "rows" else None, schedule=schedule)
+        got.append((t["out"].cpu(), t["ssm"].cpu(), t["conv"].cpu()))
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+def test_stream_bad_input_is_typed():
+    from k3gen.errors import SpecError
+    op = op_for(12, GateKind.BOUNDED, SsmDtype.FP32)
+    t = Case(12, 8, SsmDtype.FP32, seed=2).gpu()
+    with pytest.raises(SpecError):
+        run(op, dict(t, qkvg=t["qkvg"][:, 1:]), schedule="stream")   # 2-byte aligned rows
+    with pytest.raises(SpecError):
+        run(op, dict(t, slots=t["slots"][:3], fa=t["fa"][:3], beta_logit=t["beta_logit"][:3],
+                     qkvg=t["qkvg"][:3], out=t["out"][:3]), schedule="stream")  # B < ring depth
+    with pytest.raises(SpecError):
+        run(op, t, split=2, schedule="stream")
+    with pytest.raises(SpecError):
+        run(op, t, schedule="columns")
+
+
+@pytest.mark.parametrize("B,sched", [(2, None), (40, None), (64, "stream")], ids=["cluster", "single", "stream"])
+def test_cuda_graph_replay_equals_eager(B, sched):
     H = 12
     op = op_for(H, GateKind.BOUNDED, SsmDtype.FP32)
     base = Case(H, B, SsmDtype.FP32, seed=21)
     t = base.gpu()
-    run(op, t)  # loads the module before capture
+    run(op, t, schedule=sched)  # loads the module before capture
     sync()
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         with torch.cuda.graph(graph, stream=side):
-            run(op, t)
+            run(op, t, schedule=sched)
     torch.cuda.current_stream().wait_stream(side)
     for step in range(3):
         fresh = Case(H, B, SsmDtype.FP32, seed=100 + step, padded=(step % B,) if step else ())
@@ -245,7 +287,7 @@ def test_cuda_graph_replay_equals_eager(B):
         sync()
         g_out, g_ssm, g_conv = t["out"].clone(), t["ssm"].clone(), t["conv"].clone()
         t["ssm"].copy_(src["ssm"]), t["conv"].copy_(src["conv"]), t["out"].fill_(float("nan"))
-        run(op, t)
+        run(op, t, schedule=sched)
         sync()
         assert torch.equal(g_out, t["out"]) and torch.equal(g_ssm, t["ssm"]) and torch.equal(g_conv, t["conv"])
         assert torch.isfinite(g_out.float()).all()
@@ -272,3 +314,8 @@ def test_sanitize_reduced_matrix(split):
     """Small enough to run under compute-sanitizer memcheck (scripts/h200.sh selects `sanitize`)."""
     check_case(Case(12, 3, SsmDtype.BF16, seed=3, padded=(1,)), GateKind.BOUNDED, split=split)
     check_case(Case(6, 2, SsmDtype.FP32, seed=4), GateKind.BOUNDED, split=split)
+
+
+def test_sanitize_stream_schedule():
+    check_case(Case(12, 4, SsmDtype.BF16, seed=13, padded=(1,)), GateKind.BOUNDED, schedule="stream")
+    check_case(Case(96, 5, SsmDtype.FP32, seed=14, padded=(0,)), GateKind.BOUNDED, schedule="stream")

@@ -225,9 +225,11 @@ def test_compiles_without_spills(target, ssm, gate):
     cubin, log, sass = _ptxas(spec)
     assert cubin_arch(cubin) == spec.target.arch
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
+    regs = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", log, re.S))
     assert frames and all(f == ("0", "0", "0") for f in frames), log
-    assert regs and max(regs) <= 128, log     # __launch_bounds__(256, 2): two CTAs per SM
+    assert set(regs) == {"k3gen_kda_decode", "k3gen_kda_decode_stream"}, log
+    assert int(regs["k3gen_kda_decode"]) <= 128, log          # __launch_bounds__(256, 2): two CTAs per SM
+    assert int(regs["k3gen_kda_decode_stream"]) <= 255, log   # one persistent CTA per SM
     assert not re.search(r"\b(LDL|STL)\b", sass)
     for op in ("UBLKCP", "SYNCS", "UCGABAR_ARV"):   # bulk copy, mbarriers, cluster barrier
         assert op in sass, op

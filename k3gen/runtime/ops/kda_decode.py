@@ -35,14 +35,41 @@ def choose_split(batch: int, heads: int, sms: int, max_split: int = 8) -> int:
     return s
 
 
+SCHEDULES = ("rows", "stream")
+STREAM_ENTRY = "k3gen_kda_decode_stream"
+# Stages of the stream kernel's ring (include/k3gen/kda_decode_stream.cuh, StreamStages): a CTA's
+# range may only change heads every >= stages-1 items, so smaller batches take the row schedule.
+STREAM_MIN_BATCH = 4
+
+
+def choose_schedule(batch: int, heads: int, sms: int, aligned: bool) -> str:
+    """The row schedule, always, for now.
+
+    Measured on the H200 (bench/NOTES.md, 2026-11-29 20:44, extra.schedule_us): the stream
+    schedule (one persistent CTA per SM, bulk-copy ring) is 0-4% slower with FP32 state and
+    15-27% slower with BF16 state at every B*H >= 132: one 8-warp CTA per SM leaves the per-item
+    dependency chain (conv, gate, three reductions, RMSNorm) exposed, where the row schedule's two
+    CTAs per SM overlap two chains. It stays selectable (schedule="stream") for that work.
+    """
+    del batch, heads, sms, aligned
+    return "rows"
+
+
 class KdaDecode(Launcher):
     def load(self):
         super().load()
         self.sm_count  # noqa: B018  (queried once, outside any graph capture)
+        dev = self.device_index
+        self._stream = self._kernel.sibling(STREAM_ENTRY)
+        self._stream_smem = self._stream.read_i32(STREAM_ENTRY + "_smem", dev)
+        self._stream.set_max_dynamic_smem(self._stream_smem, dev)
         return self
 
     def split_for(self, batch: int) -> int:
         return choose_split(batch, self.spec.heads, self.sm_count, self.spec.max_split)
+
+    def schedule_for(self, batch: int, qkvg, conv) -> str:
+        return choose_schedule(batch, self.spec.heads, self.sm_count, _bulk_aligned(qkvg, conv))
 
     # -- checks -------------------------------------------------------------------------------
     def check(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w,
@@ -73,7 +100,7 @@ class KdaDecode(Launcher):
 
     # -- launch -------------------------------------------------------------------------------
     def __call__(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w, out, *,
-                 split: int | None = None):
+                 split: int | None = None, schedule: str | None = None):
         """One decode step for `slots.shape[0]` sequences; returns `out`.
 
         qkvg [B, >= 4D] BF16 (row stride free, unit inner stride), fa [B, 128] BF16 and
@@ -82,15 +109,33 @@ class KdaDecode(Launcher):
         padded row, zeros out), weights conv_w [3D, 4] BF16, fb_w [D, 128] BF16, dt_bias [D],
         a_log [H], norm_w [128] FP32; out [B, H, 128] BF16. `split` overrides the CTAs per
         (sequence, head) (1, 2, 4, 8 up to spec.max_split); by default it depends on B only.
+        `schedule` forces "rows" or "stream" (both give the same bits); by default it depends on
+        B and on whether the q|k|v|g rows are 16-byte aligned (the stream kernel bulk-copies them).
         """
         import torch
         if split is not None and (split not in SPLITS or split > self.spec.max_split):
             raise SpecError("split", split, [s for s in SPLITS if s <= self.spec.max_split])
+        if schedule is not None and schedule not in SCHEDULES:
+            raise SpecError("schedule", schedule, list(SCHEDULES))
+        if schedule == "stream" and split not in (None, 1):
+            raise SpecError("split", split, [1], "the stream schedule runs whole heads")
         B, num_slots = self.check(qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w, out)
         if B == 0:
             return out
         if settings().validate:
             self.validate_slots(slots, num_slots)
+        if schedule is None:
+            schedule = "rows" if split not in (None, 1) else self.schedule_for(B, qkvg, conv)
+        elif schedule == "stream":
+            if not _bulk_aligned(qkvg, conv):
+                raise SpecError("qkvg/conv", (qkvg.data_ptr() % 16, qkvg.stride(0), conv.data_ptr() % 16),
+                                "16-byte aligned bases and qkvg row stride a multiple of 8",
+                                "the stream schedule bulk-copies them")
+            if B < STREAM_MIN_BATCH:
+                raise SpecError("batch", B, f">= {STREAM_MIN_BATCH}", "stream schedule")
+        if schedule == "stream":
+            return self._launch_stream(qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log,
+                                       norm_w, out, B, num_slots)
         if split is None:
             split = self.split_for(B)
         args = (qkvg.data_ptr(), qkvg.stride(0), fa.data_ptr(), fa.stride(0), beta_logit.data_ptr(),
@@ -107,6 +152,21 @@ class KdaDecode(Launcher):
             self.kernel.launch_cluster(grid, block, (split, 1, 1), args, types, dev, stream)
         return out
 
+    def _launch_stream(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w, out,
+                       B: int, num_slots: int):
+        import torch
+        self.load()
+        args = (qkvg.data_ptr(), qkvg.stride(0), fa.data_ptr(), fa.stride(0), beta_logit.data_ptr(),
+                beta_logit.stride(0), slots.data_ptr(), ssm.data_ptr(), conv.data_ptr(), num_slots,
+                conv_w.data_ptr(), fb_w.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), norm_w.data_ptr(),
+                out.data_ptr(), B)
+        types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR, I32)
+        dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        grid = (min(B * self.spec.heads, self.sm_count), 1, 1)
+        self._stream.launch(grid, (self.spec.threads, 1, 1), args, types, dev, stream, smem=self._stream_smem)
+        return out
+
     @staticmethod
     def validate_slots(slots, num_slots: int) -> None:
         """Host-side check (it synchronizes): live slots in range and not shared by two rows."""
@@ -117,3 +177,7 @@ class KdaDecode(Launcher):
         if len(set(live)) != len(live):
             raise SpecError("slots", sorted(x for x in set(live) if live.count(x) > 1), "distinct live slots",
                             "two rows would update one state in place")
+
+
+def _bulk_aligned(qkvg, conv) -> bool:
+    return qkvg.data_ptr() % 16 == 0 and qkvg.stride(0) % 8 == 0 and conv.data_ptr() % 16 == 0

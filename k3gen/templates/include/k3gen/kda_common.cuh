@@ -73,6 +73,10 @@ struct StateRow<false> {
     const float4* p = reinterpret_cast<const float4*>(row);
     return Frag{__ldcs(p + l), __ldcs(p + 16 + l)};
   }
+  static __device__ __forceinline__ Frag load_shared(const float* row, int l) {
+    const float4* p = reinterpret_cast<const float4*>(row);
+    return Frag{p[l], p[16 + l]};
+  }
   static __device__ __forceinline__ void unpack(const Frag& f, float (&x)[8]) {
     x[0] = f.a.x; x[1] = f.a.y; x[2] = f.a.z; x[3] = f.a.w;
     x[4] = f.b.x; x[5] = f.b.y; x[6] = f.b.z; x[7] = f.b.w;
@@ -92,6 +96,9 @@ struct StateRow<true> {
   static __device__ __forceinline__ int k1(int l) { return 8 * l + 4; }
   static __device__ __forceinline__ Frag load(const __nv_bfloat16* row, int l) {
     return Frag{__ldcs(reinterpret_cast<const uint4*>(row) + l)};
+  }
+  static __device__ __forceinline__ Frag load_shared(const __nv_bfloat16* row, int l) {
+    return Frag{reinterpret_cast<const uint4*>(row)[l]};
   }
   static __device__ __forceinline__ void unpack(const Frag& f, float (&x)[8]) { unpack_bf16x8(f.a, x); }
   static __device__ __forceinline__ void store(__nv_bfloat16* row, int l, const float (&x)[8]) {
