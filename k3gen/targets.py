@@ -190,14 +190,19 @@ KDA_VERIFY_DRAFTS = (3, 7)
 # SM); it joins the build lists once it fits 128 (or test_build admits per-spec occupancy). Until
 # then its specs compile on first use and scripts/prebuild_gpu.py picks them up from the GPU tests.
 KDA_PREFILL_HEADS = (12, 96)
-# TODO(original-verify): the sm100-mxfp4 target's shared verify kernel is
-# KdaVerifySpec(variant=VerifyVariant.ORIGINAL, ssm=FP32). It is left out of that target's build
-# list until it has passed the H200 tests (tests/gpu/test_kda_verify.py runs the same variant on
-# sm90): the target's generated sources freeze byte for byte once landed.
+# The sm100-mxfp4 target's shared verify kernel: KdaVerifySpec(variant=ORIGINAL, ssm=FP32), the same
+# head and draft counts. Its generated sources are frozen once landed (tests/golden: source bytes and
+# the SASS they compile to, so a change to a shared header shows up too).
+KDA_VERIFY_ORIGINAL_TARGETS = ("sm100-mxfp4",)
 
 
 def _kda_verify_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
-    from .ir.ops.kda_verify import KdaVerifySpec
+    from .ir.ops.kda_verify import KdaVerifySpec, VerifyVariant
+    if target.name in KDA_VERIFY_ORIGINAL_TARGETS:
+        if ssm not in (None, SsmDtype.FP32):
+            return []
+        return [KdaVerifySpec(target=target, heads=h, drafts=m, variant=VerifyVariant.ORIGINAL)
+                for h in KDA_VERIFY_HEADS for m in KDA_VERIFY_DRAFTS]
     if target.name not in KDA_DECODE_TARGETS:
         return []
     out: list[OpSpec] = []
