@@ -390,12 +390,14 @@ def _fla_chunk_kda():
 
 
 def kda_prefill(ceiling: float, quick: bool = False) -> list:
-    """Prefill of one 4096-token prompt (B = 1, FP32 state) at H = 12 and 96 vs FLA's chunk_kda
-    (in-kernel Kimi gate when this FLA accepts those keywords, else a precomputed log-decay). The
-    kernel is the token-sequential first version: expect it far behind the chunked peer."""
+    """Prefill of one 4096-token prompt (B = 1, FP32 state) at H = 12 and 96, both algos (chunk16:
+    chunked WY on tensor cores; token: token-sequential), vs FLA's chunk_kda timed in the same run
+    (in-kernel Kimi gate when this FLA accepts those keywords, else a precomputed log-decay). One
+    CTA per (sequence, head): at B = 1 the grid is H CTAs, so H = 12 uses 12 of 132 SMs, while FLA
+    spreads chunks over the GPU; the row reports the ratio as measured."""
     import torch
 
-    from .ir.ops.kda_prefill import KdaPrefillSpec
+    from .ir.ops.kda_prefill import KdaPrefillSpec, PrefillAlgo
     from .reference.kda_decode import random_weights
     from .runtime.ops.kda_prefill import KdaPrefill
     from .targets import get_target
@@ -406,8 +408,10 @@ def kda_prefill(ceiling: float, quick: bool = False) -> list:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, same = [], {}
     for H in (12,) if quick else (12, 96):
-        print(f"  kda_prefill H{H} T{L}", flush=True)
-        op = KdaPrefill(KdaPrefillSpec(target=tgt, heads=H)).load()
+      peer, peer_us, peer_extra = "", None, {}
+      for algo in PrefillAlgo:
+        print(f"  kda_prefill H{H} T{L} {algo.value}", flush=True)
+        op = KdaPrefill(KdaPrefillSpec(target=tgt, heads=H, algo=algo)).load()
         w = random_weights(H, generator=torch.Generator().manual_seed(H)).to("cuda")
         D = H * K
         nbytes = evaluate(op.spec.bytes_moved(), B=1, N=L)
@@ -425,10 +429,9 @@ def kda_prefill(ceiling: float, quick: bool = False) -> list:
         us = time_graph([lambda s=s: op(s["qkvg"], s["fa"], s["beta_logit"], s["cu"], s["slots"], s["resume"],
                                         s["ssm"], s["conv"], w.conv_w, w.fb_w, w.dt_bias, w.a_log, w.norm_w, s["out"])
                          for s in sets], reps=5, warmup=1)
-        extra = {"heads": H, "tokens": L, "kernel": "token-sequential v1", "proj_8TBps_us": nbytes / 8e12 * 1e6}
+        extra = {"heads": H, "tokens": L, "algo": algo.value, "proj_8TBps_us": nbytes / 8e12 * 1e6}
         del sets
-        peer, peer_us = "", None
-        if chunk_kda is not None:
+        if chunk_kda is not None and peer_us is None:
             bf = torch.bfloat16
             q, k, v, g = (torch.randn(1, L, H, K, device="cuda", dtype=bf, generator=gen) for _ in range(4))
             beta = torch.randn(1, L, H, device="cuda", dtype=bf, generator=gen)
@@ -449,11 +452,11 @@ def kda_prefill(ceiling: float, quick: bool = False) -> list:
                     call(kw)
                     torch.cuda.synchronize()
                     peer_us = time_graph([lambda kw=kw: call(kw)], reps=10)
-                    peer, extra["fla_mode"] = "fla chunk_kda", mode
+                    peer, peer_extra["fla_mode"] = "fla chunk_kda", mode
                     break
                 except Exception as e:  # noqa: BLE001  (keep our row whatever the peer's API)
-                    extra[f"fla_error_{mode}"] = repr(e)[:200]
+                    peer_extra[f"fla_error_{mode}"] = repr(e)[:200]
         torch.cuda.empty_cache()
-        rows.append(make_row("kda_prefill", f"H{H} T{L} fp32", us, nbytes, ceiling, same, peer=peer,
-                             peer_us=peer_us, extra=extra))
+        rows.append(make_row("kda_prefill", f"H{H} T{L} fp32 {algo.value}", us, nbytes, ceiling, same, peer=peer,
+                             peer_us=peer_us, extra={**extra, **peer_extra}))
     return rows

@@ -68,8 +68,10 @@ def test_compile_resources_and_sass(name):
         assert cubin_arch(r.cubin) == t.arch
         for res in (KernelResources(**x) for x in r.resources):
             assert not res.spills, f"{r.artifact.spec.kernel_name}: {res.local} B local memory"
-            assert res.registers <= 128
             spec = r.artifact.spec
+            # Two CTAs of 256 threads per SM (128 registers), except the prefill kernel, which runs
+            # one CTA per (sequence, head) at one CTA per SM (its launch bounds allow 255).
+            assert res.registers <= (255 if spec.op == "kda_prefill" else 128), (spec.kernel_name, res.registers)
             if getattr(spec, "kv", None) is KvDtype.NVFP4:
                 # SM100-family converts to E2M1 in hardware; Hopper has no such instruction.
                 assert ("F2FP" in res.sass) == t.fp4_cvt or not t.fp4_cvt
