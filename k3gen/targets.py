@@ -113,6 +113,7 @@ def build_specs(target: Target, kv: KvDtype | None = None, ssm: SsmDtype | None 
         raise TargetError("ssm", ssm.value, [s.value for s in target.ssm_dtypes], f"target {target.name}")
     specs += _kda_decode_specs(target, ssm)
     specs += _kda_verify_specs(target, ssm)
+    specs += _kda_prefill_specs(target, ssm)
     specs += _act_quant_specs(target)
     specs += _fp8_proj_specs(target)
     return specs
@@ -186,18 +187,31 @@ def _fp8_proj_specs(target: Target) -> list[OpSpec]:
 # GPU tests instead.
 KDA_VERIFY_HEADS = (12, 96)
 KDA_VERIFY_DRAFTS = (3, 7)
-# TODO(kda-prefill-build): the token-sequential prefill kernel needs ~170 registers (one CTA per
-# SM); it joins the build lists once it fits 128 (or test_build admits per-spec occupancy). Until
-# then its specs compile on first use and scripts/prebuild_gpu.py picks them up from the GPU tests.
+# KDA prefill: the chunk16 (WY, tensor-core) kernel at one CTA per SM (<= 255 registers, no spills;
+# tests/nogpu/test_build.py admits that occupancy for this op). The token-sequential algo is a
+# cross-check, compiled on first use.
 KDA_PREFILL_HEADS = (12, 96)
-# TODO(original-verify): the sm100-mxfp4 target's shared verify kernel is
-# KdaVerifySpec(variant=VerifyVariant.ORIGINAL, ssm=FP32). It is left out of that target's build
-# list until it has passed the H200 tests (tests/gpu/test_kda_verify.py runs the same variant on
-# sm90): the target's generated sources freeze byte for byte once landed.
+# The sm100-mxfp4 target's shared verify kernel: KdaVerifySpec(variant=ORIGINAL, ssm=FP32), the same
+# head and draft counts. Its generated sources are frozen once landed (tests/golden: source bytes and
+# the SASS they compile to, so a change to a shared header shows up too).
+KDA_VERIFY_ORIGINAL_TARGETS = ("sm100-mxfp4",)
+
+
+def _kda_prefill_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
+    from .ir.ops.kda_prefill import KdaPrefillSpec
+    if target.name not in KDA_DECODE_TARGETS:
+        return []
+    return [KdaPrefillSpec(target=target, heads=h, ssm=s)
+            for s in (target.ssm_dtypes if ssm is None else (ssm,)) for h in KDA_PREFILL_HEADS]
 
 
 def _kda_verify_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
-    from .ir.ops.kda_verify import KdaVerifySpec
+    from .ir.ops.kda_verify import KdaVerifySpec, VerifyVariant
+    if target.name in KDA_VERIFY_ORIGINAL_TARGETS:
+        if ssm not in (None, SsmDtype.FP32):
+            return []
+        return [KdaVerifySpec(target=target, heads=h, drafts=m, variant=VerifyVariant.ORIGINAL)
+                for h in KDA_VERIFY_HEADS for m in KDA_VERIFY_DRAFTS]
     if target.name not in KDA_DECODE_TARGETS:
         return []
     out: list[OpSpec] = []

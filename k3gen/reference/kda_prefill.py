@@ -36,3 +36,33 @@ def kda_prefill(qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, w: K
         conv[slot] = win[0].to(conv.dtype)
         out[lo:hi] = o[0].to(torch.bfloat16)
     return out
+
+
+@torch.no_grad()
+def chunk_emulation(q, k, v, g, beta, state, chunk: int = 16):
+    """The chunked WY algebra of the chunk16 kernel (include/k3gen/kda_prefill_chunk.cuh), written
+    plainly so the CPU tests can hold it against the token recurrence. Per head: q, k normalized
+    [T, K], v [T, V], g log decays [T, K] (<= 0), beta [T], state S^T [V, K] (V-first). Returns
+    (o [T, V] before the gated RMSNorm, final S^T). Every decay factor is exp of a difference <= 0."""
+    T = q.shape[0]
+    s = state.clone()
+    outs = []
+    for t0 in range(0, T, chunk):
+        qc, kc, vc, gc, bc = (x[t0:t0 + chunk] for x in (q, k, v, g, beta))
+        n = qc.shape[0]
+        G = gc.cumsum(0)                                                   # [n, K]
+        dec = torch.exp((G[:, None, :] - G[None, :, :]).clamp(max=0))      # [r, s, K]
+        kk = (kc[:, None, :] * kc[None, :, :] * dec).sum(-1)
+        qk = (qc[:, None, :] * kc[None, :, :] * dec).sum(-1)
+        low = torch.tril(torch.ones(n, n, dtype=torch.bool), -1)
+        A = torch.where(low, bc[:, None] * kk, torch.zeros_like(kk))
+        P = torch.where(torch.tril(torch.ones(n, n, dtype=torch.bool)), qk, torch.zeros_like(qk))
+        rhs = bc[:, None] * torch.cat([kc * torch.exp(G), vc], dim=1)
+        x = torch.linalg.solve_triangular(torch.eye(n, dtype=q.dtype) + A, rhs, upper=False, unitriangular=True)
+        W, U = x[:, :kc.shape[1]], x[:, kc.shape[1]:]
+        vnew = U - W @ s.t()                                               # [n, V]
+        outs.append((qc * torch.exp(G)) @ s.t() + P @ vnew)
+        kd = kc * torch.exp(G[-1] - G)
+        s = s * torch.exp(G[-1])[None, :] + vnew.t() @ kd
+    o = torch.cat(outs) if outs else torch.empty(0, v.shape[1], dtype=q.dtype)
+    return o, s

@@ -46,6 +46,20 @@ def test_frozen_original_target_sources():
     assert now <= set(golden), "new sm100 sources: add them with `python -m k3gen.golden --add`"
 
 
+def test_frozen_original_target_sass():
+    """The frozen sources include shared headers (the original verify kernel: kda_verify.cuh and
+    kda_common.cuh, which the NVFP4 verify kernels share), so source bytes alone do not prove the
+    kernels unchanged: each must still compile to the SASS recorded for this NVRTC."""
+    from k3gen.golden import GOLDEN_SASS, current_sass, nvrtc_key
+    recorded = json.loads(GOLDEN_SASS.read_text()).get(nvrtc_key())
+    assert recorded, f"no SASS record for {nvrtc_key()}: check the frozen sources, then `python -m k3gen.golden --add`"
+    assert set(recorded) == set(json.loads(GOLDEN.read_text())), "SASS and source records cover the same files"
+    now = current_sass()
+    moved = sorted(n for n, h in recorded.items() if now.get(n) != h)
+    assert not moved, f"frozen kernels compile differently: {moved}"
+    assert any(n.startswith("kda_verify__") and "-orig__" in n for n in recorded), "original verify kernel frozen"
+
+
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_compile_resources_and_sass(name):
     t = TARGETS[name]
@@ -54,7 +68,7 @@ def test_compile_resources_and_sass(name):
         assert cubin_arch(r.cubin) == t.arch
         for res in (KernelResources(**x) for x in r.resources):
             assert not res.spills, f"{r.artifact.spec.kernel_name}: {res.local} B local memory"
-            assert res.registers <= 255  # no spills is the bar; launch bounds cap each kernel
+            assert res.registers <= 255  # no spills is the bar; each kernel's launch bounds cap it
             spec = r.artifact.spec
             if getattr(spec, "kv", None) is KvDtype.NVFP4:
                 # SM100-family converts to E2M1 in hardware; Hopper has no such instruction.

@@ -9,9 +9,9 @@ import torch
 from k3gen.errors import SpecError, TargetError
 from k3gen.ir import evaluate, spec_from_canonical
 from k3gen.ir.dtypes import GateKind, SsmDtype
-from k3gen.ir.ops.kda_prefill import KdaPrefillSpec
+from k3gen.ir.ops.kda_prefill import CHUNK_SMEM_BYTES, KdaPrefillSpec, PrefillAlgo
 from k3gen.reference.kda_decode import kda_token_loop, random_weights
-from k3gen.reference.kda_prefill import kda_prefill
+from k3gen.reference.kda_prefill import chunk_emulation, kda_prefill
 from k3gen.targets import KDA_PREFILL_HEADS, TARGETS, build_specs
 
 SM90, SM100, SM103, SM107 = (TARGETS[n] for n in ("sm90", "sm100-mxfp4", "sm103-nvfp4", "sm107-nvfp4"))
@@ -25,6 +25,8 @@ K = 128
     ({"ssm": "fp8"}, "ssm='fp8'"),
     ({"threads": 512}, "threads=512"),
     ({"min_blocks": 0}, "min_blocks=0"),
+    ({"min_blocks": 2}, "min_blocks=2"),
+    ({"algo": "wy64"}, "algo='wy64'"),
 ])
 def test_spec_rejects(kw, needle):
     with pytest.raises(SpecError) as e:
@@ -38,10 +40,16 @@ def test_targets_and_build_specs():
     for t in (SM90, SM103, SM107):
         for s in (KdaPrefillSpec(target=t, heads=h, ssm=d) for h in KDA_PREFILL_HEADS for d in SsmDtype):
             assert spec_from_canonical(s.canonical(), t) == s
-    # Not in any build list while it needs > 128 registers (targets.py TODO(kda-prefill-build)).
-    for t in (SM90, SM100, SM103, SM107):
-        assert not [s for s in build_specs(t) if s.op == "kda_prefill"]
+    # The chunk16 kernel is built for the NVFP4 targets and SM90 (not the frozen original target).
+    for t in (SM90, SM103, SM107):
+        specs = [s for s in build_specs(t) if s.op == "kda_prefill"]
+        assert len(specs) == len(KDA_PREFILL_HEADS) * 2 and all(s.algo is PrefillAlgo.CHUNK16 for s in specs)
+    assert not [s for s in build_specs(SM100) if s.op == "kda_prefill"]
     assert KdaPrefillSpec(target=SM90, heads=12).slug() == "h12-bounded-fp32"
+    tok = KdaPrefillSpec(target=SM90, heads=12, algo=PrefillAlgo.TOKEN)
+    assert tok.slug() == "h12-bounded-fp32-token" and tok.smem_bytes == 0
+    assert KdaPrefillSpec(target=SM90, heads=12).smem_bytes == CHUNK_SMEM_BYTES
+    assert spec_from_canonical(tok.canonical(), SM90) == tok
 
 
 def test_bytes_moved():
@@ -126,17 +134,54 @@ def test_split_continuation_equals_one_call(split):
     assert torch.allclose(ssm, one_s, rtol=0, atol=1e-6) and torch.equal(conv, one_c)
 
 
+def _token_recurrence(q, k, v, g, beta, s):
+    s, outs = s.clone(), []
+    for t in range(q.shape[0]):
+        s = s * torch.exp(g[t])[None, :]
+        u = beta[t] * (v[t] - s @ k[t])
+        s = s + u[:, None] * k[t][None, :]
+        outs.append(s @ q[t])
+    return (torch.stack(outs) if outs else torch.empty(0, v.shape[1], dtype=q.dtype)), s
+
+
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 63, 64, 65, 200])
+@pytest.mark.parametrize("gate_scale", [1.0, 8.0])
+def test_chunk_algebra_equals_token_recurrence(T, gate_scale):
+    """The chunk kernel's algebra (reference.kda_prefill.chunk_emulation): FP64 equal to the token
+    recurrence to rounding; FP32 within 5e-6, half the GPU tests' 1e-5 state bar (the kernel's 3xTF32 products aim at FP32 accuracy).
+    gate_scale 8 gives decays near e^-40 per token (a softplus-like gate): no overflow or NaN."""
+    g0 = torch.Generator().manual_seed(T)
+    nrm = torch.nn.functional.normalize
+    q = nrm(torch.randn(T, K, generator=g0), dim=-1) * K ** -0.5
+    k = nrm(torch.randn(T, K, generator=g0), dim=-1)
+    v = torch.randn(T, K, generator=g0)
+    g = -5 * gate_scale * torch.sigmoid(torch.randn(T, K, generator=g0) * 3)
+    b = torch.sigmoid(torch.randn(T, generator=g0))
+    s0 = torch.randn(K, K, generator=g0) * 0.05
+    ro, rs = _token_recurrence(*(x.double() for x in (q, k, v, g, b, s0)))
+    for dt, tol in ((torch.float64, 1e-12), (torch.float32, 5e-6)):
+        o, s = chunk_emulation(*(x.to(dt) for x in (q, k, v, g, b, s0)))
+        assert torch.isfinite(o).all() and torch.isfinite(s).all()
+        assert float((o.double() - ro).norm() / ro.norm()) <= tol
+        assert float((s.double() - rs).norm() / rs.norm()) <= tol
+
+
 @pytest.mark.parametrize("target", ["sm90", "sm103-nvfp4", "sm107-nvfp4"])
-@pytest.mark.parametrize("ssm,gate", [(SsmDtype.FP32, GateKind.BOUNDED), (SsmDtype.BF16, GateKind.BOUNDED),
-                                      (SsmDtype.FP32, GateKind.SOFTPLUS)])
-def test_compiles_without_spills(target, ssm, gate):
+@pytest.mark.parametrize("ssm,gate,algo", [(SsmDtype.FP32, GateKind.BOUNDED, PrefillAlgo.CHUNK16),
+                                           (SsmDtype.BF16, GateKind.BOUNDED, PrefillAlgo.CHUNK16),
+                                           (SsmDtype.FP32, GateKind.SOFTPLUS, PrefillAlgo.CHUNK16),
+                                           (SsmDtype.FP32, GateKind.BOUNDED, PrefillAlgo.TOKEN)])
+def test_compiles_without_spills(target, ssm, gate, algo):
     from k3gen.build import build_one
     from k3gen.compile.inspect import cubin_arch
-    spec = KdaPrefillSpec(target=TARGETS[target], heads=12, ssm=ssm, gate=gate)
+    spec = KdaPrefillSpec(target=TARGETS[target], heads=12, ssm=ssm, gate=gate, algo=algo)
     r = build_one(spec)
     assert cubin_arch(r.cubin) == spec.target.arch
     assert r.resources and all(x["local"] == 0 and x["stack"] == 0 for x in r.resources), r.resources
     assert all(x["registers"] <= 255 and x["shared"] <= 48 * 1024 for x in r.resources), r.resources
+    ops = {k: n for x in r.resources for k, n in x["sass"].items()}
+    if algo is PrefillAlgo.CHUNK16:  # 3xTF32 m16n8k8: 3 x (64 + 4 + 32) mma per warp and chunk
+        assert sum(n for k, n in ops.items() if k.startswith("HMMA")) == 300, ops
 
 
 def test_launcher_checks():

@@ -58,8 +58,12 @@ def test_build_specs():
         assert len({s.kernel_name for s in specs}) == len(specs)
         for s in specs:
             assert spec_from_canonical(s.canonical(), t) == s
-    # The original target's verify kernel is not built until it has run on a GPU (targets.py TODO).
-    assert not [s for s in build_specs(SM100) if s.op == "kda_verify"]
+    # The original target builds only the FP32 original variant (frozen: tests/golden).
+    orig = [s for s in build_specs(SM100) if s.op == "kda_verify"]
+    assert len(orig) == len(KDA_VERIFY_HEADS) * len(KDA_VERIFY_DRAFTS)
+    assert all(s.variant is VerifyVariant.ORIGINAL and s.ssm is SsmDtype.FP32 and s.blocks_per_sm == 2 for s in orig)
+    assert not [s for s in build_specs(SM100, ssm=SsmDtype.FP32) if s.op == "kda_verify"
+                and s.variant is not VerifyVariant.ORIGINAL]
 
 
 def test_bytes_moved():

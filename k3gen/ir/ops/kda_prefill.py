@@ -1,8 +1,10 @@
 """kda_prefill: the prompt tokens of a varlen batch through the fused KDA step (SPEC.md section 2),
 writing every token's output, the final state into the pool slot and the last three raw inputs
 into the conv window; a sequence may continue from the state already in its slot (chunked
-continuation). The first kernel is token-sequential (one CTA per (sequence, head) with the state
-in registers); the chunked WY form is the fast algorithm and a later variant of this op.
+continuation). Two algorithms (`algo`), one CTA per (sequence, head) each: `chunk16`, the chunked
+WY form on tensor cores (3xTF32 mma.sync, FP32 recurrence, 16-token chunks, state in registers;
+include/k3gen/kda_prefill_chunk.cuh) is the default; `token`, the token-sequential first version
+(include/k3gen/kda_prefill.cuh), stays as the simple cross-check.
 
 Kernel contract (shared by the template, the reference and the launcher). D = heads * 128,
 N = total tokens; sequence b owns rows cu_seqlens[b] .. cu_seqlens[b+1]-1.
@@ -19,10 +21,11 @@ Pools (kda_decode's StatePoolLayout): `ssm[num_slots, H, 128, 128]` FP32 or BF16
 after the last token: the recurrence never rounds in between), `conv[num_slots, 3D, 3]` BF16.
 Output: `out[N, H, 128]` BF16 contiguous (8-byte aligned). A sequence of length 0 touches nothing.
 
-Launch: grid (H, B), 256 threads.
+Launch: grid (H, B), 256 threads; `chunk16` takes `smem_bytes` of dynamic shared memory.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from ...errors import SpecError, TargetError
@@ -33,6 +36,18 @@ from ..spec import OpSpec, register_op
 from .kda_decode import FbWeight
 
 
+class PrefillAlgo(str, enum.Enum):
+    CHUNK16 = "chunk16"   # chunked WY form, tensor cores (the fast path)
+    TOKEN = "token"       # token-sequential, CUDA cores (first version)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Dynamic shared memory of the chunk kernel (its template static_asserts sizeof(Smem) fits).
+CHUNK_SMEM_BYTES = 80 * 1024
+
+
 @register_op("kda_prefill")
 @dataclass(frozen=True, kw_only=True)
 class KdaPrefillSpec(OpSpec):
@@ -40,6 +55,7 @@ class KdaPrefillSpec(OpSpec):
     gate: GateKind = GateKind.BOUNDED
     ssm: SsmDtype = SsmDtype.FP32
     fb_weight: FbWeight = FbWeight.BF16
+    algo: PrefillAlgo = PrefillAlgo.CHUNK16
     threads: int = 256
     # One CTA per SM: prefill grids (B x H) rarely fill more than a wave, the token loop is
     # latency-bound, and staging the next chunk next to the 64 register rows needs > 128 registers.
@@ -50,7 +66,7 @@ class KdaPrefillSpec(OpSpec):
             raise SpecError("heads", self.heads, "a positive head count (K3: 96, 48, 24, 12, 6)")
         if self.heads > 1 << 20:
             raise SpecError("heads", self.heads, f"<= {1 << 20}", "heads are grid.x")
-        for f, enum_t in (("gate", GateKind), ("ssm", SsmDtype), ("fb_weight", FbWeight)):
+        for f, enum_t in (("gate", GateKind), ("ssm", SsmDtype), ("fb_weight", FbWeight), ("algo", PrefillAlgo)):
             if not isinstance(getattr(self, f), enum_t):
                 raise SpecError(f, getattr(self, f), [e.value for e in enum_t])
         if self.ssm not in self.target.ssm_dtypes:
@@ -60,6 +76,9 @@ class KdaPrefillSpec(OpSpec):
             raise SpecError("threads", self.threads, [256], "8 state rows per half-warp")
         if self.min_blocks not in (1, 2):
             raise SpecError("min_blocks", self.min_blocks, [1, 2])
+        if self.algo is PrefillAlgo.CHUNK16 and self.min_blocks != 1:
+            raise SpecError("min_blocks", self.min_blocks, [1], "the chunk kernel keeps 64 state words and "
+                            "the chunk's V_new / O tiles in registers (up to 255)")
 
     @property
     def d(self) -> int:
@@ -73,8 +92,14 @@ class KdaPrefillSpec(OpSpec):
     def state_bytes_per_head(self) -> int:
         return KDA_DV * KDA_DK * (4 if self.ssm is SsmDtype.FP32 else 2)
 
+    @property
+    def smem_bytes(self) -> int:
+        return CHUNK_SMEM_BYTES if self.algo is PrefillAlgo.CHUNK16 else 0
+
     def slug(self) -> str:
         s = f"h{self.heads}-{self.gate.value}-{self.ssm.value}"
+        if self.algo is not PrefillAlgo.CHUNK16:
+            s += f"-{self.algo.value}"
         if self.min_blocks != 1:
             s += f"-mb{self.min_blocks}"
         return s

@@ -13,13 +13,32 @@ from ...ir.dtypes import SsmDtype
 from ...ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
 from ..bind import Launcher
 from ..checks import check_kda_weights, check_one_device, check_tensor
-from ..loader import I32, PTR
+from ..loader import I32, PTR, _check
 from .kda_decode import MAX_GRID_Z, KdaDecode
 
 I64 = ctypes.c_longlong
 
 
 class KdaPrefill(Launcher):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._smem_set: set[int] = set()
+
+    def load(self):
+        super().load()
+        self._allow_smem(self.device_index)
+        return self
+
+    def _allow_smem(self, device: int) -> None:
+        """The chunk kernel's dynamic shared memory is above the 48 KB default: raise the limit
+        once per device, at load() (outside any graph capture)."""
+        if device in self._smem_set or not self.spec.smem_bytes:
+            return
+        from cuda.bindings import driver
+        f = self._kernel.function(device)
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(f, attr, self.spec.smem_bytes), "cuFuncSetAttribute")
+        self._smem_set.add(device)
 
     def check(self, qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, conv_w, fb_w, dt_bias, a_log,
               norm_w, out) -> tuple[int, int]:
@@ -72,5 +91,7 @@ class KdaPrefill(Launcher):
         types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR)
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream)
+        self._allow_smem(dev)
+        self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream,
+                           self.spec.smem_bytes)
         return out
