@@ -514,7 +514,9 @@ def _worker(spec_text: str, target_name: str, workdir: Path) -> int:
     driver_loaded = maps.exists() and "libcuda.so" in maps.read_text()
     result = {"cubin": str(workdir / "kernel.cubin"), "ptx": str(workdir / "kernel.ptx"),
               "kernels": list(compiled.kernel_info),
-              "tensors": tensors, "dynamic_smem": int(getattr(mod, "DYNAMIC_SMEM_BYTES", 0)),
+              "tensors": tensors,
+              # A kernel sized per spec reports its shared memory on the traced object.
+              "dynamic_smem": int(getattr(fn, "smem_bytes", 0) or getattr(mod, "DYNAMIC_SMEM_BYTES", 0)),
               "driver_loaded": driver_loaded}
     tmp = workdir / "result.json.tmp"
     tmp.write_text(json.dumps(result, indent=1))

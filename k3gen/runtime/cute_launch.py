@@ -75,7 +75,11 @@ class CuteKernel:
     # -- setup (not graph-safe: loads a module) -----------------------------------------------
     def load(self, device: int | None = None) -> "CuteKernel":
         import torch
-        self._kernel.function(torch.cuda.current_device() if device is None else device)
+        f = self._kernel.function(torch.cuda.current_device() if device is None else device)
+        if self.dynamic_smem > 48 * 1024:  # above the default opt-in limit
+            from cuda.bindings import driver
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(driver.cuFuncSetAttribute(f, attr, self.dynamic_smem), "cuFuncSetAttribute")
         return self
 
     # -- host-side checks -----------------------------------------------------------------------

@@ -154,10 +154,11 @@ def test_smem_fits_two_ctas_per_sm():
         assert s.smem_bytes(1) <= 113 * 1024
 
 
-@pytest.mark.parametrize("target", [SM90, SM103, SM107], ids=lambda t: t.name)
+@pytest.mark.parametrize("target", [SM90], ids=lambda t: t.name)
 @pytest.mark.parametrize("bm", [16, 64])
 def test_compiles_without_spills_with_tensor_core_sass(target, bm):
-    """sm_90a and the sm_100 family have no FP8 mma.sync in hardware: the kernel converts E4M3 to
+    """The NVRTC path (sm90 only: sm103/sm107 build the tcgen05 kernel, see
+    test_fp8_block_gemm_tcgen05.py). sm_90a has no FP8 mma.sync in hardware: the kernel converts E4M3 to
     F16 itself (F2FP.F16.E4M3.UNPACK_B) and runs HMMA.16816.F32. One k32 step per warp and n8
     tile is two HMMAs; the conversions stay once per weight fragment and token chunk."""
     spec = Fp8BlockGemmSpec(target=target, n=200, k=272, bm=bm, recipe=ScaleRecipe.UE8M0)

@@ -16,6 +16,11 @@ launcher runtime/ops/fp8_block_gemm.py):
 - N static, a multiple of 8 (16-byte output rows); K static, a multiple of 16 (16-byte copies);
   neither needs to be a multiple of 128. M dynamic, >= 0 (M = 1 included).
 
+tcgen05 targets (sm103/sm107, `lowering == "cute"`, kernel in k3gen/cute/fp8_block_gemm.py): a CTA
+owns TC_TILE_N = 128 weight rows (one scale block, the MMA's M side) and `bm` tokens (the MMA's N
+side, bm in TC_BM_CHOICES; the UE8M0 block-scaled MMA needs bm >= 64, the FP32 recipe's register
+promotion bm <= 64); 288 threads; grid = (1, ceil(M / bm), ceil(N / 128)), no clusters yet.
+
 Launch geometry (SM90 mma.sync kernel): 4 warps, a CTA owns BN = 64 weight rows and up to `bm`
 tokens; grid = (split, ceil(M / bm), ceil(N / 64)) with clusters (split, 1, 1): the `split` CTAs of
 a cluster share the K range in whole 128-column blocks and reduce through distributed shared
@@ -36,6 +41,11 @@ WARPS = 4
 BM_CHOICES = (16, 32, 64)
 STAGE_CHOICES = (3, 4, 5, 6)
 MAX_SPLIT = 8          # portable cluster size
+# The tcgen05 path (CuTe DSL) and the targets it serves; the others keep the NVRTC mma.sync kernel.
+TCGEN05_TARGETS = ("sm103-nvfp4", "sm107-nvfp4")
+TC_TILE_N = 128        # weight rows per CTA: the tcgen05 MMA's M
+TC_BM_CHOICES = (32, 64, 128)
+TC_THREADS = 288       # 4 loader warps, 4 epilogue warps, 1 MMA warp
 
 
 def cdiv(a: int, b: int) -> int:
@@ -67,6 +77,10 @@ class Fp8BlockGemmSpec(OpSpec):
             object.__setattr__(self, "recipe", self.target.scale_recipe)
         super().__post_init__()
 
+    @property
+    def lowering(self) -> str:  # type: ignore[override]
+        return "cute" if self.target.name in TCGEN05_TARGETS else "nvrtc"
+
     def validate(self) -> None:
         for name, v, mult in (("n", self.n, 8), ("k", self.k, 16)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % mult:
@@ -75,7 +89,12 @@ class Fp8BlockGemmSpec(OpSpec):
             raise SpecError("n*k", self.n * self.k, "< 2^31", "32-bit weight offsets per row block")
         if not isinstance(self.recipe, ScaleRecipe):
             raise SpecError("recipe", self.recipe, [r.value for r in ScaleRecipe])
-        if self.bm not in BM_CHOICES:
+        if self.lowering == "cute":
+            allowed = tuple(b for b in TC_BM_CHOICES
+                            if (b >= 64 if self.recipe is ScaleRecipe.UE8M0 else b <= 64))
+            if self.bm not in allowed:
+                raise SpecError("bm", self.bm, allowed, f"tcgen05 MMA N, {self.recipe.value} recipe")
+        elif self.bm not in BM_CHOICES:
             raise SpecError("bm", self.bm, BM_CHOICES, "n8 tiles per warp, <= 128 registers")
         if self.stages not in STAGE_CHOICES:
             raise SpecError("stages", self.stages, STAGE_CHOICES)
@@ -104,7 +123,7 @@ class Fp8BlockGemmSpec(OpSpec):
 
     @property
     def threads(self) -> int:
-        return WARPS * 32
+        return TC_THREADS if self.lowering == "cute" else WARPS * 32
 
     def smem_bytes(self, split: int) -> int:
         """Dynamic shared memory: the FP8 pipeline, the F16 token tile, then the combined scales of
@@ -113,6 +132,8 @@ class Fp8BlockGemmSpec(OpSpec):
                 + 4 * self.bm * cdiv(self.k_blocks, split))
 
     def grid(self, m: int, split: int) -> tuple[int, int, int]:
+        if self.lowering == "cute":
+            return (split, cdiv(m, self.bm), cdiv(self.n, TC_TILE_N))
         return (split, cdiv(m, self.bm), cdiv(self.n, BN))
 
     def slug(self) -> str:

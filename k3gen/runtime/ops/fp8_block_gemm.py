@@ -25,6 +25,13 @@ class Fp8BlockGemm(Launcher):
         self._smem_set: set[int] = set()
 
     def load(self):
+        if self.spec.lowering == "cute":  # tcgen05 targets: CuTe DSL cubin, ABI from the build
+            if self._kernel is None:
+                from ...build import resolve
+                from ..cute_launch import load_cute_kernel
+                cubin, self.meta = resolve(self.spec)
+                self._kernel = load_cute_kernel(cubin, self.meta).load()
+            return self
         super().load()
         self.sm_count  # noqa: B018  (queried once, outside any graph capture)
         self._allow_smem(self.device_index)
@@ -41,6 +48,8 @@ class Fp8BlockGemm(Launcher):
 
     def split_for(self, m: int) -> int:
         s = self.spec
+        if s.lowering == "cute":
+            return 1
         return choose_split(s.n, s.k, m, s.bm, self.sm_count)
 
     def check(self, x_codes, x_scales, w_codes, w_scales, out) -> int:
@@ -70,6 +79,11 @@ class Fp8BlockGemm(Launcher):
         import torch
         m = self.check(x_codes, x_scales, w_codes, w_scales, out)
         if m == 0:
+            return out
+        if self.spec.lowering == "cute":
+            if split not in (None, 1):
+                raise SpecError("split", split, [1], "the tcgen05 kernel has no split-K yet")
+            self.kernel.launch(self.spec.grid(m, 1), x_codes, x_scales, w_codes, w_scales, out)
             return out
         cap = min(MAX_SPLIT, self.spec.k_blocks)
         if split is not None and not 1 <= split <= cap:
