@@ -54,8 +54,9 @@ def test_compile_resources_and_sass(name):
         assert cubin_arch(r.cubin) == t.arch
         for res in (KernelResources(**x) for x in r.resources):
             assert not res.spills, f"{r.artifact.spec.kernel_name}: {res.local} B local memory"
-            assert res.registers <= 128
             spec = r.artifact.spec
+            # A spec that runs one CTA per SM anyway may say so (e.g. mla_decode: 255).
+            assert res.registers <= getattr(spec, "max_registers", 128)
             if getattr(spec, "kv", None) is KvDtype.NVFP4:
                 # SM100-family converts to E2M1 in hardware; Hopper has no such instruction.
                 assert ("F2FP" in res.sass) == t.fp4_cvt or not t.fp4_cvt
