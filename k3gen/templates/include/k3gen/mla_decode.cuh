@@ -452,7 +452,7 @@ __device__ void decode(const Params& p) {
   if (p.splits > 1 && tid < R && r0 + tid < HT) {
     const float l = sL[tid];
     p.part_lse[(static_cast<long long>(b) * p.splits + split) * HT + r0 + tid] =
-        l > 0.f ? sM[tid] + __log2f(l) : K3GEN_MLA_NEG_INF;
+        l > 0.f ? sM[tid] + log2f(l) : K3GEN_MLA_NEG_INF;
   }
 }
 
