@@ -234,15 +234,19 @@ __device__ __forceinline__ void dequant_tile(const Params& p, int b, int len, in
     const unsigned char* sc = stage + kTok * kRow / 2;
     const int live = len / 16 * 16;   // first position of the live (incomplete) tile
     const uint4* ring = static_cast<const uint4*>(p.c[C::kSwizzle ? 2 : 3]);
-    const long long ring_row0 = static_cast<long long>(p.ring_slot[b]) * C::kRing;
+    const int slot = p.ring_slot[b];
+    const bool ring_ok = slot >= 0 && slot < p.num_slots;   // else the live rows read as zeros
+    const long long ring_row0 = static_cast<long long>(ring_ok ? slot : 0) * C::kRing;
     for (int i = tid; i < kTok * 36; i += kThreads) {
       const int t = i / 36, c = i - t * 36;
       const int pos = tile * kTok + t;
       uint4 v0 = zero, v1 = zero;
       if (pos < len && pos >= live) {
-        const uint4* src = ring + (ring_row0 + pos % C::kRing) * (kRow / 8) + c * 2;
-        v0 = src[0];
-        v1 = src[1];
+        if (ring_ok) {
+          const uint4* src = ring + (ring_row0 + pos % C::kRing) * (kRow / 8) + c * 2;
+          v0 = src[0];
+          v1 = src[1];
+        }
       } else if (pos < len && pg >= 0) {
         unsigned code;
         if constexpr (C::kSwizzle) {
