@@ -464,3 +464,6 @@ def kda_prefill(ceiling: float, quick: bool = False) -> list:
         rows.append(make_row("kda_prefill", f"H{H} T{L} fp32 {algo.value}", us, nbytes, ceiling, same, peer=peer,
                              peer_us=peer_us, extra={**extra, **peer_extra}))
     return rows
+
+
+from .bench_cases_mla import mla_decode  # noqa: E402,F401  (k3gen bench --op mla_decode)

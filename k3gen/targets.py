@@ -116,6 +116,7 @@ def build_specs(target: Target, kv: KvDtype | None = None, ssm: SsmDtype | None 
     specs += _kda_prefill_specs(target, ssm)
     specs += _act_quant_specs(target)
     specs += _fp8_proj_specs(target)
+    specs += _mla_decode_specs(target, kv)
     return specs
 
 
@@ -222,3 +223,18 @@ def _kda_verify_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
                 if spec.blocks_per_sm == 2:
                     out.append(spec)
     return out
+
+
+# MLA decode attention: a few representative specs (TP8 and TP1 heads, decode and T = 4 verify).
+# The SM100-family targets compile the same mma.sync kernel (the tcgen05 FP4 path is not written).
+MLA_DECODE_TARGETS = ("sm90", "sm103-nvfp4", "sm107-nvfp4")
+MLA_DECODE_SHAPES = ((12, 1), (12, 4), (96, 1), (96, 4))
+
+
+def _mla_decode_specs(target: Target, kv: KvDtype | None) -> list[OpSpec]:
+    from .ir.ops.mla_decode import MlaDecodeSpec
+    if target.name not in MLA_DECODE_TARGETS:
+        return []
+    kvs = target.kv_dtypes if kv is None else (kv,)
+    return [MlaDecodeSpec(target=target, heads=h, tokens=t, kv=k, max_drafts=3 if k is KvDtype.NVFP4 else 0)
+            for k in kvs for h, t in MLA_DECODE_SHAPES]

@@ -15,6 +15,7 @@ LAUNCHERS = {
     "fp8_block_gemm": "k3gen.runtime.ops.fp8_block_gemm.Fp8BlockGemm",
     "mla_q_absorb": "k3gen.runtime.ops.mla_q_absorb.MlaQAbsorb",
     "mla_vb_gate": "k3gen.runtime.ops.mla_vb_gate.MlaVbGate",
+    "mla_decode": "k3gen.runtime.ops.mla_decode.MlaDecode",
 }
 
 

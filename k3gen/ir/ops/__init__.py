@@ -7,3 +7,4 @@ from . import kda_verify  # noqa: F401
 from . import kda_prefill  # noqa: F401
 from . import mla_q_absorb  # noqa: F401
 from . import mla_vb_gate  # noqa: F401
+from . import mla_decode  # noqa: F401

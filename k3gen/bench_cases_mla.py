@@ -1,0 +1,121 @@
+"""Benchmark cases of mla_decode (`k3gen bench --op mla_decode`).
+
+Bytes are the KV bytes the kernel must read (MlaDecodeSpec.kv_bytes: codes + scales, NVFP4 also
+its HP tail rows); % of copy is on those. The peer is the naive absorbed PyTorch decode over a
+dense, already-gathered BF16 KV (bmm, FP32 softmax, bmm; no paging, no causal mask: both favour
+the peer). FP8/NVFP4 rows carry `x_bf16`, the speed-up over the BF16-KV kernel at the same shape.
+"""
+from __future__ import annotations
+
+from .bench import make_row, sets_for, time_graph
+from .ir.dims import evaluate
+
+HEADS = (12, 96, 128)
+BATCHES = (1, 32, 128)
+LENGTHS = (1024, 8192, 32768)
+TOKENS = (1, 4)
+MAX_SET_BYTES = 12 * 2**30     # skip shapes whose input sets would not fit comfortably
+
+
+def _kv_formats():
+    from .ir.dtypes import KvDtype
+    return ((KvDtype.BF16, {}), (KvDtype.FP8, {}), (KvDtype.NVFP4, {"max_drafts": 3}))
+
+
+def bench_specs(quick: bool = False) -> list:
+    from .ir.ops.mla_decode import MlaDecodeSpec
+    from .targets import get_target
+    tgt = get_target("sm90")
+    heads, tokens = ((12, 128), (1,)) if quick else (HEADS, TOKENS)
+    return [MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=kv, **kw)
+            for kv, kw in _kv_formats() for h in heads for t in tokens]
+
+
+def _random_cache(spec, num_pages: int, B: int, gen) -> dict:
+    """Finite random contents in every format (E4M3 codes avoid the NaN pattern)."""
+    import torch
+
+    from .reference.kv_cache_write import alloc_cache
+    cache = alloc_cache(spec.layout, num_pages, B, "cuda")
+    for name, t in cache.items():
+        if t.dtype == torch.bfloat16:
+            t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
+        elif t.dtype == torch.float32:
+            t.copy_(torch.rand(t.shape, device="cuda", generator=gen) * 0.02)
+        elif name in ("kv_codes",) and spec.kv.value == "fp8":
+            t.copy_(torch.randint(0, 0x7E, t.shape, device="cuda", generator=gen, dtype=torch.uint8) |
+                    (torch.randint(0, 2, t.shape, device="cuda", generator=gen, dtype=torch.uint8) << 7))
+        elif name == "kv_codes":
+            t.copy_(torch.randint(0, 256, t.shape, device="cuda", generator=gen, dtype=torch.uint8))
+        else:   # NVFP4 E4M3 scales: a finite, moderate range
+            t.copy_(torch.randint(0x30, 0x50, t.shape, device="cuda", generator=gen, dtype=torch.uint8))
+    return cache
+
+
+def _naive(q, kv, T: int, H: int):
+    """The absorbed decode as plain PyTorch: scores by bmm, FP32 softmax, bmm."""
+    import torch
+    B = q.shape[0]
+    s = torch.bmm(q.view(B, T * H, 576), kv.transpose(1, 2)).float() * 192 ** -0.5
+    p = torch.softmax(s, dim=-1).to(torch.bfloat16)
+    return torch.bmm(p, kv[:, :, :512])
+
+
+def mla_decode(ceiling: float, quick: bool = False) -> list:
+    import torch
+
+    from .runtime.ops.mla_decode import MlaDecode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batches = (1, 128) if quick else BATCHES
+    lengths = (8192,) if quick else LENGTHS
+    rows, same, bf16_us = [], {}, {}
+    for spec in bench_specs(quick):
+        H, T = spec.heads, spec.tokens
+        op = MlaDecode(spec).load()
+        for B in batches:
+            for L in lengths:
+                nbytes = evaluate(spec.kv_bytes(), B=B, L=L)
+                n = sets_for(nbytes)
+                if n * nbytes > MAX_SET_BYTES:
+                    n = max(1, MAX_SET_BYTES // nbytes)
+                print(f"  mla_decode {spec.slug()} B{B} L{L} ({n} sets)", flush=True)
+                pages_per = -(-L // spec.page)
+                plan = op.plan(B, L)
+                sets = []
+                for _ in range(n):
+                    num_pages = B * pages_per
+                    sets.append(dict(
+                        cache=_random_cache(spec, num_pages, B, gen),
+                        bt=torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32).view(B, pages_per),
+                        lengths=torch.full((B,), L, dtype=torch.int32, device="cuda"),
+                        ring=torch.arange(B, dtype=torch.int32, device="cuda"),
+                        q=(torch.randn(B, T, H, 576, device="cuda", generator=gen) * 0.5).to(torch.bfloat16),
+                        out=torch.empty(B, T, H, 512, dtype=torch.bfloat16, device="cuda")))
+                scale = 2688 / 30 if spec.kv.value == "nvfp4" else 1.0
+                us = time_graph([lambda s=s: op(s["q"], s["cache"], s["bt"], s["lengths"], s["out"],
+                                                ring_slot=s["ring"], scale=scale, plan=plan) for s in sets])
+                extra = {"heads": H, "batch": B, "len": L, "tokens": T, "kv": spec.kv.value, "splits": plan.splits,
+                         "proj_8TBps_us": nbytes / 8e12 * 1e6,
+                         "tflops": evaluate(spec.flops(), B=B, L=L) / us / 1e6}
+                del sets
+                torch.cuda.empty_cache()
+                key = (H, T, B, L)
+                peer, peer_us = "", None
+                if spec.kv.value == "bf16":
+                    bf16_us[key] = us
+                    try:
+                        psets = [(torch.randn(B, T, H, 576, device="cuda", generator=gen).to(torch.bfloat16),
+                                  torch.randn(B, L, 576, device="cuda", generator=gen).to(torch.bfloat16))
+                                 for _ in range(n)]
+                        peer_us = time_graph([lambda p=p: _naive(p[0], p[1], T, H) for p in psets], reps=10)
+                        peer = "naive torch bmm/softmax/bmm"
+                        del psets
+                    except Exception as e:  # noqa: BLE001  (an OOM of the peer must not lose our row)
+                        extra["peer_error"] = repr(e)[:200]
+                    torch.cuda.empty_cache()
+                elif key in bf16_us:
+                    extra["x_bf16"] = bf16_us[key] / us
+                rows.append(make_row("mla_decode", f"{spec.kv.value} H{H} T{T} B{B} L{L}", us, nbytes, ceiling,
+                                     same, peer=peer, peer_us=peer_us, extra=extra))
+    return rows

@@ -1,0 +1,203 @@
+"""mla_decode: absorbed MLA attention over the paged latent KV cache (SPEC.md sections 4 and 5).
+
+Kernel contract (shared by the template, the reference and the launcher):
+
+- `q[B, T, H, 576]` BF16 (per head `[q_lat 512 | q_pe 64]`, the mla_q_absorb output of T tokens),
+  contiguous. Query row r = t * H + h of sequence b.
+- `lengths[B]` int32: tokens in the cache of sequence b, the T new ones included (T <= length).
+  Bottom-right causal: query token t sees positions 0 .. length - T + t.
+- Row of position p: page `block_table[b, p // page]`, slot `p % page`; KV formats of KvLayout.
+  FP8 and NVFP4 rows are dequantized exactly as `reference.kv_cache_write.gather_rows` does; NVFP4
+  positions of the live incomplete 16-token tile (`length // 16 * 16 .. length - 1`) come from the
+  BF16 HP tail ring `hp_tail[ring_slot[b], p % ring]`.
+- `s = (q . row) * softmax_scale` (1/sqrt(192)), softmax in FP32, `o_lat = sum p * row[:512]`,
+  BF16 `out[B, T, H, 512]`.
+
+Lowering (SM90 and, same source, the SM100 family): a CTA handles `16 * m_tiles` query rows of one
+sequence over one split of its KV tiles (64 tokens each). KV tiles stream through a cp.async ring
+in shared memory; FP8/NVFP4 tiles are dequantized in shared memory to BF16 (rounded once, RNE)
+before mma.sync m16n8k16 (QK over 576, PV over 512); online softmax in FP32. With more than one
+split the CTAs write FP32 partial outputs + log-sum-exp into a workspace and a second entry
+(`k3gen_mla_decode_combine`) merges them. The split count is chosen on the host (`plan_splits`)
+from the batch shape only, so a captured graph stays valid when lengths change; each CTA derives
+its token range from the device lengths. The tcgen05 block-scaled FP4 path of SM103/SM107 is not
+written yet: those targets compile this mma.sync kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from ...errors import SpecError, TargetError
+from ..dims import sym
+from ..dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
+from ..layouts import MLA_LATENT, MLA_ROW, PAGE_TOKENS, KvLayout
+from ..spec import OpSpec, register_op
+
+TILE_TOKENS = 64              # KV tokens per pipeline stage
+THREADS = 256                 # 8 warps
+SMEM_LIMIT = 227 * 1024       # opt-in shared memory per block on SM90 / SM100
+MAX_TOKENS = 8
+SOFTMAX_SCALE = 192 ** -0.5
+_PAD = 8                      # BF16 elements of padding per shared row (odd 16-byte strides)
+
+
+@register_op("mla_decode")
+@dataclass(frozen=True, kw_only=True)
+class MlaDecodeSpec(OpSpec):
+    heads: int                            # per rank: 6, 12, 24, 48, 96; 1..128
+    tokens: int = 1                       # T query tokens per sequence (1 decode, 1 + M verify)
+    kv: KvDtype = KvDtype.BF16
+    fp8_scales: Fp8ScaleGranularity = Fp8ScaleGranularity.PER_TOKEN_128
+    scale_layout: ScaleLayout | None = None  # NVFP4 only; defaults to the target's layout
+    max_drafts: int = 0                   # NVFP4 HP tail ring = 16 + max_drafts rows
+    m_tiles: int | None = None            # 16-row query tiles per CTA; default from H * T
+
+    def __post_init__(self):
+        if self.scale_layout is None:
+            object.__setattr__(self, "scale_layout", self.target.nvfp4_scale_layout
+                               if self.kv is KvDtype.NVFP4 else ScaleLayout.LINEAR)
+        if self.m_tiles is None and isinstance(self.heads, int) and isinstance(self.tokens, int):
+            object.__setattr__(self, "m_tiles", 1 if self.heads * self.tokens <= 16 else 2)
+        super().__post_init__()
+
+    def validate(self) -> None:
+        if not isinstance(self.heads, int) or isinstance(self.heads, bool) or not 1 <= self.heads <= 128:
+            raise SpecError("heads", self.heads, "1..128")
+        if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or not 1 <= self.tokens <= MAX_TOKENS:
+            raise SpecError("tokens", self.tokens, f"1..{MAX_TOKENS}")
+        if not isinstance(self.kv, KvDtype):
+            raise SpecError("kv", self.kv, [k.value for k in KvDtype])
+        if self.kv not in self.target.kv_dtypes:
+            raise TargetError("kv", self.kv.value, [k.value for k in self.target.kv_dtypes],
+                              f"target {self.target.name}")
+        if self.kv is not KvDtype.NVFP4 and self.scale_layout is not ScaleLayout.LINEAR:
+            raise SpecError("scale_layout", self.scale_layout.value, [ScaleLayout.LINEAR.value],
+                            f"{self.kv} KV has no FP4 tile scales")
+        if self.kv is not KvDtype.NVFP4 and self.max_drafts:
+            raise SpecError("max_drafts", self.max_drafts, [0], "only NVFP4 KV keeps an HP tail ring")
+        if self.m_tiles not in (1, 2):
+            raise SpecError("m_tiles", self.m_tiles, [1, 2], "registers: 32 FP32 accumulators per tile")
+        self.layout  # page and draft checks live in KvLayout
+        if self.smem_bytes > SMEM_LIMIT:
+            raise SpecError("m_tiles", self.m_tiles, "a smaller value",
+                            f"{self.smem_bytes} B of shared memory > {SMEM_LIMIT}")
+
+    @property
+    def layout(self) -> KvLayout:
+        return KvLayout(kv=self.kv, page=PAGE_TOKENS[self.kv], fp8_scales=self.fp8_scales,
+                        scale_layout=self.scale_layout, max_drafts=self.max_drafts)
+
+    @property
+    def page(self) -> int:
+        return PAGE_TOKENS[self.kv]
+
+    # -- geometry (mirrored by static_asserts in the template) -------------------------------
+    @property
+    def threads(self) -> int:
+        return THREADS
+
+    @property
+    def max_registers(self) -> int:
+        """One CTA per SM (the pipeline takes most of the shared memory): 255 costs no occupancy."""
+        return 255
+
+    @property
+    def softmax_scale(self) -> float:
+        return SOFTMAX_SCALE
+
+    @property
+    def rows(self) -> int:
+        """Query rows per CTA."""
+        return 16 * self.m_tiles
+
+    @property
+    def groups(self) -> int:
+        """CTAs per (sequence, split): query rows H * T in tiles of `rows`."""
+        return -(-self.heads * self.tokens // self.rows)
+
+    @property
+    def raw_stage_bytes(self) -> int:
+        """Bytes one pipeline stage holds before dequantization (codes + scales of 64 tokens)."""
+        if self.kv is KvDtype.BF16:
+            return TILE_TOKENS * (MLA_ROW + _PAD) * 2
+        if self.kv is KvDtype.FP8:
+            return TILE_TOKENS * MLA_ROW + TILE_TOKENS * 8 * 4   # 5 scales padded to 8
+        return TILE_TOKENS * MLA_ROW // 2 + 9 * 32 * 8             # codes + scale bytes (swizzled half page)
+
+    @property
+    def stages(self) -> int:
+        """cp.async ring depth: as many stages as fit, 2..4 (BF16 tiles are their own buffer)."""
+        fixed = self._fixed_smem()
+        for s in (4, 3, 2):
+            if fixed + s * self.raw_stage_bytes <= SMEM_LIMIT:
+                return s
+        return 2
+
+    def _fixed_smem(self) -> int:
+        r = self.rows
+        q = r * (MLA_ROW + _PAD) * 2
+        s = r * (TILE_TOKENS + 4) * 4                 # FP32 scores
+        p = r * (TILE_TOKENS + _PAD) * 2              # BF16 probabilities
+        stats = r * 4 * 4                             # m, l, alpha, causal limit
+        deq = 0 if self.kv is KvDtype.BF16 else TILE_TOKENS * (MLA_ROW + _PAD) * 2
+        return q + s + p + stats + deq
+
+    @property
+    def smem_bytes(self) -> int:
+        return self._fixed_smem() + self.stages * self.raw_stage_bytes
+
+    def slug(self) -> str:
+        s = f"h{self.heads}-t{self.tokens}-{self.kv.value}"
+        if self.kv is KvDtype.FP8:
+            s += "-" + ("tensor" if self.fp8_scales is Fp8ScaleGranularity.PER_TENSOR else "tok128")
+        if self.kv is KvDtype.NVFP4:
+            s += f"-{self.scale_layout.value}-m{self.max_drafts}"
+        if self.m_tiles != (1 if self.heads * self.tokens <= 16 else 2):
+            s += f"-mt{self.m_tiles}"
+        return s
+
+    # -- estimates --------------------------------------------------------------------------
+    def kv_bytes(self):
+        """KV bytes read for B sequences of L tokens (sympy over B, L): the bench's byte count.
+        NVFP4 adds the HP tail rows of the live tile (7.5 on average)."""
+        B, L = sym("B"), sym("L")
+        b = B * L * self.layout.bytes_per_token
+        if self.kv is KvDtype.NVFP4:
+            b += B * sympy.Rational(15, 2) * MLA_ROW * 2
+        return b
+
+    def bytes_moved(self):
+        B, L = sym("B"), sym("L")
+        qo = B * self.tokens * self.heads * (MLA_ROW + MLA_LATENT) * 2
+        meta = B * 4 * (1 + L / self.page)
+        return self.kv_bytes() + qo + meta
+
+    def flops(self):
+        B, L = sym("B"), sym("L")
+        return 2 * B * L * self.tokens * self.heads * (MLA_ROW + MLA_LATENT)
+
+
+def choose_splits(batch: int, max_len: int, heads: int, sm_count: int, tokens: int = 1,
+                  rows_per_cta: int | None = None, max_splits: int = 132) -> int:
+    """KV splits per (sequence, row group): enough CTAs for about one wave of `sm_count` (one CTA
+    per SM: the pipeline takes most of the shared memory), at least 2 KV tiles per split.
+
+    Depends only on the batch size and the largest length, so a graph captured with it stays
+    valid for any lengths up to that maximum (each CTA splits its own sequence's tiles on the
+    device).
+    """
+    if rows_per_cta is None:
+        rows_per_cta = 16 if heads * tokens <= 16 else 32
+    base = batch * -(-heads * tokens // rows_per_cta)
+    if base == 0 or base * 2 > sm_count:
+        return 1
+    tiles = -(-max_len // TILE_TOKENS)
+    return int(max(1, min(sm_count // base, tiles // 2, max_splits)))
+
+
+def plan_splits(lengths, heads: int, sm_count: int, tokens: int = 1, rows_per_cta: int | None = None) -> int:
+    """choose_splits for a batch given by its lengths (a sequence or a CPU tensor)."""
+    vals = [int(x) for x in (lengths.tolist() if hasattr(lengths, "tolist") else lengths)]
+    return choose_splits(len(vals), max(vals, default=0), heads, sm_count, tokens, rows_per_cta)

@@ -1,0 +1,488 @@
+// mla_decode: absorbed MLA attention over paged latent KV (BF16, FP8 E4M3, NVFP4 + HP tail ring).
+// Contract: k3gen/ir/ops/mla_decode.py; FP32 twin: k3gen/reference/mla_decode.py.
+//
+// Grid (groups, splits, B), 256 threads. CTA (g, s, b) owns query rows 16*MT*g .. of sequence b
+// (row r = t * H + h) and the s-th run of its 64-token KV tiles. Per tile:
+//   cp.async ring (kStages deep) -> [FP8/NVFP4: dequantize to a BF16 tile in shared memory]
+//   -> QK: warp w computes the 8 tokens 8w..8w+7 for all rows over 576 dims (mma m16n8k16)
+//   -> online softmax in FP32 (log2 domain), P rounded to BF16
+//   -> PV: warp w accumulates output columns 64w..64w+63 (MT x 8 n8 tiles of FP32 in registers).
+// Rows past the sequence end and rows of bad pages are zero in the BF16 tile (0 * garbage would
+// be NaN); their scores are masked by the causal limit.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "k3gen/quant.cuh"
+
+namespace k3gen {
+namespace mla {
+
+enum class Kv { kBf16, kFp8, kNvfp4 };
+
+constexpr int kRow = 576;
+constexpr int kLat = 512;
+constexpr int kTok = 64;                 // tokens per tile
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kPad = 8;
+constexpr int kRowS = kRow + kPad;       // BF16 per shared KV/Q row: 1168 B = 73 chunks (odd: no
+                                         // ldmatrix bank conflicts across 8 rows)
+constexpr int kSStride = kTok + 4;       // FP32 per score row
+constexpr int kPStride = kTok + kPad;    // BF16 per probability row (144 B = 9 chunks)
+constexpr int kFp8Scales = 8;            // FP32 slots per token in an FP8 stage (5 used)
+constexpr int kNvSwzBytes = 9 * 32 * 8;  // the 64-row half of a page's swizzled scale matrix
+constexpr float kLog2e = 1.4426950408889634f;
+#define K3GEN_MLA_NEG_INF (__int_as_float(0xff800000u))
+
+template <class C>
+struct Geo {
+  static constexpr int R = 16 * C::kMT;
+  static constexpr int HT = C::kHeads * C::kTokens;
+  static constexpr int kTileBytes = kTok * kRowS * 2;
+  static constexpr int kRaw = C::kKv == Kv::kBf16 ? kTileBytes
+                              : C::kKv == Kv::kFp8 ? kTok * kRow + kTok * kFp8Scales * 4
+                                                   : kTok * kRow / 2 + kNvSwzBytes;
+  static constexpr int kQ = R * kRowS * 2;
+  static constexpr int kS = R * kSStride * 4;
+  static constexpr int kP = R * kPStride * 2;
+  static constexpr int kStats = R * 4 * 4;
+  static constexpr int kDeq = C::kKv == Kv::kBf16 ? 0 : kTileBytes;
+  static constexpr int kFixed = kQ + kS + kP + kStats + kDeq;
+  static constexpr int kSmem = kFixed + C::kStages * kRaw;
+};
+
+struct Params {
+  const __nv_bfloat16* q;        // [B, T*H, 576]
+  const int* lengths;            // [B]
+  const int* block_table;        // [>= B, bt_cols]
+  long long bt_stride;
+  int bt_cols, num_pages;
+  const int* ring_slot;          // NVFP4: [B]
+  int num_slots;
+  const void* c[4];              // KvLayout.tensors() in order
+  float scale;                   // FP8 per-tensor scale or NVFP4 global scale G
+  __nv_bfloat16* out;            // [B, T*H, 512]
+  float* part_o;                 // [B, splits, T*H, 512] (splits > 1)
+  float* part_lse;               // [B, splits, T*H], log2 domain
+  int splits;
+};
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, unsigned src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async8(unsigned dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// D += A (16x16 BF16, row) * B (16x8 BF16, col), FP32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // RNE
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// ---- dequantization (the inverse of kv_write.cuh, as reference.kv_cache_write.gather_rows) -----
+// 4 E4M3 bytes -> 4 floats (exact through f16).
+__device__ __forceinline__ void e4m3x4_to_float(unsigned w, float* x) {
+  unsigned lo, hi;
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+}
+
+// The E2M1 nibble n as the f16 bit pattern of e2m1(n) * 2^-14: magnitude bits go to the f16
+// exponent/mantissa top (code 1 lands on the subnormal 2^-15 = 0.5 * 2^-14), the sign to bit 15.
+// So float(f16) * (d * 2^14) == e2m1(n) * d exactly (both one rounding of the same product).
+__device__ __forceinline__ unsigned e2m1x2_to_h2bits(unsigned byte) {
+  return ((byte & 0x7u) << 9) | ((byte & 0x8u) << 12) | ((byte & 0x70u) << 21) | ((byte & 0x80u) << 24);
+}
+
+// 8 E4M3 codes times s -> 8 BF16 (one uint4).
+__device__ __forceinline__ uint4 fp8x8_to_bf16(uint2 codes, float s) {
+  float x[8];
+  e4m3x4_to_float(codes.x, x);
+  e4m3x4_to_float(codes.y, x + 4);
+  return make_uint4(bf16x2(x[0] * s, x[1] * s), bf16x2(x[2] * s, x[3] * s), bf16x2(x[4] * s, x[5] * s),
+                    bf16x2(x[6] * s, x[7] * s));
+}
+
+// 8 E2M1 codes (one 32-bit word, element 0 in the low nibble) times d -> 8 BF16.
+__device__ __forceinline__ uint4 e2m1x8_to_bf16(unsigned w, float d) {
+  const float d14 = d * 16384.0f;
+  unsigned o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned h = e2m1x2_to_h2bits((w >> (8 * i)) & 0xffu);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    o[i] = bf16x2(f.x * d14, f.y * d14);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// Page id of the tile's tokens, or -1 when the table entry is missing or out of range.
+template <class C>
+__device__ __forceinline__ int tile_page(const Params& p, int b, int tile) {
+  const int j = tile * kTok / C::kPage;
+  if (j >= p.bt_cols) return -1;
+  const int pg = p.block_table[static_cast<long long>(b) * p.bt_stride + j];
+  return (pg < 0 || pg >= p.num_pages) ? -1 : pg;
+}
+
+// Issue the copies of one tile into a raw stage (no commit).
+template <class C>
+__device__ __forceinline__ void load_tile(const Params& p, int b, int len, int tile, unsigned char* stage) {
+  const int tid = threadIdx.x;
+  const int pg = tile_page<C>(p, b, tile);
+  const int slot0 = (tile * kTok) % C::kPage;
+  const unsigned dst0 = smem_u32(stage);
+  if constexpr (C::kKv == Kv::kBf16) {
+    const unsigned char* kv = static_cast<const unsigned char*>(p.c[0]);
+    for (int i = tid; i < kTok * (kRow / 8); i += kThreads) {
+      const int t = i / (kRow / 8), c = i - t * (kRow / 8);
+      const bool ok = pg >= 0 && tile * kTok + t < len;
+      const void* src = ok ? kv + ((static_cast<long long>(pg) * C::kPage + slot0 + t) * kRow + c * 8) * 2
+                           : static_cast<const void*>(kv);
+      cp_async16(dst0 + (t * kRowS + c * 8) * 2, src, ok ? 16u : 0u);
+    }
+  } else if constexpr (C::kKv == Kv::kFp8) {
+    if (pg < 0) return;  // dequantization writes zeros for the whole tile
+    const unsigned char* codes = static_cast<const unsigned char*>(p.c[0]) +
+                                 (static_cast<long long>(pg) * C::kPage + slot0) * kRow;
+    const int n = min(kTok, len - tile * kTok);
+    for (int i = tid; i < n * (kRow / 16); i += kThreads) cp_async16(dst0 + i * 16, codes + i * 16, 16u);
+    if constexpr (!C::kFp8PerTensor) {
+      // [tokens, 5] FP32 rows are 20 B: copy them 4 B at a time into 8-float slots.
+      const float* sc = static_cast<const float*>(p.c[1]) + (static_cast<long long>(pg) * C::kPage + slot0) * 5;
+      const unsigned sdst = dst0 + kTok * kRow;
+      for (int i = tid; i < n * 5; i += kThreads) {
+        const int t = i / 5, g = i - t * 5;
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sdst + (t * kFp8Scales + g) * 4),
+                     "l"(sc + i) : "memory");
+      }
+    }
+  } else {
+    if (pg < 0) return;
+    const unsigned char* codes = static_cast<const unsigned char*>(p.c[0]) +
+                                 (static_cast<long long>(pg) * C::kPage + slot0) * (kRow / 2);
+    const int n = min(kTok, len - tile * kTok);
+    for (int i = tid; i < n * (kRow / 32); i += kThreads) cp_async16(dst0 + i * 16, codes + i * 16, 16u);
+    const unsigned sdst = dst0 + kTok * kRow / 2;
+    if constexpr (C::kSwizzle) {
+      // Rows slot0..slot0+63 of the [128, 36] matrix: 8 bytes of every 16-byte chunk.
+      const unsigned char* sc = static_cast<const unsigned char*>(p.c[1]) +
+                                static_cast<long long>(pg) * (C::kPage * 36) + (slot0 / 64) * 8;
+      for (int i = tid; i < 9 * 32; i += kThreads) cp_async8(sdst + i * 8, sc + i * 16);
+    } else {
+      // Latent tile scales [4 tiles, 32] then rope scales [64 tokens, 4].
+      const unsigned char* ts = static_cast<const unsigned char*>(p.c[1]) +
+                                (static_cast<long long>(pg) * (C::kPage / 16) + slot0 / 16) * 32;
+      const unsigned char* rs = static_cast<const unsigned char*>(p.c[2]) +
+                                (static_cast<long long>(pg) * C::kPage + slot0) * 4;
+      if (tid < 8) cp_async16(sdst + tid * 16, ts + tid * 16, 16u);
+      else if (tid < 24) cp_async16(sdst + 128 + (tid - 8) * 16, rs + (tid - 8) * 16, 16u);
+    }
+  }
+}
+
+// Raw FP8/NVFP4 stage -> BF16 tile. Positions >= len and bad pages become zeros; NVFP4 positions
+// of the live 16-token tile come from the HP tail ring.
+template <class C>
+__device__ __forceinline__ void dequant_tile(const Params& p, int b, int len, int tile, const unsigned char* stage,
+                                             __nv_bfloat16* deq) {
+  const int tid = threadIdx.x;
+  const int pg = tile_page<C>(p, b, tile);
+  uint4* dst = reinterpret_cast<uint4*>(deq);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  if constexpr (C::kKv == Kv::kFp8) {
+    const float* sc = reinterpret_cast<const float*>(stage + kTok * kRow);
+    for (int i = tid; i < kTok * (kRow / 8); i += kThreads) {
+      const int t = i / (kRow / 8), c = i - t * (kRow / 8);
+      uint4 v = zero;
+      if (pg >= 0 && tile * kTok + t < len) {
+        const uint2 codes = *reinterpret_cast<const uint2*>(stage + t * kRow + c * 8);
+        const float s = C::kFp8PerTensor ? p.scale : sc[t * kFp8Scales + min(c / 16, 4)];
+        v = fp8x8_to_bf16(codes, s);
+      }
+      dst[(t * kRowS + c * 8) / 8] = v;
+    }
+  } else {
+    const unsigned char* sc = stage + kTok * kRow / 2;
+    const int live = len / 16 * 16;   // first position of the live (incomplete) tile
+    const uint4* ring = static_cast<const uint4*>(p.c[C::kSwizzle ? 2 : 3]);
+    const int slot = p.ring_slot[b];
+    const bool ring_ok = slot >= 0 && slot < p.num_slots;   // else the live rows read as zeros
+    const long long ring_row0 = static_cast<long long>(ring_ok ? slot : 0) * C::kRing;
+    for (int i = tid; i < kTok * 36; i += kThreads) {
+      const int t = i / 36, c = i - t * 36;
+      const int pos = tile * kTok + t;
+      uint4 v0 = zero, v1 = zero;
+      if (pos < len && pos >= live) {
+        if (ring_ok) {
+          const uint4* src = ring + (ring_row0 + pos % C::kRing) * (kRow / 8) + c * 2;
+          v0 = src[0];
+          v1 = src[1];
+        }
+      } else if (pos < len && pg >= 0) {
+        unsigned code;
+        if constexpr (C::kSwizzle) {
+          code = sc[((c >> 2) * 32 + (t & 31)) * 8 + (t >> 5) * 4 + (c & 3)];
+        } else {
+          code = c < 32 ? sc[(t >> 4) * 32 + c] : sc[128 + t * 4 + (c - 32)];
+        }
+        const float d = __fdiv_rn(e4m3_to_float(code), p.scale);
+        const uint2 w = *reinterpret_cast<const uint2*>(stage + t * (kRow / 2) + c * 8);
+        v0 = e2m1x8_to_bf16(w.x, d);
+        v1 = e2m1x8_to_bf16(w.y, d);
+      }
+      dst[(t * kRowS + c * 16) / 8] = v0;
+      dst[(t * kRowS + c * 16) / 8 + 1] = v1;
+    }
+  }
+}
+
+template <class C>
+__device__ void decode(const Params& p) {
+  using G = Geo<C>;
+  constexpr int R = G::R, HT = G::HT, MT = C::kMT, S = C::kStages;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem);
+  float* sS = reinterpret_cast<float*>(smem + G::kQ);
+  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + G::kQ + G::kS);
+  float* sM = reinterpret_cast<float*>(smem + G::kQ + G::kS + G::kP);
+  float* sL = sM + R;
+  float* sAlpha = sL + R;
+  int* sLim = reinterpret_cast<int*>(sAlpha + R);
+  __nv_bfloat16* sDeq = reinterpret_cast<__nv_bfloat16*>(smem + G::kQ + G::kS + G::kP + G::kStats);
+  unsigned char* sRaw = smem + G::kFixed;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const int r0 = g * R;
+  const int len = max(p.lengths[b], 0);
+  const int ntiles = (len + kTok - 1) / kTok;
+  const int per = (ntiles + p.splits - 1) / p.splits;
+  const int t_begin = min(ntiles, split * per), t_end = min(ntiles, t_begin + per);
+
+  // Query rows (zero past H*T), stats, causal limits.
+  const uint4* qg = reinterpret_cast<const uint4*>(p.q) + (static_cast<long long>(b) * HT + r0) * (kRow / 8);
+  for (int i = tid; i < R * (kRow / 8); i += kThreads) {
+    const int r = i / (kRow / 8), c = i - r * (kRow / 8);
+    const uint4 v = r0 + r < HT ? qg[i] : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(sQ + r * kRowS + c * 8) = v;
+  }
+  if (tid < R) {
+    sM[tid] = K3GEN_MLA_NEG_INF;
+    sL[tid] = 0.f;
+    const int t = r0 + tid < HT ? (r0 + tid) / C::kHeads : C::kTokens - 1;
+    sLim[tid] = len - C::kTokens + t;
+  }
+
+  for (int s = 0; s < S - 1; ++s) {
+    if (t_begin + s < t_end) load_tile<C>(p, b, len, t_begin + s, sRaw + s * G::kRaw);
+    cp_async_commit();
+  }
+
+  float o[MT][8][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[m][j][0] = o[m][j][1] = o[m][j][2] = o[m][j][3] = 0.f;
+
+  const float qk_scale = C::kSoftmaxScale * kLog2e;
+  const unsigned aQ = smem_u32(sQ), aP = smem_u32(sP);
+  for (int it = 0; t_begin + it < t_end; ++it) {
+    const int tile = t_begin + it;
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    if (tile + S - 1 < t_end) load_tile<C>(p, b, len, tile + S - 1, sRaw + ((it + S - 1) % S) * G::kRaw);
+    cp_async_commit();
+    const unsigned char* stage = sRaw + (it % S) * G::kRaw;
+    const __nv_bfloat16* kv = reinterpret_cast<const __nv_bfloat16*>(stage);
+    if constexpr (C::kKv != Kv::kBf16) {
+      dequant_tile<C>(p, b, len, tile, stage, sDeq);
+      kv = sDeq;
+      __syncthreads();
+    }
+    const unsigned aKV = smem_u32(kv);
+
+    // QK: warp w -> tokens 8w..8w+7 of every row.
+    {
+      float acc[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+      const unsigned bRow = aKV + ((warp * 8 + (lane & 7)) * kRowS + (lane >> 3) * 8) * 2;
+      const unsigned aRow = aQ + ((lane & 15) * kRowS + (lane >> 4) * 8) * 2;
+#pragma unroll 3
+      for (int k = 0; k < kRow / 16; k += 2) {
+        unsigned bf[4];
+        ldsm_x4(bRow + k * 32, bf);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          unsigned a[4];
+          ldsm_x4(aRow + (m * 16 * kRowS + k * 16) * 2, a);
+          mma_bf16(acc[m], a, bf[0], bf[1]);
+          ldsm_x4(aRow + (m * 16 * kRowS + k * 16 + 16) * 2, a);
+          mma_bf16(acc[m], a, bf[2], bf[3]);
+        }
+      }
+      const int col = warp * 8 + (lane & 3) * 2;
+      const int pos = tile * kTok + col;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m * 16 + (lane >> 2) + 8 * h;
+          const int lim = sLim[row];
+          float2 v;
+          v.x = pos <= lim ? acc[m][2 * h] * qk_scale : K3GEN_MLA_NEG_INF;
+          v.y = pos + 1 <= lim ? acc[m][2 * h + 1] * qk_scale : K3GEN_MLA_NEG_INF;
+          *reinterpret_cast<float2*>(sS + row * kSStride + col) = v;
+        }
+      }
+    }
+    __syncthreads();
+
+    // Online softmax: warp w -> rows w, w + 8, ...; lane -> columns 2l, 2l + 1.
+#pragma unroll
+    for (int row = warp; row < R; row += kWarps) {
+      const float2 s2 = *reinterpret_cast<const float2*>(sS + row * kSStride + 2 * lane);
+      float mx = fmaxf(s2.x, s2.y);
+#pragma unroll
+      for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_old = sM[row];
+      const float m_new = fmaxf(m_old, mx);
+      float alpha = 1.f, p0 = 0.f, p1 = 0.f;
+      if (m_new != K3GEN_MLA_NEG_INF) {
+        alpha = exp2f(m_old - m_new);
+        p0 = exp2f(s2.x - m_new);
+        p1 = exp2f(s2.y - m_new);
+      }
+      const unsigned pb = bf16x2(p0, p1);
+      float sum = bf16_lo(pb) + bf16_hi(pb);  // the denominator sums what the MMA sums
+#pragma unroll
+      for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      *reinterpret_cast<unsigned*>(sP + row * kPStride + 2 * lane) = pb;
+      __syncwarp();
+      if (lane == 0) {
+        sL[row] = sL[row] * alpha + sum;
+        sM[row] = m_new;
+        sAlpha[row] = alpha;
+      }
+    }
+    __syncthreads();
+
+    // PV: warp w -> output columns 64w..64w+63.
+    {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const float a0 = sAlpha[m * 16 + (lane >> 2)], a1 = sAlpha[m * 16 + (lane >> 2) + 8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          o[m][j][0] *= a0; o[m][j][1] *= a0;
+          o[m][j][2] *= a1; o[m][j][3] *= a1;
+        }
+      }
+      const unsigned vRow = aKV + (((lane & 7) + ((lane >> 3) & 1) * 8) * kRowS + warp * 64 + (lane >> 4) * 8) * 2;
+      const unsigned pRow = aP + ((lane & 15) * kPStride + (lane >> 4) * 8) * 2;
+#pragma unroll
+      for (int k = 0; k < kTok / 16; ++k) {
+        unsigned a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) ldsm_x4(pRow + (m * 16 * kPStride + k * 16) * 2, a[m]);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          unsigned bv[4];
+          ldsm_x4_t(vRow + (k * 16 * kRowS + jj * 16) * 2, bv);
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            mma_bf16(o[m][2 * jj], a[m], bv[0], bv[1]);
+            mma_bf16(o[m][2 * jj + 1], a[m], bv[2], bv[3]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Epilogue: normalized rows; one split writes BF16 directly, several write FP32 partials.
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m * 16 + (lane >> 2) + 8 * h;
+      if (r0 + row >= HT) continue;
+      const float l = sL[row];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const long long orow = static_cast<long long>(b) * HT + r0 + row;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = warp * 64 + j * 8 + (lane & 3) * 2;
+        const float x = o[m][j][2 * h] * inv, y = o[m][j][2 * h + 1] * inv;
+        if (p.splits == 1) {
+          *reinterpret_cast<unsigned*>(p.out + orow * kLat + col) = bf16x2(x, y);
+        } else {
+          const long long prow = (static_cast<long long>(b) * p.splits + split) * HT + r0 + row;
+          *reinterpret_cast<float2*>(p.part_o + prow * kLat + col) = make_float2(x, y);
+        }
+      }
+    }
+  }
+  if (p.splits > 1 && tid < R && r0 + tid < HT) {
+    const float l = sL[tid];
+    p.part_lse[(static_cast<long long>(b) * p.splits + split) * HT + r0 + tid] =
+        l > 0.f ? sM[tid] + log2f(l) : K3GEN_MLA_NEG_INF;
+  }
+}
+
+// Log-sum-exp merge of the splits: grid (T*H, B), 128 threads x 4 columns.
+__device__ __forceinline__ void combine(const float* part_o, const float* part_lse, __nv_bfloat16* out, int splits,
+                                        int ht) {
+  const int r = blockIdx.x, b = blockIdx.y, col = threadIdx.x * 4;
+  const float* lse = part_lse + static_cast<long long>(b) * splits * ht + r;
+  float mx = K3GEN_MLA_NEG_INF;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse[static_cast<long long>(s) * ht]);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float wsum = 0.f;
+  if (mx != K3GEN_MLA_NEG_INF) {
+    for (int s = 0; s < splits; ++s) {
+      const float w = exp2f(lse[static_cast<long long>(s) * ht] - mx);
+      if (w == 0.f) continue;
+      const float4 v = *reinterpret_cast<const float4*>(
+          part_o + ((static_cast<long long>(b) * splits + s) * ht + r) * kLat + col);
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+      wsum += w;
+    }
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  uint2 o2 = make_uint2(bf16x2(acc.x * inv, acc.y * inv), bf16x2(acc.z * inv, acc.w * inv));
+  *reinterpret_cast<uint2*>(out + (static_cast<long long>(b) * ht + r) * kLat + col) = o2;
+}
+
+}  // namespace mla
+}  // namespace k3gen

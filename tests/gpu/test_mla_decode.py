@@ -1,0 +1,321 @@
+"""mla_decode on the H200 against the FP32 reference computed on the same dequantized KV.
+
+Caches are filled by the kv_cache_write kernel (bit-exact with its reference, tests/gpu/
+test_kv_cache_write.py): the context rows, then the T rows of this step, so NVFP4's live tile sits
+in the HP ring exactly as in serving. Block tables are random permutations of a larger pool, ring
+slots are shuffled, lengths are ragged around the 16-token tile and the 64/128-token page edges,
+outputs are NaN-poisoned before every run.
+"""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from k3gen.errors import PageIndexError, SpecError
+from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
+from k3gen.ir.layouts import MLA_LATENT, MLA_ROW
+from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
+from k3gen.ir.ops.mla_decode import MlaDecodeSpec
+from k3gen.reference.kv_cache_write import alloc_cache, poison_cache
+from k3gen.reference.mla_decode import mla_decode as mla_ref
+from k3gen.targets import get_target
+
+pytestmark = pytest.mark.gpu
+
+SM90 = get_target("sm90")
+G = 2688 / 30
+FP8_TENSOR_SCALE = 0.02
+Q_STD = (1 / 3) ** 0.5          # unit-variance scores over 576 dims at scale 1/sqrt(192)
+REL_RMS, MAX_ABS_FRAC = 1e-2, 3e-2   # BF16 output tolerance (rel RMS; max-abs as a fraction of max |ref|)
+
+# KV formats: write-op fields shared by the cache writer and the attention spec.
+FORMATS = {
+    "bf16": dict(kv=KvDtype.BF16),
+    "fp8-tok128": dict(kv=KvDtype.FP8),
+    "fp8-tensor": dict(kv=KvDtype.FP8, fp8_scales=Fp8ScaleGranularity.PER_TENSOR),
+    "nvfp4-linear-m3": dict(kv=KvDtype.NVFP4, max_drafts=3, scale_layout=ScaleLayout.LINEAR),
+    # The SM100-family scale layout, run here through the same kernel source.
+    "nvfp4-swz128x4-m7": dict(kv=KvDtype.NVFP4, max_drafts=7, scale_layout=ScaleLayout.SWIZZLE_128X4),
+}
+SHAPES = [(12, 1), (12, 2), (12, 4), (12, 8), (6, 1), (96, 1), (96, 4), (128, 1)]
+QUICK_SHAPES = [(12, 1), (12, 4), (96, 1), (16, 8)]
+
+
+def _write_spec(fmt: str) -> KvCacheWriteSpec:
+    return KvCacheWriteSpec(target=SM90, **FORMATS[fmt])
+
+
+def _attn_spec(fmt: str, heads: int, tokens: int) -> MlaDecodeSpec:
+    return MlaDecodeSpec(target=SM90, heads=heads, tokens=tokens, **FORMATS[fmt])
+
+
+WRITE_SPECS = {f: _write_spec(f) for f in FORMATS}
+ATTN_SPECS = {(f, h, t): _attn_spec(f, h, t) for f in FORMATS
+              for h, t in (SHAPES if f == "bf16" else QUICK_SHAPES)}
+
+
+def prebuild_specs():
+    """Everything this module and `k3gen bench --op mla_decode` launch (scripts/prebuild_gpu.py)."""
+    from k3gen.bench_cases_mla import bench_specs
+    return list(WRITE_SPECS.values()) + list(ATTN_SPECS.values()) + bench_specs()
+
+
+@functools.lru_cache(maxsize=None)
+def writer(fmt: str):
+    from k3gen.runtime.ops.kv_cache_write import KvCacheWrite
+    return KvCacheWrite(WRITE_SPECS[fmt]).load()
+
+
+@functools.lru_cache(maxsize=None)
+def attn(fmt: str, heads: int, tokens: int):
+    from k3gen.runtime.ops.mla_decode import MlaDecode
+    return MlaDecode(ATTN_SPECS[(fmt, heads, tokens)]).load()
+
+
+def rel_rms(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def scale_of(fmt: str) -> float:
+    return FP8_TENSOR_SCALE if fmt == "fp8-tensor" else G
+
+
+class Batch:
+    """B sequences in a paged cache of format `fmt`, written by the kv_cache_write kernel."""
+
+    def __init__(self, fmt: str, lens: list[int], T: int, seed: int, rows: list | None = None, extra_pages: int = 7):
+        self.fmt, self.T, self.lens = fmt, T, list(lens)
+        self.wspec = WRITE_SPECS[fmt]
+        self.lay = self.wspec.layout
+        self.scale = scale_of(fmt)
+        rng = random.Random(seed)
+        self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        B = len(lens)
+        per = max(-(-L // self.lay.page) for L in lens) + 1
+        self.num_pages = B * per + extra_pages
+        ids = list(range(self.num_pages))
+        rng.shuffle(ids)
+        self.bt = torch.tensor(ids[:B * per], dtype=torch.int32, device="cuda").view(B, per)
+        slots = list(range(B + 2))
+        rng.shuffle(slots)
+        self.ring = torch.tensor(slots[:B], dtype=torch.int32, device="cuda")
+        self.cache = poison_cache(alloc_cache(self.lay, self.num_pages, B + 2, "cuda"))
+        self.rows = rows if rows is not None else [
+            torch.randn(L, MLA_ROW, device="cuda", generator=self.gen).bfloat16() for L in lens]
+        # Context, then the step's T rows (the live NVFP4 tile is re-quantized from the ring).
+        for part in (0, 1):
+            counts = [max(L - T, 0) if part == 0 else min(T, L) for L in lens]
+            starts = [0] * B if part == 0 else [max(L - T, 0) for L in lens]
+            new = torch.cat([r[:c] if part == 0 else r[s:] for r, c, s in zip(self.rows, counts, starts)])
+            cu = torch.tensor([0] + [int(x) for x in torch.tensor(counts).cumsum(0)], dtype=torch.int32,
+                              device="cuda")
+            writer(fmt)(new.contiguous(), cu, torch.tensor(starts, dtype=torch.int32, device="cuda"), self.bt,
+                        self.cache, ring_slot=self.ring if self.lay.kv is KvDtype.NVFP4 else None,
+                        scale=self.scale, max_rows_per_seq=max(counts))
+        self.lengths = torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+    def query(self, H: int, seed: int) -> torch.Tensor:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return (torch.randn(len(self.lens), self.T, H, MLA_ROW, device="cuda", generator=g) * Q_STD).bfloat16()
+
+    def reference(self, q: torch.Tensor) -> torch.Tensor:
+        cpu = {k: v.cpu() for k, v in self.cache.items()}
+        ring = self.ring.cpu() if self.lay.kv is KvDtype.NVFP4 else None
+        return mla_ref(self.lay, cpu, q, self.bt.cpu(), self.lens, ring_slot=ring, scale=self.scale, device="cuda")
+
+    def run(self, op, q, *, plan=None, lengths=None, out=None):
+        out = out if out is not None else torch.empty(len(self.lens), self.T, op.spec.heads, MLA_LATENT,
+                                                      dtype=torch.bfloat16, device="cuda")
+        out.fill_(float("nan"))
+        op(q, self.cache, self.bt, self.lengths if lengths is None else lengths, out,
+           ring_slot=self.ring if self.lay.kv is KvDtype.NVFP4 else None, scale=self.scale, plan=plan)
+        return out
+
+
+def assert_close(got, ref, what=""):
+    torch.cuda.synchronize()
+    assert not torch.isnan(got).any(), f"{what}: NaN in the output"
+    err = rel_rms(got, ref)
+    assert err <= REL_RMS, f"{what}: rel RMS {err:.3g}"
+    mx = float((got.double() - ref.double()).abs().max())
+    assert mx <= MAX_ABS_FRAC * float(ref.abs().max()) + 1e-3, f"{what}: max abs {mx:.3g}"
+
+
+EDGES = [1, 2, 3, 4, 8, 15, 16, 17, 31, 33, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 1000, 4097]
+
+
+def ragged(rng: random.Random, B: int, T: int) -> list[int]:
+    return [max(T, rng.choice(EDGES) + rng.choice([0, 0, rng.randint(0, 300)])) for _ in range(B)]
+
+
+# -- numerics ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", list(ATTN_SPECS), ids=lambda k: f"{k[0]}-H{k[1]}-T{k[2]}")
+@pytest.mark.parametrize("seed", range(2))
+def test_random_batches(key, seed):
+    fmt, H, T = key
+    rng = random.Random(1000 * seed + H + T)
+    b = Batch(fmt, ragged(rng, rng.randint(1, 6), T), T, seed)
+    op = attn(fmt, H, T)
+    q = b.query(H, seed)
+    ref = b.reference(q)
+    for splits in (None, 1, 5):
+        plan = op.plan(len(b.lens), max(b.lens), splits=splits)
+        assert_close(b.run(op, q, plan=plan), ref, f"{key} splits={plan.splits} lens={b.lens}")
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("T", [1, 4])
+def test_long_sequences(fmt, T):
+    """Lengths up to 64K (many splits for a small batch; one split per CTA beyond that)."""
+    b = Batch(fmt, [65536, 40000 + 7, 129], T, seed=3)
+    op = attn(fmt, 12, T)
+    q = b.query(12, 3)
+    assert_close(b.run(op, q), b.reference(q), f"{fmt} T{T} long")
+
+
+def test_split_counts_agree():
+    b = Batch("bf16", [3000, 17, 640], 1, seed=4)
+    op = attn("bf16", 12, 1)
+    q = b.query(12, 4)
+    ref = b.reference(q)
+    outs = []
+    for s in (1, 2, 3, 16, 47, 132):
+        outs.append(b.run(op, q, plan=op.plan(3, 3000, splits=s)).clone())
+        assert_close(outs[-1], ref, f"splits={s}")
+    # Splits with no tiles (47, 132 > tiles of a 17-token sequence) merge to the same answer.
+    assert all(rel_rms(o, outs[0]) < 4e-3 for o in outs[1:])
+
+
+def test_quantized_kv_error_vs_bf16():
+    """Same rows (unit-variance latents, unit-variance scores) in every format: FP8 KV within 0.05
+    and NVFP4 KV within 0.15 relative RMS of the BF16-KV kernel's output."""
+    lens, T, H = [4096, 1000, 130, 64], 1, 12
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rows = [torch.randn(L, MLA_ROW, device="cuda", generator=g).bfloat16() for L in lens]
+    base = Batch("bf16", lens, T, seed=5, rows=rows)
+    q = base.query(H, 5)
+    want = base.run(attn("bf16", H, T), q).clone()
+    errs = {}
+    for fmt, bound in (("fp8-tok128", 0.05), ("nvfp4-linear-m3", 0.15), ("nvfp4-swz128x4-m7", 0.15)):
+        b = Batch(fmt, lens, T, seed=5, rows=rows)
+        errs[fmt] = rel_rms(b.run(attn(fmt, H, T), q), want)
+        assert errs[fmt] <= bound, errs
+    print(f"\nrel RMS vs BF16 KV: {errs}")
+
+
+# -- CUDA graphs ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-tok128", "nvfp4-linear-m3"])
+@pytest.mark.parametrize("B", [1, 5])
+def test_cuda_graph_replay_with_changed_lengths(fmt, B):
+    """Capture once with a plan for the largest length; replays with other lengths (and other
+    queries) equal eager calls and the reference."""
+    T, H = 4, 12
+    rng = random.Random(B)
+    maxlen = 2500
+    b = Batch(fmt, [maxlen] * B, T, seed=6)
+    op = attn(fmt, H, T)
+    plan = op.plan(B, maxlen)
+    q = b.query(H, 6)
+    lengths = torch.empty(B, dtype=torch.int32, device="cuda")
+    out = torch.empty(B, T, H, MLA_LATENT, dtype=torch.bfloat16, device="cuda")
+    lengths.copy_(b.lengths)
+    b.run(op, q, plan=plan, lengths=lengths, out=out)     # warm-up outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            op(q, b.cache, b.bt, lengths, out, ring_slot=b.ring if b.lay.kv is KvDtype.NVFP4 else None,
+               scale=b.scale, plan=plan)
+    torch.cuda.current_stream().wait_stream(s)
+    for it in range(4):
+        # Shorter views of the same cache: the first L rows of each sequence are its rows 0..L-1,
+        # and for NVFP4 the rows past a shorter length's live tile are the quantized ones.
+        lens = [max(T, rng.choice(EDGES + [maxlen])) for _ in range(B)]
+        if b.lay.kv is KvDtype.NVFP4:
+            lens = [L if L == maxlen else L // 16 * 16 or 16 for L in lens]
+        lengths.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(b.query(H, 100 + it))
+        out.fill_(float("nan"))
+        graph.replay()
+        got = out.clone()
+        eager = b.run(op, q, plan=plan, lengths=lengths)
+        torch.cuda.synchronize()
+        assert torch.equal(got, eager), (it, lens)
+        view = Batch.__new__(Batch)
+        view.__dict__.update(b.__dict__)
+        view.lens = lens
+        assert_close(got, view.reference(q), f"replay {it} lens={lens}")
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-tok128", "nvfp4-linear-m3"])
+def test_bad_page_ids_raise_with_validation(fmt, monkeypatch):
+    monkeypatch.setenv("K3GEN_VALIDATE", "1")
+    b = Batch(fmt, [300, 40], 1, seed=8)
+    op = attn(fmt, 12, 1)
+    q = b.query(12, 8)
+    b.run(op, q)   # valid
+    for bad in (b.num_pages, -1, 1 << 30):
+        saved = int(b.bt[0, 1])
+        b.bt[0, 1] = bad
+        with pytest.raises(PageIndexError):
+            b.run(op, q)
+        b.bt[0, 1] = saved
+    b.lengths[1] = b.bt.shape[1] * b.lay.page + 1   # needs a page past the table
+    with pytest.raises(PageIndexError):
+        b.run(op, q)
+    b.lengths[1] = 0
+    with pytest.raises(SpecError, match="lengths"):
+        b.run(op, q)
+
+
+def test_bad_page_ids_without_validation_read_zeros(monkeypatch):
+    """Out-of-range ids are not dereferenced: those rows read as zeros (no fault, no NaN)."""
+    monkeypatch.delenv("K3GEN_VALIDATE", raising=False)
+    b = Batch("bf16", [300, 200], 1, seed=9)
+    op = attn("bf16", 12, 1)
+    q = b.query(12, 9)
+    b.bt[0, 2] = b.num_pages + 5
+    b.bt[1, 0] = -3
+    got = b.run(op, q)
+    cpu = {k: v.cpu().clone() for k, v in b.cache.items()}
+    bt = b.bt.cpu().clone()
+    zero_page = b.num_pages   # an extra all-zero page stands in for the bad ids
+    cpu["kv"] = torch.cat([cpu["kv"], torch.zeros_like(cpu["kv"][:1])])
+    bt[0, 2], bt[1, 0] = zero_page, zero_page
+    ref = mla_ref(b.lay, cpu, q, bt, b.lens, device="cuda")
+    assert_close(got, ref, "bad pages as zeros")
+
+
+def test_typed_errors():
+    b = Batch("bf16", [70], 1, seed=10)
+    op = attn("bf16", 12, 1)
+    q = b.query(12, 10)
+    out = torch.empty(1, 1, 12, MLA_LATENT, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(SpecError, match="q"):
+        op(q.float(), b.cache, b.bt, b.lengths, out)
+    with pytest.raises(SpecError, match="out"):
+        op(q, b.cache, b.bt, b.lengths, out[:, :, :6])
+    with pytest.raises(SpecError, match="cache"):
+        op(q, {}, b.bt, b.lengths, out)
+    with pytest.raises(SpecError, match="lengths"):
+        op(q, b.cache, b.bt, b.lengths.long(), out)
+    nv = Batch("nvfp4-linear-m3", [70], 1, seed=10)
+    with pytest.raises(SpecError, match="ring_slot"):
+        attn("nvfp4-linear-m3", 12, 1)(q, nv.cache, nv.bt, nv.lengths, out, scale=G)
+
+
+# -- compute-sanitizer (scripts/h200.sh runs `-k sanitize` under memcheck) ----------------------------
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_sanitize_reduced_matrix(fmt):
+    T = 4
+    b = Batch(fmt, [4, 17, 130, 257], T, seed=11)
+    op = attn(fmt, 12, T)
+    q = b.query(12, 11)
+    ref = b.reference(q)
+    for splits in (1, 3):
+        assert_close(b.run(op, q, plan=op.plan(4, 257, splits=splits)), ref, f"sanitize {fmt} s{splits}")
