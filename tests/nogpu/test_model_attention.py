@@ -59,3 +59,22 @@ def test_attention_matches_dense_softmax():
             r = rows[int(cu[b]):int(cu[b]) + L].float()
             p = torch.softmax(q[b, t] @ r.T / 192 ** 0.5, -1)
             torch.testing.assert_close(o[b, t], p @ r[:, :512], rtol=1e-5, atol=1e-5)
+
+
+def test_ref_q_absorb_matches_reference_function():
+    """RefOps.q_absorb caches Q-B's dequantized weight; it must equal reference.mla_q_absorb."""
+    from k3gen.ir.dtypes import ScaleRecipe
+    from k3gen.reference.fp8_block_gemm import quantize_weights
+    from k3gen.reference.mla_q_absorb import mla_q_absorb
+    from model.ops import RefOps
+    from model.weights import Fp8Linear
+    g = torch.Generator().manual_seed(4)
+    H = 2
+    for recipe in ScaleRecipe:
+        codes, scales = quantize_weights(torch.randn(H * 192, 1536, generator=g) * 0.03, recipe)
+        q_a = torch.randn(3, 1536, generator=g).to(torch.bfloat16)
+        norm_w = (1 + 0.1 * torch.randn(1536, generator=g)).to(torch.bfloat16)
+        w_uk = (torch.randn(H, 128, 512, generator=g) * 0.05).to(torch.bfloat16)
+        got = RefOps(recipe).q_absorb(q_a, norm_w, Fp8Linear(codes, scales, recipe), w_uk)
+        want = mla_q_absorb(q_a, norm_w, codes, scales, w_uk, recipe)
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=0)
