@@ -286,7 +286,22 @@ def parser() -> argparse.ArgumentParser:
     ce.add_argument("--json", action="store_true")
     ce.add_argument("--no-gpu", action="store_true", help="do not query the GPU")
     ce.set_defaults(fn=cmd_collect_env)
+    _model_commands(sub)
     return p
+
+
+def _model_commands(sub) -> None:
+    """`generate` and `plan-memory` live in the top-level model/ package; registered when it is importable."""
+    try:
+        from model import generate as mg, plan as mp
+    except ImportError:
+        return
+    ge = sub.add_parser("generate", help="run the Kimi K3 model (small configs; reference path on a CPU)")
+    mg.add_arguments(ge)
+    ge.set_defaults(fn=mg.run)
+    pm = sub.add_parser("plan-memory", help="sequences x tokens of the K3 config that fit a GPU, per KV/SSM dtype")
+    mp.add_arguments(pm)
+    pm.set_defaults(fn=mp.run)
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,9 @@ checkpoint's facts replace them without code changes):
   space entered through `latent_down` (hidden -> latent) and left through `latent_up`; shared
   experts run in the hidden space. The expert activation is the gated SiLU (`act = "swiglu"`):
   SPEC.md's "SiTU" is not confirmed publicly, so the activation is a named field.
+- K3's routed-expert and shared-expert intermediate sizes are not in SPEC.md: 1024 (latent) and
+  2048 are placeholders that put the NVFP4 checkpoint near 0.6 TB; plan-memory's weight estimate
+  follows them.
 - `routed_scale` multiplies the renormalized top-k weights (1.0 until the K3 value is known).
 """
 from __future__ import annotations
@@ -99,7 +102,7 @@ def k3_config() -> ModelConfig:
     """Kimi K3 text backbone (SPEC.md section 1): 93 layers, MLA at 4, 8, ..., 92 and 93."""
     return ModelConfig(name="k3", layers=93, mla_layers=tuple(range(4, 93, 4)) + (93,), hidden=7168,
                        vocab=163840, kda_heads=96, mla_heads=96, experts=896, top_k=16, shared_experts=2,
-                       moe_latent=3584, expert_inter=2048, shared_inter=2048, dense_inter=18432)
+                       moe_latent=3584, expert_inter=1024, shared_inter=2048, dense_inter=18432)
 
 
 def small_config() -> ModelConfig:
@@ -110,9 +113,10 @@ def small_config() -> ModelConfig:
 
 
 def tiny_config() -> ModelConfig:
-    """The small structure with fewer layers and experts: what the CPU tests generate with."""
-    return replace(small_config(), name="tiny", layers=4, mla_layers=(2, 4), experts=8, top_k=2,
-                   vocab=512, dense_inter=1024)
+    """The small structure shrunk (4 layers, H = 2, hidden 256): what the CPU tests generate with."""
+    return replace(small_config(), name="tiny", layers=4, mla_layers=(2, 4), hidden=256, vocab=512, kda_heads=2,
+                   mla_heads=2, experts=8, top_k=2, moe_latent=128, expert_inter=128, shared_inter=128,
+                   dense_inter=512)
 
 
 CONFIGS = {"k3": k3_config, "small": small_config, "tiny": tiny_config}
