@@ -142,19 +142,39 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorInfo]:
 
 # -- quantizers used by the writer (k3gen's bit-level references) ---------------------------------
 def quantize_fp8_pb(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP32 [N, K] -> (float8_e4m3fn codes, FP32 [N/128, K/128] tile multipliers amax/448)."""
-    from k3gen.ir.dtypes import ScaleRecipe
-    from k3gen.reference.fp8_block_gemm import quantize_weights
-    codes, scales = quantize_weights(w.float(), ScaleRecipe.FP32)
-    return codes.view(torch.float8_e4m3fn), scales
+    """FP32 [N, K] -> (float8_e4m3fn codes, FP32 [N/128, K/128] tile multipliers amax/448).
+    torch's float8 cast rounds to nearest even (the act_quant_fp8 reference relies on the same)."""
+    n, k = w.shape
+    nb, kb = _cdiv(n, BLOCK), _cdiv(k, BLOCK)
+    t = torch.zeros(nb * BLOCK, kb * BLOCK)
+    t[:n, :k] = w.float()
+    t = t.view(nb, BLOCK, kb, BLOCK)
+    s = torch.div(t.abs().amax(dim=(1, 3)), torch.full((nb, kb), 448.0))
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    codes = torch.div(t, s[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return codes.view(nb * BLOCK, kb * BLOCK)[:n, :k].contiguous(), s
+
+
+# RNE decision points of E2M1 magnitudes (ties to the even code): a value counts past a strict
+# threshold only above it, so those thresholds move up one FP32 ulp and bucketize counts <=.
+_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+_E2M1_BOUNDS[0::2] = torch.nextafter(_E2M1_BOUNDS[0::2], torch.tensor(10.0))
 
 
 def quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FP32 [N, K] -> (packed uint8 [N, K/2], float8_e4m3fn [N, K/16], FP32 weight_scale_2 [])."""
+    """FP32 [N, K] -> (packed uint8 [N, K/2], float8_e4m3fn [N, K/16], FP32 weight_scale_2 []):
+    block scale = E4M3(amax / 6 / weight_scale_2), codes = E2M1(x / (scale * weight_scale_2)),
+    both round-to-nearest-even (what reference.quant.nvfp4_quantize computes, vectorized for size)."""
+    n, k = w.shape
     ws2 = (w.abs().amax().float() / (6.0 * 448.0)).clamp(min=2.0 ** -100)
-    G = float(1.0 / ws2)
-    packed, sc = Q.nvfp4_quantize(w.float(), G)
-    return packed, sc.view(torch.float8_e4m3fn), ws2.reshape(())
+    xb = w.float().reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    sc = (xb.abs().amax(-1) / 6.0 / ws2).clamp(max=448.0).to(torch.float8_e4m3fn)
+    d = sc.float() * ws2
+    q = xb / torch.where(d == 0, torch.ones_like(d), d)[..., None]
+    code = torch.bucketize(q.abs(), _E2M1_BOUNDS, right=True).to(torch.uint8)
+    code = torch.where(d[..., None] == 0, torch.zeros_like(code), code | torch.where(q < 0, 8, 0).to(torch.uint8))
+    code = code.reshape(n, k)
+    return (code[:, 0::2] | (code[:, 1::2] << 4)).contiguous(), sc, ws2.reshape(())
 
 
 # Independent decoders (ml_dtypes, not k3gen's quantizers) define what a loaded tensor must equal.
@@ -195,11 +215,12 @@ def _random_plain(name: str, info: TensorInfo, cfg: ModelConfig, g: torch.Genera
     return (torch.randn(shape, generator=g) * fan_in ** -0.5).to(info.dtype)
 
 
-def random_tensors(cfg: ModelConfig, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(stored tensors by name, FP32 values every quantized weight must load as)."""
+def random_tensors(cfg: ModelConfig, seed: int = 0, truth: bool = True):
+    """(stored tensors by name, FP32 values every quantized weight must load as: decoded
+    independently with ml_dtypes; empty with truth=False)."""
     g = torch.Generator().manual_seed(seed)
     info = expected_tensors(cfg)
-    stored, truth = {}, {}
+    stored, truth_d = {}, {}
     for name, ti in info.items():
         if ti.kind == "plain":
             stored[name] = _random_plain(name, ti, cfg, g).contiguous()
@@ -207,15 +228,17 @@ def random_tensors(cfg: ModelConfig, seed: int = 0) -> tuple[dict[str, torch.Ten
             base = name[: -len(".weight")]
             w = torch.randn(ti.shape, generator=g) * ti.shape[1] ** -0.5
             stored[name], stored[base + ".weight_scale"] = quantize_fp8_pb(w)
-            truth[base] = decode_fp8_pb(stored[name], stored[base + ".weight_scale"])
+            if truth:
+                truth_d[base] = decode_fp8_pb(stored[name], stored[base + ".weight_scale"])
         elif ti.kind == "fp4_weight":
             base = name[: -len(".weight")]
             n, k = ti.shape[0], ti.shape[1] * 2
             w = torch.randn(n, k, generator=g) * k ** -0.5
             p, s, s2 = quantize_nvfp4_weight(w)
             stored[name], stored[base + ".weight_scale"], stored[base + ".weight_scale_2"] = p, s, s2
-            truth[base] = decode_nvfp4(p, s, s2)
-    return stored, truth
+            if truth:
+                truth_d[base] = decode_nvfp4(p, s, s2)
+    return stored, truth_d
 
 
 def write_checkpoint(tensors: dict[str, torch.Tensor], out: Path, cfg: ModelConfig,
@@ -256,9 +279,10 @@ def config_json(cfg: ModelConfig) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
-def write_random_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, shard_bytes: int = 64 << 20):
-    """A random checkpoint of `cfg`; returns (folder, FP32 truth of every quantized weight)."""
-    stored, truth = random_tensors(cfg, seed)
+def write_random_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, shard_bytes: int = 64 << 20,
+                            truth: bool = False):
+    """A random checkpoint of `cfg`; returns (folder, FP32 truth of every quantized weight or {})."""
+    stored, truth = random_tensors(cfg, seed, truth)
     return write_checkpoint(stored, out, cfg, shard_bytes), truth
 
 

@@ -15,6 +15,16 @@ from .ops import make_ops
 from .weights import DenseMlpWeights, KdaLayerWeights, ModelWeights
 
 
+def gemm_shapes_for(cfg, tp: int = 1) -> list[tuple[int, int]]:
+    """(N, K) of every FP8 linear of `cfg` at `tp` (what the loader produces: fused and padded)."""
+    from .weights import KV_A_PAD
+    sh = cfg.for_tp(tp)
+    D, Hm = sh.kda_heads * 128, sh.mla_heads * 128
+    fab = -(-(128 + sh.kda_heads) // 16) * 16
+    return sorted({(4 * D, cfg.hidden), (fab, cfg.hidden), (cfg.hidden, D),
+                   (cfg.q_lora + KV_A_PAD + Hm, cfg.hidden), (cfg.hidden, Hm)})
+
+
 class K3Model:
     def __init__(self, weights: ModelWeights, tcfg: TargetConfig, cache: HybridCache, ops=None):
         self.w, self.cfg, self.tcfg, self.cache = weights, weights.cfg, tcfg, cache
@@ -81,13 +91,14 @@ class K3Model:
         if any(len(p) == 0 for p in prompts):
             raise SpecError("prompt", [], "at least one token per prompt")
         c = self.cache
-        for s, p in zip(seq_ids, prompts):
-            c.admit(s, len(p) + self.tcfg.max_drafts + 1)
-        try:
+        admitted = []
+        try:  # all or nothing: a request that does not fit leaves the cache as it was
             for s, p in zip(seq_ids, prompts):
+                c.admit(s, len(p) + self.tcfg.max_drafts + 1)
+                admitted.append(s)
                 c.extend(s, len(p))
         except Exception:
-            for s in seq_ids:
+            for s in admitted:
                 c.free(s)
             raise
         slots = self._i32(c.mgr.entry(s).slot for s in seq_ids)
