@@ -104,8 +104,8 @@ class Generator:
     def _core(self, ids: list[int], tokens: list[int], T: int) -> torch.Tensor:
         slots, start = self.m.prepare(ids, T)
         t = torch.tensor(tokens, device=self.m.device)
-        if T in self.graphs:
-            return self.graphs[T].run(t, slots, start)
+        if T in self.graphs:  # the graph's output buffer is overwritten by the next replay
+            return self.graphs[T].run(t, slots, start).clone()
         return self.m.step_core(t, slots, start, T)
 
     def generate(self, reqs: list[Request], speculative: bool = False, on_token=None, drafter=None) -> list[Request]:
