@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from k3gen.errors import K3genError
-from k3gen.reference import quant as Q
 
 from .config import ModelConfig
 

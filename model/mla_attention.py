@@ -80,7 +80,7 @@ def paged_mla_attention(layout: KvLayout, q: torch.Tensor, cache: dict, block_ta
                         start: torch.Tensor, ring_slot: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [B, T, H, 576] (latent 512 | rope 64); block_table [B, P]; start [B] position of each
     sequence's first query. Returns o_lat [B, T, H, 512] FP32 (softmax and sums in FP32)."""
-    B, T = q.shape[0], q.shape[1]
+    T = q.shape[1]
     rows = query_rows(layout, cache, block_table, start, T, ring_slot, scale)    # [B, T, L, 576]
     L = rows.shape[2]
     s = torch.einsum("bthc,btlc->bthl", q.float(), rows) * SOFTMAX_SCALE

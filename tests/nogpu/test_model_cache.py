@@ -114,7 +114,6 @@ def test_target_config_rejects_invalid_combinations():
 
 
 def test_prefill_that_does_not_fit_leaves_the_cache_unchanged():
-    from model.checkpoint import random_tensors  # noqa: F401  (weights are not needed: admission fails first)
     from model.model import K3Model
     t = TargetConfig(kv="bf16", ssm="fp32")
     c = HybridCache(tiny_config(), t, num_slots=2, num_pages=4, max_seq_len=100)
