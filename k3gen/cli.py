@@ -291,17 +291,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _model_commands(sub) -> None:
-    """`generate` and `plan-memory` live in the top-level model/ package; registered when it is importable."""
+    """`generate` and `plan-memory` live in the top-level model/ package (light argument module;
+    the model itself is imported only when one of them runs)."""
     try:
-        from model import generate as mg, plan as mp
+        from model.cli import register
     except ImportError:
         return
-    ge = sub.add_parser("generate", help="run the Kimi K3 model (small configs; reference path on a CPU)")
-    mg.add_arguments(ge)
-    ge.set_defaults(fn=mg.run)
-    pm = sub.add_parser("plan-memory", help="sequences x tokens of the K3 config that fit a GPU, per KV/SSM dtype")
-    mp.add_arguments(pm)
-    pm.set_defaults(fn=mp.run)
+    register(sub)
 
 
 def main(argv=None) -> int:

@@ -207,20 +207,8 @@ def build_model(config: str, arch: str, kv: str, ssm: str, max_drafts: int, path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="small", help="model config: small, tiny, k3")
-    p.add_argument("--arch", default="sm90")
-    p.add_argument("--kv", default="bf16", choices=("bf16", "fp8", "nvfp4"))
-    p.add_argument("--ssm", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--prompt-ids", default="1,2,3,4,5,6,7,8", help="comma-separated token ids")
-    p.add_argument("--batch", type=int, default=1, help="copies of the prompt run as one batch")
-    p.add_argument("--max-new", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--spec", type=int, default=0, help="speculative decoding with this many n-gram drafts")
-    p.add_argument("--checkpoint", default=None, help="folder of a K3 NVFP4 checkpoint (default: a random one)")
-    p.add_argument("--path", default="auto", choices=("auto", "reference", "kernel"))
-    p.add_argument("--graphs", action="store_true", help="CUDA graphs per decode batch size (kernel path)")
-    p.add_argument("--max-seq-len", type=int, default=512)
+    from .cli import add_generate_arguments
+    add_generate_arguments(p)
 
 
 def run(a) -> int:

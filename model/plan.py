@@ -47,12 +47,8 @@ def plan_rows(config: str, arch: str, tp: int, gpu_gib: float, util: float, max_
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="k3")
-    p.add_argument("--arch", default="sm90")
-    p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--gpu-gib", type=float, default=141.0, help="GPU memory (H200: 141 GB ~ 139 GiB usable)")
-    p.add_argument("--util", type=float, default=0.9, help="fraction of GPU memory for weights + cache")
-    p.add_argument("--max-drafts", type=int, default=0)
+    from .cli import add_plan_arguments
+    add_plan_arguments(p)
 
 
 def run(a) -> int:
