@@ -92,7 +92,7 @@ def test_speculative_equals_greedy(tiny_weights, kv):
     spec2 = g.generate([Request(p, 8) for p in prompts], speculative=True, drafter=oracle)
     for a, b in zip(greedy, spec2):
         _same_or_tie(a, b)
-    assert set(g.accepted) >= {0, 1} and max(g.accepted) >= 2
+    assert 0 in g.accepted and max(g.accepted) >= 2   # full rejections and (partial) acceptances both ran
     assert m.cache.mgr.free_slots == 4 and m.cache.mgr.free_pages == 24
     m.cache.mgr.check_invariants()
 
