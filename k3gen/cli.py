@@ -286,7 +286,18 @@ def parser() -> argparse.ArgumentParser:
     ce.add_argument("--json", action="store_true")
     ce.add_argument("--no-gpu", action="store_true", help="do not query the GPU")
     ce.set_defaults(fn=cmd_collect_env)
+    _model_commands(sub)
     return p
+
+
+def _model_commands(sub) -> None:
+    """`generate` and `plan-memory` live in the top-level model/ package (light argument module;
+    the model itself is imported only when one of them runs)."""
+    try:
+        from model.cli import register
+    except ImportError:
+        return
+    register(sub)
 
 
 def main(argv=None) -> int:

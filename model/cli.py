@@ -1,0 +1,50 @@
+"""Arguments of `k3gen generate` / `k3gen plan-memory`, kept free of heavy imports: k3gen's parser
+registers them on every invocation, and `k3gen build` must start fast."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="small", help="model config: small, tiny, k3")
+    p.add_argument("--arch", default="sm90")
+    p.add_argument("--kv", default="bf16", choices=("bf16", "fp8", "nvfp4"))
+    p.add_argument("--ssm", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--prompt-ids", default="1,2,3,4,5,6,7,8", help="comma-separated token ids")
+    p.add_argument("--batch", type=int, default=1, help="copies of the prompt run as one batch")
+    p.add_argument("--max-new", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spec", type=int, default=0, help="speculative decoding with this many n-gram drafts")
+    p.add_argument("--checkpoint", default=None, help="folder of a K3 NVFP4 checkpoint (default: a random one)")
+    p.add_argument("--path", default="auto", choices=("auto", "reference", "kernel"))
+    p.add_argument("--graphs", action="store_true", help="CUDA graphs per decode batch size (kernel path)")
+    p.add_argument("--max-seq-len", type=int, default=512)
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="k3")
+    p.add_argument("--arch", default="sm90")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--gpu-gib", type=float, default=141.0, help="GPU memory (H200: 141 GB ~ 139 GiB usable)")
+    p.add_argument("--util", type=float, default=0.9, help="fraction of GPU memory for weights + cache")
+    p.add_argument("--max-drafts", type=int, default=0)
+
+
+def run_generate(a) -> int:
+    from .generate import run
+    return run(a)
+
+
+def run_plan(a) -> int:
+    from .plan import run
+    return run(a)
+
+
+def register(sub) -> None:
+    ge = sub.add_parser("generate", help="run the Kimi K3 model (small configs; reference path on a CPU)")
+    add_generate_arguments(ge)
+    ge.set_defaults(fn=run_generate)
+    pm = sub.add_parser("plan-memory", help="sequences x tokens of the K3 config that fit a GPU, per KV/SSM dtype")
+    add_plan_arguments(pm)
+    pm.set_defaults(fn=run_plan)

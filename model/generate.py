@@ -1,0 +1,258 @@
+"""Generation: batched prefill + decode, greedy and seeded sampling, speculative decoding with a
+prompt-lookup (n-gram) drafter through KDA verify and multi-token MLA attention, CUDA graphs per
+decode batch size on the kernel path. `python -m model.generate --help` (also `k3gen generate`).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from k3gen.errors import K3genError, SpecError
+
+from .model import K3Model
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new: int
+    temperature: float = 0.0          # 0: greedy
+    seed: int = 0
+    out: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)   # top-2 logit gap of each emitted token
+
+
+def sample(logits: torch.Tensor, req: Request, gen: torch.Generator | None) -> int:
+    top2 = torch.topk(logits.float(), 2).values
+    req.margins.append(float(top2[0] - top2[1]))
+    if req.temperature <= 0:
+        return int(torch.argmax(logits))
+    p = torch.softmax(logits.float().cpu() / req.temperature, -1)
+    return int(torch.multinomial(p, 1, generator=gen))
+
+
+def ngram_drafts(history: list[int], m: int, max_n: int = 3) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the longest
+    suffix n-gram (n = max_n .. 1); padded by repeating the last token to exactly m drafts."""
+    for n in range(min(max_n, len(history) - 1), 0, -1):
+        tail = history[-n:]
+        for i in range(len(history) - n - 1, -1, -1):
+            if history[i:i + n] == tail:
+                d = history[i + n:i + n + m]
+                if d:
+                    return (d + [d[-1]] * m)[:m]
+    return [history[-1]] * m
+
+
+class DecodeGraphs:
+    """One CUDA graph per batch size in the target's list (and per T); a batch is padded to the
+    next captured size with rows that use the cache's reserved padding slot and page. Every
+    kernel is loaded (compiled) before the first capture: capture never compiles."""
+
+    def __init__(self, model: K3Model, T: int):
+        self.m, self.T = model, T
+        self.graphs: dict[int, tuple] = {}
+
+    def capture(self) -> None:
+        m, dev = self.m, self.m.device
+        m.load_kernels()
+        pad = m.cache.pad_slot
+        for B in m.tcfg.graph_batch_sizes:
+            tokens = torch.zeros(B * self.T, dtype=torch.long, device=dev)
+            slots = torch.full((B,), pad, dtype=torch.int32, device=dev)
+            start = torch.zeros(B, dtype=torch.int32, device=dev)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):                      # warm-up on the padding slot only
+                m.step_core(tokens, slots, start, self.T)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = m.step_core(tokens, slots, start, self.T)
+            self.graphs[B] = (g, tokens, slots, start, out)
+
+    def run(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        b = slots.shape[0]
+        B = self.m.tcfg.graph_size_for(b)
+        g, t_buf, s_buf, p_buf, out = self.graphs[B]
+        t_buf.zero_()
+        s_buf.fill_(self.m.cache.pad_slot)
+        p_buf.zero_()
+        t_buf[: b * self.T].copy_(tokens)
+        s_buf[:b].copy_(slots)
+        p_buf[:b].copy_(start)
+        g.replay()
+        return out[: b * self.T]
+
+
+class Generator:
+    def __init__(self, model: K3Model, graphs: bool = False):
+        self.m = model
+        self.graphs: dict[int, DecodeGraphs] = {}
+        if graphs:
+            if model.device.type != "cuda" or model.ops.kind != "kernel":
+                raise SpecError("graphs", True, [False], "CUDA graphs need the kernel path on a GPU")
+            for T in {1, 1 + model.tcfg.max_drafts}:
+                self.graphs[T] = DecodeGraphs(model, T)
+                self.graphs[T].capture()
+        self._next_id = 0
+        self.accepted: list[int] = []   # drafts accepted per verify row (statistics, tests)
+
+    def _core(self, ids: list[int], tokens: list[int], T: int) -> torch.Tensor:
+        slots, start = self.m.prepare(ids, T)
+        t = torch.tensor(tokens, device=self.m.device)
+        if T in self.graphs:  # the graph's output buffer is overwritten by the next replay
+            return self.graphs[T].run(t, slots, start).clone()
+        return self.m.step_core(t, slots, start, T)
+
+    def generate(self, reqs: list[Request], speculative: bool = False, on_token=None, drafter=None) -> list[Request]:
+        """Run the requests as one batch to completion; returns them with `out` filled.
+        `drafter(request_index, history, m)` replaces the n-gram drafter (tests use oracles)."""
+        M = self.m.tcfg.max_drafts
+        if speculative and (M == 0 or any(r.temperature > 0 for r in reqs)):
+            raise SpecError("speculative", True, [False], "needs max_drafts > 0 and greedy requests")
+        ids = list(range(self._next_id, self._next_id + len(reqs)))
+        self._next_id += len(reqs)
+        gens = [torch.Generator().manual_seed(r.seed) for r in reqs]
+        logits = self.m.prefill(ids, [r.prompt for r in reqs])
+        try:
+            for r, g, lg in zip(reqs, gens, logits):
+                r.out.append(sample(lg, r, g))
+                if on_token:
+                    on_token(1)
+            live = [i for i, r in enumerate(reqs) if len(r.out) < r.max_new]
+            while live:
+                if speculative:
+                    self._spec_step(reqs, ids, live, M, on_token, drafter)
+                else:
+                    lg = self._core([ids[i] for i in live], [reqs[i].out[-1] for i in live], 1)
+                    for i, row in zip(live, lg):
+                        reqs[i].out.append(sample(row, reqs[i], gens[i]))
+                        if on_token:
+                            on_token(1)
+                live = [i for i in live if len(reqs[i].out) < reqs[i].max_new]
+        finally:
+            self.m.release(ids)
+        for r in reqs:
+            del r.out[r.max_new:]
+        return reqs
+
+    def _spec_step(self, reqs, ids, live, M, on_token, drafter) -> None:
+        T = 1 + M
+        rows = []
+        for i in live:
+            r = reqs[i]
+            d = drafter(i, r.prompt + r.out, M) if drafter else ngram_drafts(r.prompt + r.out, M)
+            rows.append([r.out[-1]] + list(d))
+        lg = self._core([ids[i] for i in live], [x for row in rows for x in row], T).view(len(live), T, -1)
+        accepted = []
+        for i, row, l in zip(live, rows, lg):
+            r = reqs[i]
+            n = 0
+            while True:
+                tok = sample(l[n], r, None)
+                r.out.append(tok)
+                if on_token:
+                    on_token(1)
+                if n < M and tok == row[1 + n] and len(r.out) < r.max_new:
+                    n += 1
+                    continue
+                break
+            accepted.append(1 + n)
+        self.m.commit([ids[i] for i in live], accepted)
+        self.accepted.extend(a - 1 for a in accepted)
+
+    def teacher_forced(self, prompts: list[list[int]], targets: list[list[int]]) -> list[torch.Tensor]:
+        """Logits [len(target), vocab] per request: prefill the prompt, then decode feeding the
+        target tokens (the decode path, graphs included, is what gets scored)."""
+        ids = list(range(self._next_id, self._next_id + len(prompts)))
+        self._next_id += len(prompts)
+        out = [[lg] for lg in self.m.prefill(ids, prompts)]
+        try:
+            for step in range(max(len(t) for t in targets) - 1):
+                live = [i for i, t in enumerate(targets) if step + 1 < len(t)]
+                lg = self._core([ids[i] for i in live], [targets[i][step] for i in live], 1)
+                for i, row in zip(live, lg):
+                    out[i].append(row)
+        finally:
+            self.m.release(ids)
+        return [torch.stack(o).float().cpu() for o in out]
+
+
+# -- command line ----------------------------------------------------------------------------------
+def build_model(config: str, arch: str, kv: str, ssm: str, max_drafts: int, path: str, checkpoint: str | None,
+                seed: int, device: str, max_seq_len: int, max_slots: int, budget_gib: float | None = None):
+    import tempfile
+    from pathlib import Path
+
+    from .cache import HybridCache
+    from .checkpoint import write_random_checkpoint
+    from .config import TargetConfig, get_config
+    from .weights import load_weights
+    cfg = get_config(config)
+    tcfg = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=max_drafts, path=path)
+    if checkpoint is None:
+        checkpoint = str(Path(tempfile.mkdtemp(prefix="k3gen-ckpt-")))
+        write_random_checkpoint(cfg, Path(checkpoint), seed=seed)
+    w = load_weights(checkpoint, cfg, tcfg.recipe).to(device)
+    if budget_gib:
+        cache = HybridCache.from_budget(cfg, tcfg, int(budget_gib * 2**30), max_seq_len, device, max_slots)
+    else:
+        pages = max_slots * -(-(max_seq_len + max_drafts + 1) // tcfg.kv_layout().page)
+        cache = HybridCache(cfg, tcfg, max_slots, pages, max_seq_len, device)
+    return K3Model(w, tcfg, cache)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .cli import add_generate_arguments
+    add_generate_arguments(p)
+
+
+def run(a) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    con = Console(highlight=False)
+    cuda = torch.cuda.is_available() if a.path != "reference" else False
+    path = ("kernel" if cuda else "reference") if a.path == "auto" else a.path
+    device = "cuda" if path == "kernel" else "cpu"
+    prompt = [int(x) for x in a.prompt_ids.split(",") if x.strip()]
+    try:
+        t0 = time.perf_counter()
+        m = build_model(a.config, a.arch, a.kv, a.ssm, a.spec, path, a.checkpoint, a.seed, device, a.max_seq_len,
+                        max(a.batch, 1))
+        gen = Generator(m, graphs=a.graphs)
+        con.print(f"{a.config} on {path} path ({device}), kv={a.kv} ssm={a.ssm}, setup {time.perf_counter() - t0:.1f}s")
+        reqs = [Request(prompt=list(prompt), max_new=a.max_new, temperature=a.temperature, seed=a.seed + i)
+                for i in range(a.batch)]
+        with Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.fields[rate]}"), console=con, transient=True) as prog:
+            task = prog.add_task("gen", total=a.max_new * a.batch, rate="")
+            t1 = time.perf_counter()
+
+            def tick(n):
+                prog.advance(task, n)
+                done = prog.tasks[0].completed
+                prog.update(task, rate=f"{done / max(time.perf_counter() - t1, 1e-9):.1f} tok/s")
+            gen.generate(reqs, speculative=a.spec > 0, on_token=tick)
+            dt = time.perf_counter() - t1
+    except K3genError as e:
+        con.print(f"[red]error:[/red] {e}")
+        return 2
+    for i, r in enumerate(reqs):
+        con.print(f"[{i}] {r.out}")
+    n = sum(len(r.out) for r in reqs)
+    con.print(f"{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m model.generate", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,156 @@
+"""Kimi K3 layers over `Ops` (model/ops.py): KDA, MLA (absorbed decode/verify; unabsorbed
+prefill writing the same cache rows), MoE, the dense MLP, RMSNorm.
+
+Shapes: a step carries B sequences of T tokens each (decode T = 1, verify T = 1 + M), rows
+ordered b * T + t; prefill carries N tokens of varlen sequences (cu_seqlens). The residual stream
+is FP32; every projection input is BF16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from k3gen.reference.mla_q_absorb import rms_norm_bf16
+
+from .config import ModelConfig
+from .mla_attention import prefill_attention
+from .ops import Ops
+from .weights import DenseMlpWeights, KdaLayerWeights, MlaLayerWeights, MoeWeights
+
+BF16 = torch.bfloat16
+Q_LORA, KV_LORA, ROPE = 1536, 512, 64
+KV_A_OFF = Q_LORA                 # [q_a 1536 | c_kv 512 | k_pe 64 | pad 64 | g H*128]
+G_OFF = Q_LORA + 640
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """BF16(x * rsqrt(mean(x^2) + eps) * w), math in FP32."""
+    return rms_norm_bf16(x, w, eps)
+
+
+@dataclass
+class Step:
+    """Device tensors of one decode/verify step (graph inputs are views of static buffers)."""
+    slots: torch.Tensor        # [B] int32: state slot and HP tail ring of each sequence
+    start: torch.Tensor        # [B] int32: position of the first token of this step
+    block_table: torch.Tensor  # [B, pages] int32
+    T: int
+    cu_rows: torch.Tensor      # [B + 1] int32: b * T
+
+    @property
+    def B(self) -> int:
+        return self.slots.shape[0]
+
+
+@dataclass
+class Prefill:
+    slots: torch.Tensor        # [B] int32
+    cu_seqlens: torch.Tensor   # [B + 1] int32 (device)
+    cu_host: list[int]
+    block_table: torch.Tensor  # [B, pages] int32
+    resume: torch.Tensor       # [B] int32 zeros
+    max_len: int
+
+
+# -- KDA -------------------------------------------------------------------------------------------
+def _kda_proj(ops: Ops, w: KdaLayerWeights, xn):
+    H = w.kda.heads
+    qkvg = ops.linear(xn, w.qkvg)
+    fab = ops.linear(xn, w.fab)
+    return qkvg, fab[:, :128], fab[:, 128:128 + H]
+
+
+def kda_step(ops: Ops, w: KdaLayerWeights, xn, pools: dict, st: Step):
+    qkvg, fa, beta = _kda_proj(ops, w, xn)
+    if st.T == 1:
+        o = ops.kda_decode(qkvg, fa, beta, pools, st.slots, w.kda)
+    else:
+        o = ops.kda_verify(qkvg, fa, beta, pools, st.slots, w.kda)
+    return ops.linear(o.reshape(xn.shape[0], -1), w.o_proj)
+
+
+def kda_prefill(ops: Ops, w: KdaLayerWeights, xn, pools: dict, pf: Prefill):
+    qkvg, fa, beta = _kda_proj(ops, w, xn)
+    o = ops.kda_prefill(qkvg, fa, beta, pf.cu_seqlens, pf.slots, pf.resume, pools, w.kda)
+    if "conv_ext" in pools:  # verify reads the window from conv_ext (FP32) and starts with no pending drafts
+        sl = pf.slots.long()
+        pools["conv_ext"][sl, :, :3] = pools["conv"][sl].float()
+        pools["pending"][sl] = 0
+    return ops.linear(o.reshape(xn.shape[0], -1), w.o_proj)
+
+
+# -- MLA -------------------------------------------------------------------------------------------
+def _mla_rows(w: MlaLayerWeights, a, eps):
+    """Cache rows [RMSNorm(c_kv) * w_kv | k_pe] BF16 [M, 576] from the A-projection output."""
+    ckv = a[:, KV_A_OFF:KV_A_OFF + KV_LORA]
+    kpe = a[:, KV_A_OFF + KV_LORA:KV_A_OFF + KV_LORA + ROPE]
+    return torch.cat([rms_norm(ckv, w.kv_a_norm, eps), kpe], dim=1)
+
+
+def mla_step(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float, st: Step, eps: float):
+    H = w.w_uk.shape[0]
+    a = ops.linear(xn, w.a_proj)
+    rows = _mla_rows(w, a, eps)
+    ops.kv_write(layout, kv, rows, st.cu_rows, st.start, st.block_table, st.slots, scale, st.T)
+    q = ops.q_absorb(a[:, :Q_LORA], w.q_a_norm, w.q_b, w.w_uk)                   # [BT, H, 576]
+    o_lat = ops.mla_attention(layout, q.view(st.B, st.T, H, -1), kv, st.block_table, st.start, st.slots, scale)
+    y = ops.vb_gate(o_lat.reshape(st.B * st.T, H, KV_LORA), w.w_uv, a[:, G_OFF:])
+    return ops.linear(y.reshape(xn.shape[0], H * 128), w.o_proj)
+
+
+def mla_prefill(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float, pf: Prefill, eps: float):
+    """Unabsorbed: c_kv expanded with kv_b into per-head k_nope / v; the cache rows written are
+    exactly the decode path's."""
+    H = w.w_uk.shape[0]
+    N = xn.shape[0]
+    a = ops.linear(xn, w.a_proj)
+    rows = _mla_rows(w, a, eps)
+    start = torch.zeros_like(pf.slots)
+    ops.kv_write(layout, kv, rows, pf.cu_seqlens, start, pf.block_table, pf.slots, scale, pf.max_len)
+    q = ops.linear(rms_norm(a[:, :Q_LORA], w.q_a_norm, eps), w.q_b).view(N, H, 192)
+    c = rows[:, :KV_LORA].float()
+    k_nope = torch.einsum("nc,hdc->nhd", c, w.w_uk.float()).to(BF16)
+    v = torch.einsum("nc,hdc->nhd", c, w.w_uv.float()).to(BF16)
+    ops._mark("mla_prefill_attention", "torch" if ops.kind == "kernel" else "ref")
+    o = prefill_attention(q[..., :128], q[..., 128:], k_nope, rows[:, KV_LORA:], v, pf.cu_host)
+    g = a[:, G_OFF:G_OFF + H * 128].float().view(N, H, 128)
+    y = (o * torch.sigmoid(g)).to(BF16)
+    return ops.linear(y.reshape(N, H * 128), w.o_proj)
+
+
+# -- MoE and MLP -----------------------------------------------------------------------------------
+def _glu(x, gate_w, up_w, down_w):
+    h = F.silu(x @ gate_w.float().T) * (x @ up_w.float().T)
+    return h.to(BF16).float() @ down_w.float().T
+
+
+def route(w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig):
+    """Sigmoid scores; top-k on scores + correction bias; weights = the chosen scores renormalized
+    (times routed_scale). Returns (expert ids [M, k], weights [M, k] FP32)."""
+    scores = torch.sigmoid(xn.float() @ w.router.T)
+    sel = torch.topk(scores + w.bias, cfg.top_k, dim=-1).indices
+    wts = scores.gather(1, sel)
+    return sel, wts / wts.sum(-1, keepdim=True) * cfg.routed_scale
+
+
+def moe(ops: Ops, w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Experts through PyTorch on dequantized NVFP4 weights (`moe_torch_dequant`): every expert is
+    computed for every token and masked by the routing weights, so the step has static shapes
+    (graph-safe) and no host sync. A grouped NVFP4 GEMM replaces it."""
+    ops._mark("moe_torch_dequant", "torch" if ops.kind == "kernel" else "ref")
+    sel, wts = route(w, xn, cfg)
+    dense = torch.zeros(xn.shape[0], cfg.experts, dtype=torch.float32, device=xn.device).scatter(1, sel, wts)
+    xl = (xn.float() @ w.latent_down.float().T).to(BF16).float()                  # [M, latent]
+    h = F.silu(torch.einsum("ml,eil->mei", xl, w.w1_dequant.float())) * \
+        torch.einsum("ml,eil->mei", xl, w.w3_dequant.float())
+    ye = torch.einsum("mei,eli->mel", h.to(BF16).float(), w.w2_dequant.float())
+    y_lat = torch.einsum("me,mel->ml", dense, ye).to(BF16).float()
+    routed = y_lat @ w.latent_up.float().T
+    return routed + _glu(xn.float(), w.shared_gate, w.shared_up, w.shared_down)
+
+
+def dense_mlp(ops: Ops, w: DenseMlpWeights, xn: torch.Tensor) -> torch.Tensor:
+    ops._mark("dense_mlp", "torch" if ops.kind == "kernel" else "ref")
+    return _glu(xn.float(), w.gate, w.up, w.down)

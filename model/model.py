@@ -1,0 +1,157 @@
+"""K3Model: the layers of a ModelConfig over one HybridCache, with host-side step preparation
+(`prefill`, `decode`, `verify`, `commit`) around a device-only core (`step_core`) that CUDA graphs
+capture per batch size."""
+from __future__ import annotations
+
+import torch
+
+from k3gen.errors import SpecError
+from k3gen.reference.kda_verify import commit as kda_commit
+
+from . import layers as L
+from .cache import HybridCache
+from .config import TargetConfig
+from .ops import make_ops
+from .weights import DenseMlpWeights, KdaLayerWeights, ModelWeights
+
+
+def gemm_shapes_for(cfg, tp: int = 1) -> list[tuple[int, int]]:
+    """(N, K) of every FP8 linear of `cfg` at `tp` (what the loader produces: fused and padded)."""
+    from .weights import KV_A_PAD
+    sh = cfg.for_tp(tp)
+    D, Hm = sh.kda_heads * 128, sh.mla_heads * 128
+    fab = -(-(128 + sh.kda_heads) // 16) * 16
+    return sorted({(4 * D, cfg.hidden), (fab, cfg.hidden), (cfg.hidden, D),
+                   (cfg.q_lora + KV_A_PAD + Hm, cfg.hidden), (cfg.hidden, Hm)})
+
+
+class K3Model:
+    def __init__(self, weights: ModelWeights, tcfg: TargetConfig, cache: HybridCache, ops=None):
+        self.w, self.cfg, self.tcfg, self.cache = weights, weights.cfg, tcfg, cache
+        self.ops = ops or make_ops(tcfg, self.cfg)
+        self.device = cache.device
+        self.layout = cache.layout
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def gemm_shapes(self) -> list[tuple[int, int]]:
+        out = []
+        for lw in self.w.layers:
+            a = lw.attn
+            lins = [a.qkvg, a.fab, a.o_proj] if isinstance(a, KdaLayerWeights) else [a.a_proj, a.o_proj]
+            out += [(x.n, x.k) for x in lins]
+        return out
+
+    def kernel_specs(self) -> list:
+        return self.ops.specs(self.gemm_shapes()) if self.ops.kind == "kernel" else []
+
+    def load_kernels(self) -> None:
+        if self.ops.kind == "kernel":
+            self.ops.load_all(self.gemm_shapes())
+
+    def _ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        lw = self.w.layers[i]
+        xn = L.rms_norm(h, lw.post_norm, self.cfg.eps)
+        if isinstance(lw.ffn, DenseMlpWeights):
+            return h + L.dense_mlp(self.ops, lw.ffn, xn)
+        return h + L.moe(self.ops, lw.ffn, xn, self.cfg)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        x = L.rms_norm(h, self.w.final_norm, self.cfg.eps)
+        return x.float() @ self.w.lm_head.float().T
+
+    def _run(self, tokens: torch.Tensor, attn) -> torch.Tensor:
+        h = self.w.embed[tokens.long()].float()
+        for i, lw in enumerate(self.w.layers):
+            xn = L.rms_norm(h, lw.input_norm, self.cfg.eps)
+            h = h + attn(i, lw, xn).float()
+            h = self._ffn(i, h)
+        return self._logits(h)
+
+    # -- device core (graph-safe on the kernel path) ----------------------------------------------
+    def step_core(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, T: int) -> torch.Tensor:
+        """tokens [B * T] int, slots/start [B] int32 -> logits [B * T, vocab] FP32."""
+        B = slots.shape[0]
+        st = L.Step(slots=slots, start=start, block_table=self.cache.block_table[slots.long()], T=T,
+                    cu_rows=torch.arange(0, B * T + 1, T, dtype=torch.int32, device=slots.device))
+        c = self.cache
+
+        def attn(i, lw, xn):
+            if self.cfg.kind(i) == "kda":
+                return L.kda_step(self.ops, lw.attn, xn, c.state[i], st)
+            return L.mla_step(self.ops, lw.attn, xn, c.kv[i], self.layout, c.kv_scale[i], st, self.cfg.eps)
+        return self._run(tokens, attn)
+
+    # -- host steps -------------------------------------------------------------------------------
+    def _i32(self, xs) -> torch.Tensor:
+        return torch.tensor(list(xs), dtype=torch.int32, device=self.device)
+
+    def prefill(self, seq_ids: list[int], prompts: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Admit and prefill the prompts (each >= 1 token). Returns the logits of each prompt's last
+        token [B, vocab], or of every token [N, vocab] with all_logits."""
+        if any(len(p) == 0 for p in prompts):
+            raise SpecError("prompt", [], "at least one token per prompt")
+        c = self.cache
+        admitted = []
+        try:  # all or nothing: a request that does not fit leaves the cache as it was
+            for s, p in zip(seq_ids, prompts):
+                c.admit(s, len(p) + self.tcfg.max_drafts + 1)
+                admitted.append(s)
+                c.extend(s, len(p))
+        except Exception:
+            for s in admitted:
+                c.free(s)
+            raise
+        slots = self._i32(c.mgr.entry(s).slot for s in seq_ids)
+        cu = [0]
+        for p in prompts:
+            cu.append(cu[-1] + len(p))
+        pf = L.Prefill(slots=slots, cu_seqlens=self._i32(cu), cu_host=cu, block_table=c.block_table[slots.long()],
+                       resume=torch.zeros_like(slots), max_len=max(len(p) for p in prompts))
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
+
+        def attn(i, lw, xn):
+            if self.cfg.kind(i) == "kda":
+                return L.kda_prefill(self.ops, lw.attn, xn, c.state[i], pf)
+            return L.mla_prefill(self.ops, lw.attn, xn, c.kv[i], self.layout, c.kv_scale[i], pf, self.cfg.eps)
+        logits = self._run(tokens, attn)
+        return logits if all_logits else logits[torch.tensor(cu[1:], device=self.device) - 1]
+
+    def prepare(self, seq_ids: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host bookkeeping of a step of T tokens per sequence: pages, lengths. Returns (slots, start)."""
+        c = self.cache
+        start = []
+        for s in seq_ids:
+            start.append(c.mgr.entry(s).length)
+            c.extend(s, T)
+        return self._i32(c.mgr.entry(s).slot for s in seq_ids), self._i32(start)
+
+    def decode(self, seq_ids: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token per sequence (eager). Returns logits [B, vocab]."""
+        slots, start = self.prepare(seq_ids, 1)
+        return self.step_core(torch.tensor(tokens, device=self.device), slots, start, 1)
+
+    def verify(self, seq_ids: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        """Golden token + M drafts per sequence (eager). Returns logits [B, 1 + M, vocab]; call
+        `commit` with the accepted counts next."""
+        T = 1 + self.tcfg.max_drafts
+        if any(len(t) != T for t in tokens):
+            raise SpecError("verify tokens", [len(t) for t in tokens], f"{T} per sequence (1 + max_drafts)")
+        slots, start = self.prepare(seq_ids, T)
+        flat = torch.tensor([x for t in tokens for x in t], device=self.device)
+        return self.step_core(flat, slots, start, T).view(len(seq_ids), T, -1)
+
+    def commit(self, seq_ids: list[int], accepted: list[int]) -> None:
+        """After a verify step: `accepted[b]` of the 1 + M tokens stay (golden included)."""
+        T = 1 + self.tcfg.max_drafts
+        for s, a in zip(seq_ids, accepted):
+            if not 1 <= a <= T:
+                raise SpecError("accepted", a, f"1..{T}")
+            self.cache.rewind(s, T - a)
+        slots = self._i32(self.cache.mgr.entry(s).slot for s in seq_ids)
+        acc = self._i32(accepted)
+        for i in self.cfg.kda_layer_ids:
+            kda_commit(self.cache.state[i]["pending"], slots, acc)
+
+    def release(self, seq_ids) -> None:
+        for s in seq_ids:
+            self.cache.free(s)

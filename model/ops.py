@@ -1,0 +1,211 @@
+"""The two implementations of every fused op a layer calls: `RefOps` (k3gen's FP32 PyTorch
+references, CPU or GPU) and `KernelOps` (the generated launchers, GPU only). A layer never knows
+which one it has; `TargetConfig.path` picks. Both count what ran in `ran` ("ref:<op>",
+"kernel:<op>", "torch:<op>" for the PyTorch stand-ins), so a test can prove which path executed.
+
+Rounding points are the same on both paths: BF16 activations between ops, FP8 activations
+quantized per token per 128 columns with the target's recipe, FP32 accumulation.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from k3gen.ir.dtypes import GateKind, KvDtype, ScaleRecipe, SsmDtype
+from k3gen.ir.layouts import KvLayout
+from k3gen.reference.act_quant_fp8 import act_quant_fp8 as ref_act_quant
+from k3gen.reference.act_quant_fp8 import dequantize as ref_act_dequant
+from k3gen.reference.kda_decode import KdaWeights
+from k3gen.reference.kda_decode import kda_decode as ref_kda_decode
+from k3gen.reference.kda_prefill import kda_prefill as ref_kda_prefill
+from k3gen.reference.kda_verify import kda_verify as ref_kda_verify
+from k3gen.reference.kv_cache_write import kv_cache_write as ref_kv_write
+from k3gen.reference.mla_q_absorb import NOPE, Q_LORA, rms_norm_bf16
+from k3gen.reference.mla_vb_gate import mla_vb_gate as ref_vb_gate
+
+from . import mla_attention as attn
+from .weights import Fp8Linear
+
+BF16 = torch.bfloat16
+QK_HEAD = 192
+
+
+class Ops:
+    kind = "base"
+
+    def __init__(self, recipe: ScaleRecipe, gate: GateKind = GateKind.BOUNDED):
+        self.recipe, self.gate = recipe, gate
+        self.ran: collections.Counter = collections.Counter()
+
+    def _mark(self, op: str, kind: str | None = None) -> None:
+        self.ran[f"{kind or self.kind}:{op}"] += 1
+
+    def mla_attention(self, layout: KvLayout, q, cache, block_table, start, ring_slot, scale):
+        """q [B, T, H, 576] BF16 -> o_lat [B, T, H, 512] BF16."""
+        if attn.MLA_DECODE_KERNEL is not None and self.kind == "kernel":
+            self._mark("mla_decode")
+            return attn.MLA_DECODE_KERNEL(q, cache, block_table, start, ring_slot, scale)
+        self._mark("mla_attention", "torch" if self.kind == "kernel" else "ref")
+        return attn.paged_mla_attention(layout, q, cache, block_table, start, ring_slot, scale).to(BF16)
+
+
+class RefOps(Ops):
+    kind = "ref"
+
+    def linear(self, x: torch.Tensor, w: Fp8Linear) -> torch.Tensor:
+        self._mark("fp8_linear")
+        codes, scales = ref_act_quant(x, self.recipe)
+        xd = ref_act_dequant(codes, scales, self.recipe)
+        return (xd @ w.dequant().to(xd.device).T).to(BF16)
+
+    def kda_decode(self, qkvg, fa, beta, pools, slots, w: KdaWeights):
+        self._mark("kda_decode")
+        return ref_kda_decode(qkvg, fa, beta, pools["ssm"], pools["conv"], slots, w, gate=self.gate)
+
+    def kda_verify(self, qkvg, fa, beta, pools, slots, w: KdaWeights):
+        self._mark("kda_verify")
+        return ref_kda_verify(qkvg, fa, beta, pools["ssm"], pools["draft_rec"], pools["conv_ext"], pools["pending"],
+                              slots, w, gate=self.gate)
+
+    def kda_prefill(self, qkvg, fa, beta, cu_seqlens, slots, resume, pools, w: KdaWeights):
+        self._mark("kda_prefill")
+        return ref_kda_prefill(qkvg, fa, beta, cu_seqlens, slots, resume, pools["ssm"], pools["conv"], w,
+                               gate=self.gate)
+
+    def kv_write(self, layout, cache, rows, cu_rows, start_pos, block_table, ring_slot, scale, max_rows):
+        self._mark("kv_cache_write")
+        ref_kv_write(layout, cache, rows, cu_rows, start_pos, block_table,
+                     ring_slot if layout.kv is KvDtype.NVFP4 else None, scale)
+
+    def q_absorb(self, q_a, norm_w, q_b: Fp8Linear, w_uk):
+        """reference.mla_q_absorb's rounding points, with Q-B's dequantized weight computed once
+        (the reference function dequantizes it on every call)."""
+        self._mark("mla_q_absorb")
+        H = w_uk.shape[0]
+        q = RefOps.linear(self, rms_norm_bf16(q_a[:, :Q_LORA], norm_w), q_b).float().view(-1, H, QK_HEAD)
+        self.ran["ref:fp8_linear"] -= 1
+        lat = torch.einsum("bhd,hdc->bhc", q[..., :NOPE], w_uk.float()).to(BF16)
+        return torch.cat([lat, q[..., NOPE:].to(BF16)], dim=-1)
+
+    def vb_gate(self, o_lat, w_uv, gate):
+        self._mark("mla_vb_gate")
+        return ref_vb_gate(o_lat, w_uv, gate).to(BF16)
+
+
+class KernelOps(Ops):
+    """The generated kernels of `target` (launchers built from specs, cubins JIT-compiled or
+    prebuilt). `load_all` must run before CUDA-graph capture (capture never compiles)."""
+    kind = "kernel"
+
+    def __init__(self, target, recipe: ScaleRecipe, ssm: SsmDtype, kv: KvLayout, heads_kda: int, heads_mla: int,
+                 max_drafts: int, gate: GateKind = GateKind.BOUNDED):
+        super().__init__(recipe, gate)
+        self.target, self.ssm, self.kv_layout = target, ssm, kv
+        self.heads_kda, self.heads_mla, self.max_drafts = heads_kda, heads_mla, max_drafts
+        self._launchers: dict[str, object] = {}
+
+    # -- specs ------------------------------------------------------------------------------------
+    def specs(self, gemm_shapes) -> list:
+        """Every spec this model runs (gemm_shapes: the (N, K) of its FP8 linears)."""
+        from k3gen.ir.ops.act_quant_fp8 import ActQuantFp8Spec
+        from k3gen.ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
+        from k3gen.ir.ops.kda_decode import KdaDecodeSpec
+        from k3gen.ir.ops.kda_prefill import KdaPrefillSpec
+        from k3gen.ir.ops.kda_verify import KdaVerifySpec
+        from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
+        from k3gen.ir.ops.mla_q_absorb import MlaQAbsorbSpec
+        from k3gen.ir.ops.mla_vb_gate import MlaVbGateSpec
+        t = self.target
+        out = [KdaDecodeSpec(target=t, heads=self.heads_kda, ssm=self.ssm, gate=self.gate),
+               KdaPrefillSpec(target=t, heads=self.heads_kda, ssm=self.ssm, gate=self.gate),
+               KvCacheWriteSpec(target=t, kv=self.kv_layout.kv, fp8_scales=self.kv_layout.fp8_scales,
+                                max_drafts=self.kv_layout.max_drafts),
+               MlaQAbsorbSpec(target=t, heads=self.heads_mla, recipe=self.recipe),
+               MlaVbGateSpec(target=t, heads=self.heads_mla)]
+        if self.max_drafts:
+            out.append(KdaVerifySpec(target=t, heads=self.heads_kda, drafts=self.max_drafts, ssm=self.ssm,
+                                     gate=self.gate))
+        for n, k in sorted(set(gemm_shapes)):
+            out.append(Fp8BlockGemmSpec(target=t, n=n, k=k, recipe=self.recipe))
+        for k in sorted({k for _, k in gemm_shapes}):
+            out.append(ActQuantFp8Spec(target=t, k=k, recipe=self.recipe))
+        return out
+
+    def launcher(self, spec):
+        key = spec.digest()
+        if key not in self._launchers:
+            from k3gen.runtime.bind import launcher_class
+            self._launchers[key] = launcher_class(spec.op)(spec)
+        return self._launchers[key]
+
+    def load_all(self, gemm_shapes) -> None:
+        for s in self.specs(gemm_shapes):
+            self.launcher(s).load()
+
+    def _get(self, op: str, **kw):
+        from k3gen.ir.spec import registry
+        return self.launcher(registry()[op](target=self.target, **kw))
+
+    # -- ops --------------------------------------------------------------------------------------
+    def linear(self, x, w: Fp8Linear):
+        self._mark("fp8_linear")
+        x = x.contiguous()
+        m, k = x.shape
+        aq = self._get("act_quant_fp8", k=k, recipe=self.recipe)
+        codes = torch.empty(m, k, dtype=torch.uint8, device=x.device)
+        sdt = torch.float32 if self.recipe is ScaleRecipe.FP32 else torch.uint8
+        scales = torch.empty(m, k // 128, dtype=sdt, device=x.device)
+        aq(x, codes, scales)
+        out = torch.empty(m, w.n, dtype=BF16, device=x.device)
+        self._get("fp8_block_gemm", n=w.n, k=w.k, recipe=self.recipe)(codes, scales, w.codes, w.scales, out)
+        return out
+
+    def _kda_args(self, w: KdaWeights):
+        return (w.conv_w, w.fb_w, w.dt_bias, w.a_log, w.norm_w)
+
+    def kda_decode(self, qkvg, fa, beta, pools, slots, w):
+        self._mark("kda_decode")
+        out = torch.empty(slots.shape[0], w.heads, 128, dtype=BF16, device=qkvg.device)
+        op = self._get("kda_decode", heads=w.heads, ssm=self.ssm, gate=self.gate)
+        return op(qkvg, fa, beta, pools["ssm"], pools["conv"], slots, *self._kda_args(w), out)
+
+    def kda_verify(self, qkvg, fa, beta, pools, slots, w):
+        self._mark("kda_verify")
+        T = 1 + self.max_drafts
+        out = torch.empty(slots.shape[0], T, w.heads, 128, dtype=BF16, device=qkvg.device)
+        op = self._get("kda_verify", heads=w.heads, drafts=self.max_drafts, ssm=self.ssm, gate=self.gate)
+        return op(qkvg, fa, beta, pools["ssm"], pools["draft_rec"], pools["conv_ext"], pools["pending"], slots,
+                  *self._kda_args(w), out)
+
+    def kda_prefill(self, qkvg, fa, beta, cu_seqlens, slots, resume, pools, w):
+        self._mark("kda_prefill")
+        out = torch.empty(qkvg.shape[0], w.heads, 128, dtype=BF16, device=qkvg.device)
+        op = self._get("kda_prefill", heads=w.heads, ssm=self.ssm, gate=self.gate)
+        return op(qkvg, fa, beta, cu_seqlens, slots, resume, pools["ssm"], pools["conv"], *self._kda_args(w), out)
+
+    def kv_write(self, layout, cache, rows, cu_rows, start_pos, block_table, ring_slot, scale, max_rows):
+        self._mark("kv_cache_write")
+        op = self._get("kv_cache_write", kv=layout.kv, fp8_scales=layout.fp8_scales, max_drafts=layout.max_drafts)
+        op(rows.contiguous(), cu_rows, start_pos, block_table, cache,
+           ring_slot=ring_slot if layout.kv is KvDtype.NVFP4 else None, scale=scale, max_rows_per_seq=max_rows)
+
+    def q_absorb(self, q_a, norm_w, q_b: Fp8Linear, w_uk):
+        self._mark("mla_q_absorb")
+        op = self._get("mla_q_absorb", heads=w_uk.shape[0], recipe=self.recipe)
+        out = torch.empty(q_a.shape[0], w_uk.shape[0], 576, dtype=BF16, device=q_a.device)
+        return op(q_a, norm_w, q_b.codes, q_b.scales, w_uk, out, workspace=op.workspace(q_a.shape[0], q_a.device))
+
+    def vb_gate(self, o_lat, w_uv, gate):
+        self._mark("mla_vb_gate")
+        op = self._get("mla_vb_gate", heads=w_uv.shape[0])
+        out = torch.empty(o_lat.shape[0], w_uv.shape[0], 128, dtype=BF16, device=o_lat.device)
+        return op(o_lat.contiguous(), w_uv, gate, out)
+
+
+def make_ops(tcfg, cfg) -> Ops:
+    if tcfg.path == "reference":
+        return RefOps(tcfg.recipe)
+    shape = cfg.for_tp(tcfg.tp)
+    return KernelOps(tcfg.target, tcfg.recipe, tcfg.ssm, tcfg.kv_layout(), shape.kda_heads, shape.mla_heads,
+                     tcfg.max_drafts)

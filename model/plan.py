@@ -1,0 +1,78 @@
+"""`k3gen plan-memory`: how many sequences x tokens of the real K3 config fit one GPU at a given
+TP, for every KV/SSM dtype combination, from the IR's byte expressions (model/cache.py)."""
+from __future__ import annotations
+
+import argparse
+
+from k3gen.errors import K3genError
+
+from .cache import CacheCapacityError, cache_bytes, plan_capacity
+from .checkpoint import expected_tensors
+from .config import TargetConfig, get_config
+
+CONTEXTS = (4096, 32768, 131072)
+
+
+def weight_bytes_per_rank(cfg, tp: int) -> int:
+    """Stored checkpoint bytes / tp (every weight split evenly: an estimate; replicated norms are small)."""
+    import math
+    total = 0
+    for info in expected_tensors(cfg).values():
+        total += math.prod(info.shape) * info.dtype.itemsize
+    return total // tp
+
+
+def plan_rows(config: str, arch: str, tp: int, gpu_gib: float, util: float, max_drafts: int,
+              contexts=CONTEXTS) -> tuple[list[dict], int, int]:
+    cfg = get_config(config)
+    weights = weight_bytes_per_rank(cfg, tp)
+    budget = int(gpu_gib * 2**30 * util) - weights
+    rows = []
+    for kv in ("bf16", "fp8", "nvfp4"):
+        for ssm in ("fp32", "bf16"):
+            try:
+                t = TargetConfig(arch=arch, kv=kv, ssm=ssm, tp=tp, max_drafts=max_drafts)
+            except K3genError as e:
+                rows.append({"kv": kv, "ssm": ssm, "error": str(e)})
+                continue
+            b = cache_bytes(cfg, t)
+            row = {"kv": kv, "ssm": ssm, "token_bytes": b.per_page / b.page, "seq_bytes": b.per_slot, "fits": {}}
+            for ctx in contexts:
+                try:
+                    row["fits"][ctx] = plan_capacity(cfg, t, budget, ctx)[0]
+                except CacheCapacityError:
+                    row["fits"][ctx] = 0
+            rows.append(row)
+    return rows, weights, budget
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .cli import add_plan_arguments
+    add_plan_arguments(p)
+
+
+def run(a) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    import sys
+    con = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    try:
+        rows, weights, budget = plan_rows(a.config, a.arch, a.tp, a.gpu_gib, a.util, a.max_drafts)
+    except K3genError as e:
+        con.print(f"[red]error:[/red] {e}")
+        return 2
+    table = Table(title=f"{a.config} TP{a.tp} on {a.gpu_gib:g} GiB x {a.util:g}: weights {weights / 2**30:.1f} GiB/rank, "
+                        f"cache budget {budget / 2**30:.1f} GiB", title_justify="left")
+    for col in ("KV", "SSM", "KV bytes/token", "state bytes/seq") + tuple(f"seqs x {c // 1024}K tokens" for c in CONTEXTS):
+        table.add_column(col, justify="left" if col in ("KV", "SSM") else "right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["kv"], r["ssm"], "[red]" + r["error"] + "[/red]", "", *[""] * len(CONTEXTS))
+            continue
+        table.add_row(r["kv"], r["ssm"], f"{r['token_bytes']:,.0f}", f"{r['seq_bytes'] / 2**20:,.1f} MiB",
+                      *[f"{r['fits'][c]:,}" for c in CONTEXTS])
+    con.print(table)
+    if budget <= 0:
+        con.print("[red]the weights alone exceed the budget: raise --tp or --gpu-gib[/red]")
+        return 1
+    return 0

@@ -1,0 +1,102 @@
+"""One KDA and one MLA layer at the real K3 TP8 dimensions (hidden 7168, H = 12) through the
+generated kernels on the H200: decode time per layer (CUDA graph replay, median) for B = 1, 8, 32
+at a 4K context, printed. Weights are random FP8 block weights (no checkpoint at this size); MLA
+attention is the PyTorch stand-in until mla_decode lands, so the MLA time is an upper bound."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from k3gen.ir.dtypes import ScaleRecipe
+from k3gen.reference.fp8_block_gemm import quantize_weights
+from k3gen.reference.kda_decode import random_weights
+from model import layers as L
+from model.cache import HybridCache
+from model.config import TargetConfig, k3_config
+from model.model import gemm_shapes_for
+from model.ops import KernelOps
+from model.weights import KV_A_PAD, Fp8Linear, KdaLayerWeights, MlaLayerWeights
+
+pytestmark = pytest.mark.gpu
+CFG = dataclasses.replace(k3_config(), layers=2, mla_layers=(2,), dense_layers=(1, 2))
+TP = 8
+CONTEXT = 4096
+
+
+def _tc(kv="nvfp4", ssm="bf16"):
+    return TargetConfig(kv=kv, ssm=ssm, tp=TP, path="kernel")
+
+
+COMBOS = [("nvfp4", "bf16"), ("bf16", "fp32")]
+
+
+def prebuild_specs():
+    sh = CFG.for_tp(TP)
+    out = []
+    for kv, ssm in COMBOS:
+        t = _tc(kv, ssm)
+        out += KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), sh.kda_heads, sh.mla_heads, 0).specs(
+            gemm_shapes_for(CFG, TP))
+    return out
+
+
+def _lin(n, k, g):
+    c, s = quantize_weights((torch.randn(n, k, generator=g) * k ** -0.5).cuda(), ScaleRecipe.FP32)
+    return Fp8Linear(c, s, ScaleRecipe.FP32)
+
+
+def _time(fn, reps=50) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@pytest.mark.parametrize("kv,ssm", COMBOS)
+def test_k3_tp8_layer_decode_time(kv, ssm):
+    g = torch.Generator().manual_seed(0)
+    t = _tc(kv, ssm)
+    H, hid = 12, CFG.hidden
+    ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), H, H, 0)
+    ops.load_all(gemm_shapes_for(CFG, TP))
+    kda = KdaLayerWeights(qkvg=_lin(4 * H * 128, hid, g), fab=_lin(144, hid, g), o_proj=_lin(hid, H * 128, g),
+                          kda=random_weights(H, generator=g, device="cuda"))
+    kvb = (torch.randn(H, 256, 512, generator=g) * 0.05).to(torch.bfloat16).cuda()
+    mla = MlaLayerWeights(a_proj=_lin(1536 + KV_A_PAD + H * 128, hid, g),
+                          q_a_norm=torch.ones(1536, dtype=torch.bfloat16, device="cuda"),
+                          q_b=_lin(H * 192, 1536, g), kv_a_norm=torch.ones(512, dtype=torch.bfloat16, device="cuda"),
+                          w_uk=kvb[:, :128].contiguous(), w_uv=kvb[:, 128:].contiguous(), o_proj=_lin(hid, H * 128, g))
+    report = []
+    for B in (1, 8, 32):
+        cache = HybridCache(CFG, t, num_slots=B, num_pages=B * (CONTEXT // t.kv_layout().page + 2),
+                            max_seq_len=CONTEXT + 64, device="cuda")
+        for s in range(B):
+            cache.admit(s, CONTEXT)
+            cache.extend(s, CONTEXT - 1)
+        slots = torch.arange(B, dtype=torch.int32, device="cuda")
+        st = L.Step(slots=slots, start=torch.full((B,), CONTEXT - 1, dtype=torch.int32, device="cuda"),
+                    block_table=cache.block_table[slots.long()], T=1,
+                    cu_rows=torch.arange(B + 1, dtype=torch.int32, device="cuda"))
+        xn = torch.randn(B, hid, generator=g).to(torch.bfloat16).cuda()
+        t_kda = _time(lambda: L.kda_step(ops, kda, xn, cache.state[0], st))
+        t_mla = _time(lambda: L.mla_step(ops, mla, xn, cache.kv[1], cache.layout, cache.kv_scale[1], st, 1e-5))
+        out = L.kda_step(ops, kda, xn, cache.state[0], st)
+        assert torch.isfinite(out.float()).all()
+        report.append(f"B={B}: KDA layer {t_kda:.1f} us, MLA layer {t_mla:.1f} us (torch attention)")
+    assert not {k for k in ops.ran if k.startswith("ref:")}
+    print(f"\n[K3 TP8, kv={kv}, ssm={ssm}, context {CONTEXT}] " + "; ".join(report))
