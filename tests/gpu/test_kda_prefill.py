@@ -190,10 +190,15 @@ def test_chunk_equals_token_kernel(ssm):
     idx = batch.slots[1:].long().to(DEV)
     if ssm is SsmDtype.FP32:
         assert rel_rms(a["ssm"][idx], b["ssm"][idx]) <= 1e-5
-    else:  # each a rounding of an FP32 state within 1e-5: at most one BF16 ulp apart
+    else:
+        # Each is the BF16 rounding of an FP32 state, and the FP32 states agree as above (1e-5 of
+        # the RMS). Two roundings of nearby values sit at most one ulp apart, except where the
+        # element is so small that 1e-5 x RMS spans several of its ulps (the decode tests' rule).
         x, y = a["ssm"][idx].float().cpu(), b["ssm"][idx].float().cpu()
         ulp = torch.exp2(torch.floor(torch.log2(y.abs().clamp_min(2.0**-126))) - 7)
-        assert not ((x - y).abs() > ulp * 1.01).any()
+        err = (x - y).abs()
+        bad = (err > ulp * 1.01) & (err > 1e-5 * float(y.pow(2).mean().sqrt()))
+        assert not bad.any(), f"{int(bad.sum())} elements differ, max {float(err[bad].max())}"
 
 
 def test_cuda_graph_replay_equals_eager():
