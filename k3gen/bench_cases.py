@@ -269,7 +269,7 @@ def fp8_block_gemm(ceiling: float, quick: bool = False) -> list:
                                                                   device="cuda"),
                          torch.empty(m, n, dtype=torch.bfloat16, device="cuda")) for _ in range(nsets)]
                 us = time_graph([lambda a=a, w=w: op(a[0], a[1], w[0], w[1], a[2]) for a, w in zip(acts, weights)])
-                extra = {"n": n, "k": k, "m": m, "recipe": recipe.value, "split": op.split_for(m),
+                extra = {"n": n, "k": k, "m": m, "recipe": recipe.value, "split": op.split_for(m), "mma": spec.mma,
                          "proj_8TBps_us": nbytes / 8e12 * 1e6}
                 peer, peer_us = "", None
                 if recipe is ScaleRecipe.FP32:

@@ -39,6 +39,33 @@ def ensure_context(device: int) -> None:
     _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+def _params(args, types):
+    """cuda.bindings kernelParams: (values, ctypes types), or with types None the address of a
+    prepared void* array (for by-value structs such as TMA tensor maps; see ArgPack)."""
+    return args if types is None else (args, types)
+
+
+class ArgPack:
+    """Kernel arguments packed by hand: `add` keeps each value's bytes alive in a ctypes buffer and
+    `address` is the void** array cuLaunchKernel takes. The driver copies the values at launch (and
+    at graph capture), so a pack may be dropped right after the launch call returns."""
+
+    def __init__(self):
+        self._vals: list = []
+
+    def add(self, value) -> "ArgPack":
+        if isinstance(value, (bytes, bytearray)):
+            buf = ctypes.create_string_buffer(bytes(value), len(value))
+        else:
+            buf = value   # a ctypes scalar, e.g. PTR(x) or I32(x)
+        self._vals.append(buf)
+        return self
+
+    def address(self) -> int:
+        self._argv = (ctypes.c_void_p * len(self._vals))(*[ctypes.addressof(v) for v in self._vals])
+        return ctypes.addressof(self._argv)
+
+
 class CudaKernel:
     """One kernel function of a loaded cubin, per device."""
 
@@ -87,7 +114,7 @@ class CudaKernel:
                device: int, stream: int, smem: int = 0) -> None:
         from cuda.bindings import driver
         f = self.function(device)
-        _check(driver.cuLaunchKernel(f, *grid, *block, smem, stream, (args, types), 0), f"launch {self.entry}")
+        _check(driver.cuLaunchKernel(f, *grid, *block, smem, stream, _params(args, types), 0), f"launch {self.entry}")
 
     def launch_cluster(self, grid: tuple[int, int, int], block: tuple[int, int, int],
                        cluster: tuple[int, int, int], args: tuple, types: tuple, device: int, stream: int,
@@ -105,7 +132,7 @@ class CudaKernel:
         attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
         cfg.attrs = [attr]
         cfg.numAttrs = 1
-        _check(driver.cuLaunchKernelEx(cfg, f, (args, types), 0), f"cluster launch {self.entry}")
+        _check(driver.cuLaunchKernelEx(cfg, f, _params(args, types), 0), f"cluster launch {self.entry}")
 
 
 PTR = ctypes.c_void_p

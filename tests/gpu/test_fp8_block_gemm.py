@@ -1,6 +1,7 @@
-"""fp8_block_gemm on the H200 (sm_90a cubin via NVRTC) against the FP32 reference and a float64
-product of the dequantized operands: both scale recipes, M in {1, 2, 7, 8, 33, 128}, N and K not
-multiples of 128, every split, CUDA-graph replay, poisoned outputs."""
+"""fp8_block_gemm on the H200 (sm_90a cubin via NVRTC: the wgmma + TMA flavour) against the FP32
+reference and a float64 product of the dequantized operands: both scale recipes, M in {1, 2, 7, 8,
+33, 128} plus every token-tile variant and M > 128, N and K not multiples of 128, every split, a
+ring that wraps many times, CUDA-graph replay, poisoned outputs."""
 from __future__ import annotations
 
 import functools
@@ -19,11 +20,15 @@ pytestmark = pytest.mark.gpu
 
 SM90 = TARGETS["sm90"]
 RECIPES = tuple(ScaleRecipe)
-MS = (1, 2, 7, 8, 33, 128)
-SHAPES = ((2304, 1536), (200, 272), (7168, 1536))   # q_b TP8, ragged edges, o_proj TP8
+MS = (1, 2, 7, 8, 13, 32, 33, 128, 200)   # nt = 8, 16, 32, 64, 128; M > 128 takes two token tiles
+SHAPES = ((2304, 1536), (200, 272), (7168, 1536), (1536, 7168))   # q_b TP8, ragged, o_proj TP8, q_a
 BF16_REL_RMS = 1e-2            # BF16 output rounding plus FP32 accumulation order
+RING = (200, 7168)             # split 1 streams 56 K blocks through the ring
+TINY = ((64, 96), (8, 16))     # smaller than one 128 x 128 tile in N and K (boxes clipped by TMA)
 SPECS = {(n, k, r, bm): Fp8BlockGemmSpec(target=SM90, n=n, k=k, recipe=r, bm=bm)
-         for n, k in SHAPES for r in RECIPES for bm in (64, 16)}
+         for n, k in SHAPES + (RING,) + TINY for r in RECIPES for bm in (64,)}
+# bm is a field of the mma.sync flavour only: on sm90 it must not change the kernel's results.
+SPECS.update({(200, 272, r, 16): Fp8BlockGemmSpec(target=SM90, n=200, k=272, recipe=r, bm=16) for r in RECIPES})
 
 
 def rel_rms(a, b) -> float:
@@ -34,7 +39,7 @@ def rel_rms(a, b) -> float:
 @functools.lru_cache(maxsize=None)
 def _op(n, k, recipe, bm=64) -> Fp8BlockGemm:
     op = Fp8BlockGemm(SPECS[(n, k, recipe, bm)]).load()
-    assert op.meta["arch"] == "sm_90a"
+    assert op.meta["arch"] == "sm_90a" and op.spec.mma == "wgmma"
     return op
 
 
@@ -76,6 +81,46 @@ def test_matches_reference(m, n, k, recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+@pytest.mark.parametrize("m", (1, 37, 128))
+def test_ring_wraps_many_times(m, recipe):
+    """split = 1 over K = 7168: 56 K blocks through a 6-8 stage ring, so the empty/full barrier
+    phases flip many times; also split 8 (7 blocks per CTA) and split 5 (uneven K ranges)."""
+    n, k = RING
+    xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=100 + m)
+    for split in (1, 5, 8):
+        out = _poisoned(m, n)
+        _op(n, k, recipe)(xc, xs, wc, ws, out, split=split)
+        torch.cuda.synchronize()
+        _check(out, xc, xs, wc, ws, recipe)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+@pytest.mark.parametrize("n,k", TINY, ids=str)
+def test_tiny_shapes_smaller_than_one_tile(n, k, recipe):
+    for m in (1, 3, 20):
+        xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=300 + m + n)
+        out = _poisoned(m, n)
+        _op(n, k, recipe)(xc, xs, wc, ws, out)
+        torch.cuda.synchronize()
+        _check(out, xc, xs, wc, ws, recipe)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+def test_new_activation_buffers_of_other_sizes(recipe):
+    """Tensor maps are cached by pointer and shape: a new M at a reused address must not replay a
+    stale map (rows past the old M would be zero-filled or read out of bounds)."""
+    n, k = 200, 272
+    op = _op(n, k, recipe)
+    for m in (5, 40, 5, 130, 1):
+        xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=200 + m)
+        out = _poisoned(m, n)
+        op(xc, xs, wc, ws, out)
+        torch.cuda.synchronize()
+        _check(out, xc, xs, wc, ws, recipe)
+        del xc, xs, out
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
 def test_every_split_and_small_tile_agree(recipe):
     n, k, m = 200, 272, 33
     xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=5)
@@ -97,8 +142,9 @@ def test_every_split_and_small_tile_agree(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
-def test_graph_replay(recipe):
-    n, k, m = 2304, 1536, 8
+@pytest.mark.parametrize("n,k,m", [(2304, 1536, 8), (200, 272, 1), (7168, 1536, 128)], ids=str)
+def test_graph_replay(n, k, m, recipe):
+    """Cluster split-K (q_b), one K block per CTA ragged (M = 1), and nt = 128 (o_proj)."""
     op = _op(n, k, recipe)
     xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=11)
     out = _poisoned(m, n)
@@ -136,6 +182,11 @@ def test_recipe_mismatch_and_shape_checks():
         op(xc, xs, wc, ws, out[:, :2296])
     with pytest.raises(SpecError, match="split"):
         op(xc, xs, wc, ws, out, split=9)
+    with pytest.raises(SpecError, match="x_codes"):
+        buf = torch.zeros(4 * 1536 + 16, dtype=torch.uint8, device="cuda")
+        op(buf[1:1 + 4 * 1536].view(4, 1536), xs, wc, ws, out)   # TMA needs 16-byte-aligned rows
+    with pytest.raises(SpecError, match="w_codes"):
+        op(xc, xs, wc[:, :1520], ws, out)
 
 
 def test_empty_batch_launches_nothing():

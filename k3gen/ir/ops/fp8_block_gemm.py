@@ -13,15 +13,25 @@ launcher runtime/ops/fp8_block_gemm.py):
   garbage (SPEC.md section 6), so this is an error at the IR level, not a runtime surprise.
 - out[M, N] BF16 row-major contiguous: sum over 128-column blocks kb of
   (sum_k x[m, k] w[n, k] in FP32) * (x_scale[m, kb] * w_scale[n / 128, kb]), rounded once to BF16.
-- N static, a multiple of 8 (16-byte output rows); K static, a multiple of 16 (16-byte copies);
-  neither needs to be a multiple of 128. M dynamic, >= 0 (M = 1 included).
+- N static, a multiple of 8 (16-byte output rows); K static, a multiple of 16 (16-byte copies and
+  TMA row strides); neither needs to be a multiple of 128. M dynamic, >= 0 (M = 1 included).
 
 tcgen05 targets (sm103/sm107, `lowering == "cute"`, kernel in k3gen/cute/fp8_block_gemm.py): a CTA
 owns TC_TILE_N = 128 weight rows (one scale block, the MMA's M side) and `bm` tokens (the MMA's N
 side, bm in TC_BM_CHOICES; the UE8M0 block-scaled MMA needs bm >= 64, the FP32 recipe's register
 promotion bm <= 64); 288 threads; grid = (1, ceil(M / bm), ceil(N / 128)), no clusters yet.
 
-Launch geometry (SM90 mma.sync kernel): 4 warps, a CTA owns BN = 64 weight rows and up to `bm`
+NVRTC targets: two flavours, picked by the target's MMA unit (`spec.mma`):
+
+"wgmma" (sm_90a, include/k3gen/fp8_gemm_wgmma.cuh): 12 warps (2 consumer warpgroups + 1 TMA
+producer warpgroup), a CTA owns BN90 = 128 weight rows and `nt` tokens, nt in NT_CHOICES chosen per
+launch from M (`nt_for`); grid = (split, ceil(M / nt), ceil(N / 128)), clusters (split, 1, 1).
+Kernel arguments: the W and x TMA tensor maps (by value; `tma_boxes` gives their geometry), x/w
+scales, out, M, nt. `plan` computes everything on the host (graph-safe). `bm` and `stages` are
+fields of the mma.sync flavour only.
+
+"mma_sync" (no target selects it any more: the fallback until the wgmma kernel has passed on the
+H200; tests build it for a copy of the sm90 target): 4 warps, a CTA owns BN = 64 weight rows and up to `bm`
 tokens; grid = (split, ceil(M / bm), ceil(N / 64)) with clusters (split, 1, 1): the `split` CTAs of
 a cluster share the K range in whole 128-column blocks and reduce through distributed shared
 memory. The launcher picks split from the grid size (see `choose_split`).
@@ -33,6 +43,7 @@ from dataclasses import dataclass
 from ...errors import SpecError
 from ..dims import sym
 from ..dtypes import BF16, FP32, UE8M0, ScaleRecipe
+from ..sm90_tiles import SW128_KMAJOR, encode_desc
 from ..spec import OpSpec, register_op
 
 BLOCK = 128            # scale granularity along N (weights) and K (both operands)
@@ -46,6 +57,16 @@ TCGEN05_TARGETS = ("sm103-nvfp4", "sm107-nvfp4")
 TC_TILE_N = 128        # weight rows per CTA: the tcgen05 MMA's M
 TC_BM_CHOICES = (32, 64, 128)
 TC_THREADS = 288       # 4 loader warps, 4 epilogue warps, 1 MMA warp
+
+# wgmma flavour (mirrors the constants of include/k3gen/fp8_gemm_wgmma.cuh; the template asserts
+# the shared-memory sizes agree).
+BN90 = 128             # weight rows per CTA: one scale tile, two m64 consumer warpgroups
+THREADS90 = 12 * 32    # 2 consumer warpgroups + 1 producer warpgroup (one TMA lane)
+NT_CHOICES = (8, 16, 32, 64, 128)   # token columns per CTA (wgmma N)
+RING_BYTES = 192 * 1024             # TMA ring budget (one CTA per SM; 227 KB is the sm_90 cap)
+MAX_STAGES90 = 8
+ALIGN90 = 1024
+SPLIT_OVERHEAD_BLOCKS = 2           # pipeline fill + epilogue, in 128-column K blocks of streaming
 
 
 def cdiv(a: int, b: int) -> int:
@@ -61,6 +82,37 @@ def choose_split(n: int, k: int, m: int, bm: int, sms: int, max_split: int = MAX
     tiles = cdiv(n, BN) * max(1, cdiv(m, bm))
     cap = max(1, min(max_split, cdiv(k, BLOCK)))
     return max(1, min(cap, ctas_per_sm * sms // tiles))
+
+
+def nt_for(m: int) -> int:
+    """Smallest token tile covering min(M, 128): M = 1 pads to 8 columns, M > 128 uses 128-token tiles."""
+    for nt in NT_CHOICES:
+        if m <= nt:
+            return nt
+    return NT_CHOICES[-1]
+
+
+def choose_split90(n: int, k: int, m: int, sms: int, max_split: int = MAX_SPLIT) -> int:
+    """CTAs per output tile along K for the wgmma flavour (one CTA per SM): the split whose waves x
+    (K blocks per CTA + fixed overhead) is smallest, ties to the smaller split. Streaming time per
+    CTA is proportional to its K blocks, so this fills the SMs without a tail wave of long CTAs."""
+    tiles = cdiv(n, BN90) * max(1, cdiv(m, nt_for(max(m, 1))))
+    kb = cdiv(k, BLOCK)
+    best, best_cost = 1, None
+    for s in range(1, max(1, min(max_split, kb)) + 1):
+        cost = cdiv(tiles * s, sms) * (cdiv(kb, s) + SPLIT_OVERHEAD_BLOCKS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One launch of the wgmma flavour: all host-side, so a captured graph replays it unchanged."""
+    nt: int
+    split: int
+    grid: tuple[int, int, int]
+    smem: int
 
 
 @register_op("fp8_block_gemm")
@@ -122,16 +174,63 @@ class Fp8BlockGemmSpec(OpSpec):
         return FP32 if self.recipe is ScaleRecipe.FP32 else UE8M0
 
     @property
+    def mma(self) -> str:
+        """Kernel flavour: tcgen05 (CuTe DSL), Hopper wgmma, or the portable mma.sync fallback."""
+        if self.lowering == "cute":
+            return "tcgen05"
+        return "wgmma" if self.target.mma == "wgmma" else "mma_sync"
+
+    @property
     def threads(self) -> int:
-        return TC_THREADS if self.lowering == "cute" else WARPS * 32
+        if self.lowering == "cute":
+            return TC_THREADS
+        return THREADS90 if self.mma == "wgmma" else WARPS * 32
+
+    # -- wgmma flavour ------------------------------------------------------------------------
+    nt_choices = NT_CHOICES
+    ring_bytes = RING_BYTES
+    max_stages = MAX_STAGES90
+    desc_fields = SW128_KMAJOR
+    desc_probe_addr = 0x1C420          # a 1024-aligned shared address plus one 32-byte K step
+
+    @property
+    def desc_probe_value(self) -> int:
+        return encode_desc(self.desc_probe_addr)
+
+    @staticmethod
+    def stages_nt(nt: int) -> int:
+        return min(MAX_STAGES90, RING_BYTES // (BN90 * BLOCK + nt * BLOCK))
+
+    @staticmethod
+    def smem_bytes_nt(nt: int) -> int:
+        s = Fp8BlockGemmSpec.stages_nt(nt)
+        return ALIGN90 + s * (BN90 * BLOCK + nt * BLOCK) + 16 * s
+
+    def max_smem_bytes(self) -> int:
+        if self.mma == "wgmma":
+            return max(self.smem_bytes_nt(nt) for nt in NT_CHOICES)
+        return self.smem_bytes(1)
+
+    def tma_boxes(self, m: int, nt: int) -> dict:
+        """Geometry of the two TMA tensor maps (innermost dimension first), E4M3 bytes, 128B swizzle,
+        zero fill out of bounds: W [N, K] in min(N, 128) x 128 boxes, x [M, K] in min(M, nt) x 128
+        boxes (a box never larger than the tensor; the kernel expects the same byte counts)."""
+        return {"w": {"dims": (self.k, self.n), "strides": (self.k,), "box": (BLOCK, min(BN90, self.n))},
+                "x": {"dims": (self.k, m), "strides": (self.k,), "box": (BLOCK, min(nt, m))}}
+
+    def plan(self, m: int, sms: int, split: int | None = None) -> Plan:
+        nt = nt_for(m)
+        split = split or choose_split90(self.n, self.k, m, sms)
+        return Plan(nt, split, (split, cdiv(m, nt), cdiv(self.n, BN90)), self.smem_bytes_nt(nt))
 
     def smem_bytes(self, split: int) -> int:
-        """Dynamic shared memory: the FP8 pipeline, the F16 token tile, then the combined scales of
+        """mma.sync flavour. Dynamic shared memory: the FP8 pipeline, the F16 token tile, then the combined scales of
         one split's K blocks."""
         return (self.stages * (BN + self.bm) * BLOCK + self.bm * BLOCK * 2
                 + 4 * self.bm * cdiv(self.k_blocks, split))
 
     def grid(self, m: int, split: int) -> tuple[int, int, int]:
+        """tcgen05 and mma.sync flavours (wgmma: `plan`)."""
         if self.lowering == "cute":
             return (split, cdiv(m, self.bm), cdiv(self.n, TC_TILE_N))
         return (split, cdiv(m, self.bm), cdiv(self.n, BN))

@@ -1,17 +1,39 @@
 """Launcher of fp8_block_gemm (ABI: templates/fp8_block_gemm.cu.j2; contract: ir/ops/fp8_block_gemm.py).
 
-Graph-safe: the checks read tensor metadata only, the split depends on M and the SM count (read at
-load()), and the shared-memory attribute is set once per device before any capture.
+Graph-safe: the checks read tensor metadata only, the launch plan depends on M and the SM count
+(read at load()), and the shared-memory attribute is set once per device before any capture. The
+wgmma flavour takes its W and x operands as TMA tensor maps by value: they are encoded on the host
+(cuTensorMapEncodeTiled touches no device state) and copied into the launch's parameters, so a
+captured graph holds the maps of the tensors it was captured with, like any pointer argument.
 """
 from __future__ import annotations
 
+import collections
+import ctypes
+import threading
 
 from ...errors import SpecError
 from ...ir.dtypes import ScaleRecipe
-from ...ir.ops.fp8_block_gemm import MAX_SPLIT, cdiv, choose_split
+from ...ir.ops.fp8_block_gemm import MAX_SPLIT, cdiv, choose_split, nt_for
 from ..bind import Launcher
 from ..checks import check_tensor
-from ..loader import I32, PTR, _check
+from ..loader import I32, PTR, ArgPack, _check
+
+TMA_CACHE = 64   # encoded maps kept per launcher (weights are few; activations rotate through a handful)
+
+
+def encode_tma_2d(ptr: int, dims: tuple[int, int], strides: tuple[int], box: tuple[int, int]) -> bytes:
+    """128-byte CUtensorMap of a row-major uint8 matrix (dims innermost first), 128B swizzle, zero
+    fill out of bounds, 256-byte L2 promotion."""
+    from cuda.bindings import driver as d
+    u64, u32 = d.cuuint64_t, d.cuuint32_t
+    tmap = _check(d.cuTensorMapEncodeTiled(
+        d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, ptr, [u64(v) for v in dims],
+        [u64(v) for v in strides], [u32(v) for v in box], [u32(1), u32(1)],
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    return ctypes.string_at(int(tmap.getPtr()), 128)
 
 
 def scale_torch_dtype(recipe: ScaleRecipe):
@@ -23,6 +45,8 @@ class Fp8BlockGemm(Launcher):
     def __init__(self, spec):
         super().__init__(spec)
         self._smem_set: set[int] = set()
+        self._maps: collections.OrderedDict = collections.OrderedDict()
+        self._maps_lock = threading.Lock()
 
     def load(self):
         if self.spec.lowering == "cute":  # tcgen05 targets: CuTe DSL cubin, ABI from the build
@@ -43,14 +67,30 @@ class Fp8BlockGemm(Launcher):
         from cuda.bindings import driver
         f = self._kernel.function(device)  # not self.kernel: that calls load(), which calls us
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(driver.cuFuncSetAttribute(f, attr, self.spec.smem_bytes(1)), "cuFuncSetAttribute")
+        _check(driver.cuFuncSetAttribute(f, attr, self.spec.max_smem_bytes()), "cuFuncSetAttribute")
         self._smem_set.add(device)
 
     def split_for(self, m: int) -> int:
         s = self.spec
         if s.lowering == "cute":
             return 1
+        if s.mma == "wgmma":
+            return s.plan(m, self.sm_count).split
         return choose_split(s.n, s.k, m, s.bm, self.sm_count)
+
+    def _tma_map(self, t, geom: dict) -> bytes:
+        key = (t.data_ptr(), t.device.index, geom["dims"], geom["box"])
+        with self._maps_lock:
+            raw = self._maps.get(key)
+            if raw is not None:
+                self._maps.move_to_end(key)
+                return raw
+        raw = encode_tma_2d(t.data_ptr(), geom["dims"], geom["strides"], geom["box"])
+        with self._maps_lock:
+            self._maps[key] = raw
+            while len(self._maps) > TMA_CACHE:
+                self._maps.popitem(last=False)
+        return raw
 
     def check(self, x_codes, x_scales, w_codes, w_scales, out) -> int:
         import torch
@@ -70,8 +110,9 @@ class Fp8BlockGemm(Launcher):
         devs = {t.device for t in (x_codes, x_scales, w_codes, w_scales, out)}
         if len(devs) != 1 or next(iter(devs)).type != "cuda":
             raise SpecError("device", sorted(map(str, devs)), "one CUDA device for all tensors")
-        if cdiv(max(m, 1), s.bm) > 65535:
-            raise SpecError("M", m, f"<= {65535 * s.bm}", "grid.y")
+        tile_m = nt_for(max(m, 1)) if s.mma == "wgmma" else s.bm
+        if cdiv(max(m, 1), tile_m) > 65535:
+            raise SpecError("M", m, f"<= {65535 * tile_m}", "grid.y")
         return m
 
     def __call__(self, x_codes, x_scales, w_codes, w_scales, out, *, split: int | None = None):
@@ -88,10 +129,23 @@ class Fp8BlockGemm(Launcher):
         cap = min(MAX_SPLIT, self.spec.k_blocks)
         if split is not None and not 1 <= split <= cap:
             raise SpecError("split", split, f"1..{cap}", "K blocks per cluster CTA >= 1")
-        split = split or self.split_for(m)
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         self._allow_smem(dev)
         stream = torch.cuda.current_stream(out.device).cuda_stream
+        if self.spec.mma == "wgmma":
+            plan = self.spec.plan(m, self.sm_count, split)
+            boxes = self.spec.tma_boxes(m, plan.nt)
+            args = (ArgPack().add(self._tma_map(w_codes, boxes["w"])).add(self._tma_map(x_codes, boxes["x"]))
+                    .add(PTR(x_scales.data_ptr())).add(PTR(w_scales.data_ptr())).add(PTR(out.data_ptr()))
+                    .add(I32(m)).add(I32(plan.nt)))
+            grid, block = plan.grid, (self.spec.threads, 1, 1)
+            if plan.split == 1:
+                self.kernel.launch(grid, block, args.address(), None, dev, stream, plan.smem)
+            else:
+                self.kernel.launch_cluster(grid, block, (plan.split, 1, 1), args.address(), None, dev, stream,
+                                           plan.smem)
+            return out
+        split = split or self.split_for(m)
         args = (x_codes.data_ptr(), x_scales.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),
                 out.data_ptr(), m)
         types = (PTR, PTR, PTR, PTR, PTR, I32)

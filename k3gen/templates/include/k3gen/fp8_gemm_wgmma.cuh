@@ -1,0 +1,245 @@
+// FP8 block-scaled GEMM for small M on Hopper wgmma (sm_90a): out[M, N] = x[M, K] @ w[N, K]^T.
+// Contract: k3gen/ir/ops/fp8_block_gemm.py (the "wgmma" flavour). Config (from the template):
+//   kN, kK                  static sizes (N % 8 == 0, K % 16 == 0)
+//   kUe8m0                  scales are UE8M0 bytes (else FP32 values)
+//   kRingBytes, kMaxStages  shared-memory budget and depth cap of the TMA ring
+//   kDescLbo/Sbo/Layout     wgmma descriptor fields of a 128B-swizzled K-major tile
+//
+// Small M is weight-bandwidth-bound ("swap AB"): the 128 weight rows of a CTA are the wgmma M side
+// (two consumer warpgroups of 64 rows) and the tokens the wgmma N side (NT = 8..128), so M = 1 pads
+// the tensor-core work to 8 columns and never costs weight bytes.
+// - One producer warp streams 128 x 128-byte weight tiles and NT x 128-byte token tiles with TMA
+//   (128B swizzle, zero fill past N, M and K) into a ring of 1024-byte-aligned stages guarded by
+//   full (tx-count) and empty (8 consumer warps) mbarriers.
+// - Per 128-column K block each consumer warpgroup issues four m64nNTk32 wgmmas into a fresh
+//   accumulator (scale-d = 0 on the first), waits, releases the stage, then promotes:
+//   total += part * (x_scale[token] * w_scale[tile]). Block scales never touch the FP8 operands;
+//   the next block's token scales are loaded while the MMAs run.
+// - NT is a runtime argument (one kernel holds the five variants; the launcher picks the smallest
+//   that covers min(M, 128)), and the ring depth follows from NT and the shared-memory budget.
+// - Split-K over a thread-block cluster (gridDim.x CTAs share a tile's K range in whole 128-column
+//   blocks) reduces through distributed shared memory in rank order: deterministic, no workspace,
+//   graph-safe (the split is planned on the host from M and the SM count).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "k3gen/fp8_gemm.cuh"
+#include "k3gen/sm90_async.cuh"
+
+namespace k3gen {
+namespace fp8gemm90 {
+
+constexpr int kBlock = 128;                  // scale block along N and K; K bytes per stage
+constexpr int kBn = 128;                     // weight rows per CTA: one scale tile
+constexpr int kConsumerWarps = 8;            // two warpgroups of 64 weight rows
+// Plus a producer warpgroup: ptxas budgets registers per 128-thread warpgroup, so a lone producer
+// warp would cost the same; instead the producer gives registers back (setmaxnreg) and the
+// consumers take them (64 accumulator + 64 partial + 32 scale registers at nt = 128).
+constexpr int kThreads = (kConsumerWarps + 4) * 32;
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register file");
+constexpr int kWTile = kBn * kBlock;         // bytes of one weight stage
+constexpr int kRedPad = 4;                   // floats of padding per token row of the reduction tile
+constexpr int kAlign = 1024;                 // SW128 atoms repeat every 8 rows of 128 bytes
+
+__host__ __device__ constexpr int stage_bytes(int nt) { return kWTile + nt * kBlock; }
+__host__ __device__ constexpr int ring_stages(int nt, int ring_bytes, int max_stages) {
+  return ring_bytes / stage_bytes(nt) < max_stages ? ring_bytes / stage_bytes(nt) : max_stages;
+}
+// Dynamic shared memory of variant nt: alignment slack, the ring, then full/empty barriers.
+__host__ __device__ constexpr int smem_bytes(int nt, int ring_bytes, int max_stages) {
+  return kAlign + ring_stages(nt, ring_bytes, max_stages) * stage_bytes(nt) +
+         2 * 8 * ring_stages(nt, ring_bytes, max_stages);
+}
+
+struct Params {
+  const void* xs;          // [M, KB] scales
+  const void* ws;          // [NB, KB] scales
+  __nv_bfloat16* out;      // [M, N]
+  int m;
+};
+
+template <class C, int NT>
+__device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMap* xmap, const Params& p) {
+  constexpr int N = C::kN, K = C::kK;
+  constexpr int KB = (K + kBlock - 1) / kBlock;
+  constexpr int S = ring_stages(NT, C::kRingBytes, C::kMaxStages);
+  constexpr int kStage = stage_bytes(NT);
+  constexpr int NA = NT / 2;                  // accumulator floats per thread
+  constexpr int NS = NT / 4;                  // distinct tokens per thread
+  constexpr int RS = kBn + kRedPad;
+  static_assert(S >= 2, "double buffering at least");
+  static_assert(NT % 8 == 0 && NT <= 128, "wgmma N");
+  static_assert(NT * RS * 4 <= S * kStage, "the reduction tile fits in the ring");
+  static_assert(kStage % kAlign == 0, "every tile of every stage stays 1024-byte aligned");
+  using Mma = sm90::WgmmaE4m3<NT>;
+
+  extern __shared__ unsigned char smem_raw[];
+  const unsigned raw = sm90::smem_addr(smem_raw);
+  const unsigned base = (raw + kAlign - 1) & ~static_cast<unsigned>(kAlign - 1);
+  unsigned char* smem = smem_raw + (base - raw);
+  const unsigned full0 = base + S * kStage, empty0 = full0 + 8 * S;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int split = gridDim.x, rank = blockIdx.x;
+  const int m0 = blockIdx.y * NT, n0 = blockIdx.z * kBn;
+  const int mrem = p.m - m0;                  // tokens of this tile, >= 1
+  const int kb0 = rank * KB / split, nk = (rank + 1) * KB / split - kb0;
+
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      sm90::mbar_init(full0 + 8 * s, 1);
+      sm90::mbar_init(empty0 + 8 * s, kConsumerWarps);
+    }
+    sm90::fence_mbar_init();
+  }
+  __syncthreads();
+
+  float* red = reinterpret_cast<float*>(smem);   // after the main loop: red[token][row]
+  if (warp >= kConsumerWarps) {
+    // Producer: one lane keeps S stages of TMA loads in flight.
+    sm90::setmaxnreg_dec<kProducerRegs>();
+    // Boxes never exceed the tensor (the launcher clamps them): with N < 128 or M < nt the rows
+    // past the box keep stale bytes, which only reach output rows/columns that are never stored.
+    constexpr int kWRows = N < kBn ? N : kBn;
+    const int xrows = p.m < NT ? p.m : NT;
+    if (warp == kConsumerWarps && lane == 0) {
+      sm90::tma_prefetch_map(wmap);
+      sm90::tma_prefetch_map(xmap);
+      for (int i = 0; i < nk; ++i) {
+        const int s = i % S;
+        if (i >= S) sm90::mbar_wait_or_trap(empty0 + 8 * s, ((i / S) - 1) & 1);
+        const unsigned st = base + s * kStage, bar = full0 + 8 * s;
+        sm90::mbar_arrive_expect_tx(bar, (kWRows + xrows) * kBlock);
+        sm90::tma_load_2d(st, wmap, (kb0 + i) * kBlock, n0, bar);
+        sm90::tma_load_2d(st + kWTile, xmap, (kb0 + i) * kBlock, m0, bar);
+      }
+      // The last stage's phase stays complete once reached (nothing re-arms it): waiting for it
+      // here turns a hang of the consumers' (watchdog-free) waits into a trap.
+      if (nk > 0) sm90::mbar_wait_or_trap(full0 + 8 * ((nk - 1) % S), ((nk - 1) / S) & 1);
+    }
+    __syncwarp();
+    // Every TMA write has been waited for and every wgmma has completed past this barrier (the
+    // consumers' side of it): the ring becomes the token-major partial tile red[token][row], so
+    // output rows leave 16 bytes at a time.
+    sm90::fence_proxy_async();
+    sm90::barrier_sync_divergent(1, kThreads);
+  } else {
+    // Consumer warpgroup wg: weight rows 64 wg .. 64 wg + 63 of the tile.
+    sm90::setmaxnreg_inc<kConsumerRegs>();
+    const int wg = warp >> 2;
+    float total[NA];
+#pragma unroll
+    for (int i = 0; i < NA; ++i) total[i] = 0.f;
+    const int t4 = lane & 3;
+    float part[NA];
+#pragma unroll
+    for (int i = 0; i < NA; ++i) part[i] = 0.f;
+    // Scales of the block being promoted. The loads for block i + 1 are issued right after block
+    // i's promotion and first used one barrier wait and four wgmmas later, so their latency hides.
+    float xs[NS], ws = 0.f;
+    const long long ws_row = static_cast<long long>(n0 / kBlock) * KB;
+#define K3GEN_LOAD_SCALES(kb)                                                                        \
+  {                                                                                                  \
+    ws = fp8gemm::scale_value<C::kUe8m0>(p.ws, ws_row + (kb));                                      \
+    _Pragma("unroll") for (int q = 0; q < NS; ++q) {                                                 \
+      const int c = 8 * (q >> 1) + 2 * t4 + (q & 1); /* token column of d[4j + e], d[4j + 2 + e] */ \
+      xs[q] = c < mrem ? fp8gemm::scale_value<C::kUe8m0>(p.xs, static_cast<long long>(m0 + c) * KB + (kb)) : 0.f; \
+    }                                                                                                \
+  }
+    K3GEN_LOAD_SCALES(kb0)
+
+    for (int i = 0; i < nk; ++i) {
+      const int s = i % S;
+      sm90::mbar_wait(full0 + 8 * s, (i / S) & 1);
+
+      const unsigned st = base + s * kStage;
+      const unsigned long long da =
+          sm90::wgmma_desc<C::kDescLbo, C::kDescSbo, C::kDescLayout>(st + wg * 64 * kBlock);
+      const unsigned long long db = sm90::wgmma_desc<C::kDescLbo, C::kDescSbo, C::kDescLayout>(st + kWTile);
+#pragma unroll
+      for (int q = 0; q < NA; ++q) sm90::fence_operand(part[q]);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBlock / 32; ++ks)   // 32 bytes of K per wgmma: start address + 32 (>> 4 = 2)
+        Mma::mma(part, da + 2 * ks, db + 2 * ks, ks > 0 ? 1 : 0);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+#pragma unroll
+      for (int q = 0; q < NA; ++q) sm90::fence_operand(part[q]);
+      __syncwarp();
+      if (lane == 0) sm90::mbar_arrive(empty0 + 8 * s);   // this warp no longer reads the stage
+
+#pragma unroll
+      for (int j = 0; j < NA / 4; ++j) {
+        const float s0 = xs[2 * j] * ws, s1 = xs[2 * j + 1] * ws;   // x_scale * w_scale
+        total[4 * j + 0] = fmaf(part[4 * j + 0], s0, total[4 * j + 0]);
+        total[4 * j + 1] = fmaf(part[4 * j + 1], s1, total[4 * j + 1]);
+        total[4 * j + 2] = fmaf(part[4 * j + 2], s0, total[4 * j + 2]);
+        total[4 * j + 3] = fmaf(part[4 * j + 3], s1, total[4 * j + 3]);
+      }
+      if (i + 1 < nk) K3GEN_LOAD_SCALES(kb0 + i + 1)
+    }
+#undef K3GEN_LOAD_SCALES
+
+    sm90::fence_proxy_async();
+    sm90::barrier_sync_divergent(1, kThreads);   // pairs with the producer's: the ring is free
+    const int g = lane >> 2, r = wg * 64 + (warp & 3) * 16 + g;
+#pragma unroll
+    for (int j = 0; j < NA / 4; ++j) {
+      const int c = 8 * j + 2 * t4;
+      red[c * RS + r] = total[4 * j + 0];
+      red[(c + 1) * RS + r] = total[4 * j + 1];
+      red[c * RS + r + 8] = total[4 * j + 2];
+      red[(c + 1) * RS + r + 8] = total[4 * j + 3];
+    }
+  }
+  // Without a cluster launch (split == 1) a CTA barrier and plain shared loads do.
+  if (split == 1) __syncthreads(); else fp8gemm::cluster_sync();
+
+  const int mt = mrem < NT ? mrem : NT;
+  const unsigned rbase = sm90::smem_addr(red);
+  for (int it = rank * kThreads + tid; it < mt * (kBn / 8); it += split * kThreads) {
+    const int mm = it / (kBn / 8), c8 = it % (kBn / 8);
+    const int gn = n0 + c8 * 8;
+    if (gn >= N) continue;
+    const unsigned off = rbase + (mm * RS + c8 * 8) * 4;
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int q = 0; q < split; ++q) {   // rank order: the same sum on every run
+      float4 lo, hi;
+      if (split == 1) {
+        lo = *reinterpret_cast<const float4*>(red + mm * RS + c8 * 8);
+        hi = *reinterpret_cast<const float4*>(red + mm * RS + c8 * 8 + 4);
+      } else {
+        lo = fp8gemm::ld_cluster_f4(fp8gemm::map_rank(off, q));
+        hi = fp8gemm::ld_cluster_f4(fp8gemm::map_rank(off + 16, q));
+      }
+      v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
+      v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+    }
+    uint4 o;
+    o.x = fp8gemm::pack_bf16x2(v[0], v[1]);
+    o.y = fp8gemm::pack_bf16x2(v[2], v[3]);
+    o.z = fp8gemm::pack_bf16x2(v[4], v[5]);
+    o.w = fp8gemm::pack_bf16x2(v[6], v[7]);
+    *reinterpret_cast<uint4*>(p.out + static_cast<long long>(m0 + mm) * N + gn) = o;
+  }
+  if (split > 1) fp8gemm::cluster_sync();   // no CTA leaves while a peer may still read its shared memory
+}
+
+// One kernel, five token-tile variants; nt is uniform over the grid.
+template <class C>
+__device__ __forceinline__ void gemm_dispatch(const sm90::TmaMap* wmap, const sm90::TmaMap* xmap, const Params& p,
+                                              int nt) {
+  switch (nt) {
+    case 8: gemm<C, 8>(wmap, xmap, p); break;
+    case 16: gemm<C, 16>(wmap, xmap, p); break;
+    case 32: gemm<C, 32>(wmap, xmap, p); break;
+    case 64: gemm<C, 64>(wmap, xmap, p); break;
+    default: gemm<C, 128>(wmap, xmap, p); break;
+  }
+}
+
+}  // namespace fp8gemm90
+}  // namespace k3gen

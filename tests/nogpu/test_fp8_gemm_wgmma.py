@@ -1,0 +1,193 @@
+"""fp8_block_gemm, wgmma flavour (sm_90a), on the CPU: the shared-memory addressing the GPU cannot
+show us before it runs (TMA's 128B swizzle against what a wgmma descriptor reads, for every tile
+and K step the kernel uses), the accumulator fragment mapping of the epilogue, the launch plan,
+and the compile with resource and SASS checks."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from k3gen.build import build_one, lower
+from k3gen.ir.dtypes import ScaleRecipe
+from k3gen.ir.ops.fp8_block_gemm import (ALIGN90, BLOCK, BN90, MAX_SPLIT, NT_CHOICES, THREADS90, Fp8BlockGemmSpec,
+                                         choose_split90, nt_for)
+from k3gen.ir.sm90_tiles import SW128_KMAJOR, decode_desc, encode_desc, wgmma_read_addr
+from k3gen.targets import FP8_GEMM_TP1, FP8_GEMM_TP8, TARGETS
+
+SM90 = TARGETS["sm90"]
+SMS = 132
+SMEM_CAP = 227 * 1024          # sm_90 opt-in dynamic shared memory per CTA
+
+
+def tma_box_byte(row: int, kbyte: int) -> int:
+    """Where TMA's SWIZZLE_128B puts byte `kbyte` of box row `row` (box rows of 128 bytes, box
+    base 1024-byte aligned), written the way the CUDA guide states it: 16-byte chunk i of row r
+    goes to chunk i XOR (r mod 8) of that row. Independent of sm90_tiles.swizzle128 on purpose."""
+    chunk, inner = divmod(kbyte, 16)
+    return row * 128 + ((chunk ^ (row % 8)) * 16) + inner
+
+
+def stage_layout(spec: Fp8BlockGemmSpec, nt: int, raw_base: int):
+    """The kernel's stage tiles: (base of W rows of warpgroup wg, base of the token tile) per stage,
+    from the aligned dynamic shared-memory base; mirrors fp8_gemm_wgmma.cuh."""
+    base = (raw_base + ALIGN90 - 1) & ~(ALIGN90 - 1)
+    stage = BN90 * BLOCK + nt * BLOCK
+    out = []
+    for s in range(spec.stages_nt(nt)):
+        st = base + s * stage
+        out.append(([st + wg * 64 * BLOCK for wg in range(2)], st + BN90 * BLOCK))
+    return base, out
+
+
+@pytest.mark.parametrize("nt", NT_CHOICES)
+def test_wgmma_reads_exactly_what_tma_wrote(nt):
+    """For every stage, both operands, all four k32 steps, every row and byte of K: the descriptor
+    the kernel builds (desc(tile) + 2 * ks) makes wgmma read the byte TMA stored for that element."""
+    spec = Fp8BlockGemmSpec(target=SM90, n=256, k=512)
+    for raw in (0, 16, 400):   # wherever the dynamic window starts, the kernel aligns it up
+        base, stages = stage_layout(spec, nt, raw)
+        assert base % 1024 == 0
+        for a_bases, b_base in stages:
+            for tile, rows in [(a, 64) for a in a_bases] + [(b_base, nt)]:
+                assert tile % 1024 == 0
+                d0 = encode_desc(tile)
+                for ks in range(4):
+                    d = d0 + 2 * ks                       # what the kernel passes to wgmma
+                    assert d == encode_desc(tile + 32 * ks), "no carry out of the start-address field"
+                    for r in range(rows):
+                        for k in range(32):
+                            got = wgmma_read_addr(d, r, k)
+                            assert got == tile + tma_box_byte(r, 32 * ks + k), (nt, tile, ks, r, k)
+
+
+def test_swizzled_tile_is_a_permutation_within_each_row():
+    for r in range(16):
+        got = sorted(tma_box_byte(r, k) for k in range(128))
+        assert got == list(range(r * 128, r * 128 + 128))
+
+
+def test_descriptor_bits_follow_the_ptx_format():
+    d = encode_desc(0x1C420)
+    assert d & 0x3FFF == 0x1C420 >> 4                 # start address >> 4, bits 0-13
+    assert (d >> 16) & 0x3FFF == 1                    # LBO 16 B (ignored by swizzled K-major)
+    assert (d >> 32) & 0x3FFF == 1024 >> 4            # SBO: 8 rows of 128 bytes
+    assert (d >> 49) & 7 == 0                         # base offset: atoms are 1024-aligned
+    assert d >> 62 == 1                               # 128B swizzle
+    assert (d >> 14) & 3 == 0 and (d >> 30) & 3 == 0 and (d >> 46) & 7 == 0 and (d >> 52) & 0x3FF == 0
+    assert decode_desc(d) == (0x1C420, 16, 1024, 0, 1)
+    spec = Fp8BlockGemmSpec(target=SM90, n=256, k=512)
+    assert spec.desc_fields == SW128_KMAJOR and spec.desc_probe_value == d
+    # The largest shared address the kernel can form still fits the 14-bit field.
+    assert (max(spec.smem_bytes_nt(nt) for nt in NT_CHOICES) + 1024) >> 4 < 1 << 14
+
+
+def test_the_kernel_checks_its_descriptor_encoder_against_the_probe():
+    src = lower(Fp8BlockGemmSpec(target=SM90, n=200, k=272)).source
+    m = re.search(r"wgmma_desc<[^>]*>\((\d+)u\) ==\s*(\d+)ull", src)
+    assert m, "the template must static_assert the encoder"
+    assert int(m.group(2)) == encode_desc(int(m.group(1)))
+
+
+@pytest.mark.parametrize("nt", NT_CHOICES)
+def test_epilogue_fragment_mapping_is_the_ptx_accumulator_layout(nt):
+    """The kernel writes d[4j + e] (e < 2) of thread (wg, warp, lane) to row wg*64 + (warp%4)*16 +
+    lane/4 (+8 for d[4j + 2 + e]), token column 8j + 2(lane%4) + e, and scales it with xs[2j + e]
+    loaded for that token: every (row, token) of the 128 x nt tile exactly once, as PTX lays out
+    the m64nNk32 F32 accumulator (row 16*warp + lane/4 + 8*((i%4)//2), col 8*(i//4) + 2*(lane%4) + i%2)."""
+    seen = {}
+    for wg in range(2):
+        for w in range(4):
+            for lane in range(32):
+                g, t4 = lane >> 2, lane & 3
+                for i in range(nt // 2):
+                    j, e, hi = i // 4, i % 2, (i % 4) // 2
+                    row = wg * 64 + w * 16 + g + 8 * hi
+                    col = 8 * j + 2 * t4 + e
+                    ptx_row = 16 * w + lane // 4 + 8 * ((i % 4) // 2)
+                    ptx_col = 8 * (i // 4) + 2 * (lane % 4) + i % 2
+                    assert (row - wg * 64, col) == (ptx_row, ptx_col)
+                    q = 2 * j + e                           # the scale register used for d[i]
+                    assert 8 * (q >> 1) + 2 * t4 + (q & 1) == col
+                    assert (row, col) not in seen
+                    seen[(row, col)] = (wg, w, lane, i)
+    assert len(seen) == 128 * nt
+
+
+def test_token_tile_choice():
+    assert [nt_for(m) for m in (1, 2, 7, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 4096)] == \
+        [8, 8, 8, 8, 16, 16, 32, 32, 64, 64, 128, 128, 128, 128]
+
+
+@pytest.mark.parametrize("nt", NT_CHOICES)
+def test_ring_and_reduction_fit(nt):
+    s = Fp8BlockGemmSpec(target=SM90, n=256, k=512)
+    st = s.stages_nt(nt)
+    stage = BN90 * BLOCK + nt * BLOCK
+    assert 4 <= st <= 8 and stage % 1024 == 0
+    assert s.smem_bytes_nt(nt) <= SMEM_CAP
+    assert nt * (BN90 + 4) * 4 <= st * stage          # the red[token][row] tile reuses the ring
+    assert s.max_smem_bytes() == max(s.smem_bytes_nt(v) for v in NT_CHOICES)
+
+
+def test_tma_box_geometry_is_legal():
+    for n, k in FP8_GEMM_TP8 + FP8_GEMM_TP1 + ((200, 272), (64, 16), (8, 7168)):
+        s = Fp8BlockGemmSpec(target=SM90, n=n, k=k)
+        for m in (1, 2, 7, 13, 33, 128, 130, 1000):
+            b = s.tma_boxes(m, nt_for(m))
+            for g in b.values():
+                assert g["box"][0] == 128            # inner box = the 128-byte swizzle span
+                assert 1 <= g["box"][1] <= min(256, g["dims"][1])   # never more rows than the tensor
+                assert all(v % 16 == 0 and v < 2 ** 40 for v in g["strides"])
+                assert all(1 <= v <= 2 ** 32 for v in g["dims"])
+            assert b["w"]["dims"] == (k, n) and b["x"]["dims"] == (k, m)
+            # The kernel's tx count: min(N, 128) + min(M, nt) rows of 128 bytes per stage.
+            assert b["w"]["box"][1] == min(n, 128) and b["x"]["box"][1] == min(m, nt_for(m))
+
+
+def test_split_plan_for_the_k3_shapes():
+    # Cluster split never exceeds a portable cluster or the K blocks, and the plan is pure arithmetic.
+    for n, k in FP8_GEMM_TP8 + FP8_GEMM_TP1:
+        for m in (1, 8, 32, 128):
+            s = Fp8BlockGemmSpec(target=SM90, n=n, k=k)
+            p = s.plan(m, SMS)
+            assert 1 <= p.split <= min(MAX_SPLIT, s.k_blocks)
+            assert p.grid == (p.split, -(-m // p.nt), -(-n // BN90)) and p.smem == s.smem_bytes_nt(p.nt)
+            assert s.plan(m, SMS, split=3).split == 3
+    # Small grids split to fill the GPU; the fused KDA projection at TP1 (384 tiles) does not.
+    assert choose_split90(1536, 7168, 1, SMS) == 8          # q_a: 12 tiles x 8
+    assert choose_split90(2304, 1536, 1, SMS) == 6          # q_b TP8: 18 tiles x 6, 2 K blocks each
+    assert choose_split90(7168, 1536, 32, SMS) == 2         # o_proj TP8: 56 x 2 = 112
+    assert choose_split90(49152, 7168, 128, SMS) == 1
+    assert choose_split90(64, 16, 1, SMS) == 1              # one K block
+
+
+@pytest.mark.parametrize("recipe", tuple(ScaleRecipe), ids=lambda r: r.value)
+def test_compiles_to_fp8_wgmma_and_tma_without_spills(recipe):
+    spec = Fp8BlockGemmSpec(target=SM90, n=200, k=272, recipe=recipe)
+    assert spec.mma == "wgmma" and spec.threads == THREADS90
+    r = build_one(spec)
+    (res,) = r.resources
+    assert res["local"] == 0 and res["stack"] == 0, res
+    assert res["registers"] <= 168, res                  # 384 threads, one CTA per SM
+    sass = res["sass"]
+    # Four k32 steps per K block for each of the five token-tile variants, E4M3 in FP32 out.
+    assert sass.get("QGMMA", 0) == 4 * len(NT_CHOICES), sass
+    assert sass.get("UTMALDG", 0) >= 2 * len(NT_CHOICES), sass
+    assert "HMMA" not in sass and "LDGSTS" not in sass, sass
+    from k3gen.compile.inspect import sass_text
+    text = sass_text(r.cubin)
+    for nt in NT_CHOICES:
+        assert re.search(rf"QGMMA\.64x{nt}x32\.F32\.E4M3\.E4M3", text), nt
+    assert "F2FP.F16.E4M3" not in text                   # no software FP8 conversion left
+
+
+def test_flavours_by_target():
+    import dataclasses
+    assert Fp8BlockGemmSpec(target=SM90, n=256, k=256).mma == "wgmma"
+    for t in ("sm103-nvfp4", "sm107-nvfp4"):
+        assert Fp8BlockGemmSpec(target=TARGETS[t], n=256, k=256).mma == "tcgen05"
+    fallback = Fp8BlockGemmSpec(target=dataclasses.replace(SM90, mma="mma.sync"), n=256, k=256)
+    assert fallback.mma == "mma_sync" and fallback.threads == 128
+    src = lower(fallback).source
+    assert '#include "k3gen/fp8_gemm.cuh"' in src and "fp8_gemm_wgmma.cuh" not in src
