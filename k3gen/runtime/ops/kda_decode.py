@@ -56,13 +56,18 @@ def choose_schedule(batch: int, heads: int, sms: int, aligned: bool) -> str:
 
 
 class KdaDecode(Launcher):
+    _stream = None
+
     def load(self):
+        """Idempotent (`kernel` calls it on every launch): the stream entry is set up once."""
         super().load()
-        self.sm_count  # noqa: B018  (queried once, outside any graph capture)
-        dev = self.device_index
-        self._stream = self._kernel.sibling(STREAM_ENTRY)
-        self._stream_smem = self._stream.read_i32(STREAM_ENTRY + "_smem", dev)
-        self._stream.set_max_dynamic_smem(self._stream_smem, dev)
+        if self._stream is None:
+            self.sm_count  # noqa: B018  (queried once, outside any graph capture)
+            dev = self.device_index
+            stream = self._kernel.sibling(STREAM_ENTRY)
+            self._stream_smem = stream.read_i32(STREAM_ENTRY + "_smem", dev)
+            stream.set_max_dynamic_smem(self._stream_smem, dev)
+            self._stream = stream
         return self
 
     def split_for(self, batch: int) -> int:
