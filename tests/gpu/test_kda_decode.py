@@ -261,6 +261,17 @@ def test_stream_bad_input_is_typed():
         run(op, t, schedule="columns")
 
 
+def test_launch_does_not_reload():
+    """Launches reuse the loaded entries: nothing is loaded or read back per launch."""
+    op = op_for(12, GateKind.BOUNDED, SsmDtype.FP32)
+    t = Case(12, 8, SsmDtype.FP32, seed=6).gpu()
+    run(op, t, schedule="stream")
+    kernel, stream = op._kernel, op._stream
+    run(op, t)
+    run(op, t, schedule="stream")
+    assert op._kernel is kernel and op._stream is stream
+
+
 @pytest.mark.parametrize("B,sched", [(2, None), (40, None), (64, "stream")], ids=["cluster", "single", "stream"])
 def test_cuda_graph_replay_equals_eager(B, sched):
     H = 12
