@@ -44,32 +44,41 @@ __device__ __forceinline__ Item item_of(long long i, int batch) {
   return Item{static_cast<int>(i / batch), static_cast<int>(i % batch)};
 }
 
-// Thread 0: record slot / pending of item `it` in meta[par] and start its state copy (none for a
-// padded row). Reads of the previous buffer contents are complete (callers barrier first).
+// Slot and clamped pending of a sequence (slot -1: padded row). Thread 0 loads the next item's
+// slot at the start of the current item and resolves its pending after the staging, so neither
+// dependent load stalls warp 0 before its staging loads are out.
+struct Lookup {
+  int slot, pend;
+};
 template <class C>
-__device__ __forceinline__ void issue_state(const Params& p_, PrefetchSmem& sm, Item it, int par) {
+__device__ __forceinline__ Lookup resolve(const Params& p_, int slot) {
+  if (slot < 0 || slot >= p_.num_slots) return Lookup{-1, 0};
+  return Lookup{slot, min(max(__ldg(p_.pending + slot), 0), C::kDrafts)};
+}
+
+// Thread 0: record the item's slot / pending in meta[par] and start its state copy (none for a
+// padded row). Callers barrier first: every generic read of the buffer is complete.
+template <class C>
+__device__ __forceinline__ void issue_state(const Params& p_, PrefetchSmem& sm, int h, Lookup lk, int par) {
   constexpr int H = C::kHeads, M = C::kDrafts;
   constexpr long long kHead = kDim * kDim;
-  const int slot = __ldg(p_.slots + it.b);
-  if (slot < 0 || slot >= p_.num_slots) {
-    sm.meta[par][0] = -1;
-    return;
-  }
-  const int pend = min(max(__ldg(p_.pending + slot), 0), M);
-  sm.meta[par][0] = slot;
-  sm.meta[par][1] = pend;
+  sm.meta[par][0] = lk.slot;
+  sm.meta[par][1] = lk.pend;
+  if (lk.slot < 0) return;
   const void* src;
   unsigned bytes = kHead * 4;
-  if (pend == 0) {
-    src = C::kBf16State ? static_cast<const void*>(static_cast<const __nv_bfloat16*>(p_.ssm) +
-                                                   (static_cast<long long>(slot) * H + it.h) * kHead)
-                        : static_cast<const void*>(static_cast<const float*>(p_.ssm) +
-                                                   (static_cast<long long>(slot) * H + it.h) * kHead);
-    if (C::kBf16State) bytes = kHead * 2;
+  const long long at = static_cast<long long>(lk.slot) * H + h;
+  if (lk.pend == 0) {
+    if constexpr (C::kBf16State) {
+      src = static_cast<const __nv_bfloat16*>(p_.ssm) + at * kHead;
+      bytes = kHead * 2;
+    } else {
+      src = static_cast<const float*>(p_.ssm) + at * kHead;
+    }
   } else {
-    src = p_.draft_rec + ((static_cast<long long>(slot) * M + pend - 1) * H + it.h) * kHead;
+    src = p_.draft_rec + ((static_cast<long long>(lk.slot) * M + lk.pend - 1) * H + h) * kHead;
   }
-  fence_proxy_async_smem();  // the generic-proxy reads of the buffer precede the async write
+  fence_proxy_async_smem();  // generic-proxy reads of the buffer before the async-proxy write
   mbar_arrive_expect_tx(&sm.sbar, bytes);
   bulk_g2s(sm.state, src, bytes, &sm.sbar);
 }
@@ -223,7 +232,8 @@ __device__ __forceinline__ void run_prefetch(const Params& p_, int batch) {
     mbar_init(&sm.bar, 1);
     mbar_init(&ps.sbar, 1);
     fence_proxy_async_smem();
-    issue_state<C>(p_, ps, item_of(i0, batch), 0);
+    const Item it = item_of(i0, batch);
+    issue_state<C>(p_, ps, it.h, resolve<C>(p_, __ldg(p_.slots + it.b)), 0);
   }
   unsigned wphase = 0, sphase = 0;
   int cur_h = -1;
@@ -233,7 +243,12 @@ __device__ __forceinline__ void run_prefetch(const Params& p_, int batch) {
     // Barrier: meta[par] is written; the previous item's readers of f_b / staged chunk are done.
     __syncthreads();
     if (it.h != cur_h) {
-      if (cur_h >= 0) wphase ^= 1;
+      // A head whose items were all padded never waited for its weights: the copy must land
+      // before the barrier is re-armed and the buffer rewritten.
+      if (cur_h >= 0) {
+        if (threadIdx.x == 0) mbar_wait(&sm.bar, wphase);
+        wphase ^= 1;
+      }
       cur_h = it.h;
       if (threadIdx.x == 0) {
         fence_proxy_async_smem();
@@ -245,13 +260,18 @@ __device__ __forceinline__ void run_prefetch(const Params& p_, int batch) {
     Tokens tk = p_.tk;
     tk.tok0 = static_cast<long long>(it.b) * T;
     const int slot = ps.meta[par][0], pend = ps.meta[par][1];
+    const bool has_next = i + 1 < i1;
+    const Item nx = item_of(has_next ? i + 1 : i, batch);
+    const int nslot = threadIdx.x == 0 && has_next ? __ldg(p_.slots + nx.b) : -1;
     if (slot < 0) {  // padded row: zeros out, nothing touched; hand the buffer to the next item
       zero_outputs<H>(tk, it.h, T);
-      if (threadIdx.x == 0 && i + 1 < i1) issue_state<C>(p_, ps, item_of(i + 1, batch), par ^ 1);
+      if (threadIdx.x == 0 && has_next) issue_state<C>(p_, ps, nx.h, resolve<C>(p_, nslot), par ^ 1);
       continue;
     }
     const float a_gate = expf(__ldg(p_.w.a_log + it.h));
     stage_all<C>(p_, ps, tk, it.h, slot, pend, a_gate, wphase);
+    Lookup nlk{-1, 0};
+    if (threadIdx.x == 0 && has_next) nlk = resolve<C>(p_, nslot);
     float d[kRows][8];
     mbar_wait(&ps.sbar, sphase);
     sphase ^= 1;
@@ -260,7 +280,7 @@ __device__ __forceinline__ void run_prefetch(const Params& p_, int batch) {
     else
       rows_from_smem<false>(ps.state, d);
     __syncthreads();  // staged chunk visible; every thread's rows are out of the buffer
-    if (threadIdx.x == 0 && i + 1 < i1) issue_state<C>(p_, ps, item_of(i + 1, batch), par ^ 1);
+    if (threadIdx.x == 0 && has_next) issue_state<C>(p_, ps, nx.h, nlk, par ^ 1);
     float* rec_slot = p_.draft_rec + static_cast<long long>(slot) * M * H * kHead;
 #pragma unroll 1
     for (int t = 0; t < T; ++t) {
