@@ -328,3 +328,5 @@ def test_sanitize_reduced_matrix():
     """Small enough for compute-sanitizer memcheck (scripts/h200.sh selects `sanitize`)."""
     check_against_reference(Case(6, 3, 3, SsmDtype.BF16, seed=3, padded=(1,)))
     check_against_reference(Case(6, 7, 2, SsmDtype.FP32, seed=4))
+    # 300 items on 264 CTAs: ranges of two items, a padded row inside a range.
+    check_against_reference(Case(6, 3, 50, SsmDtype.BF16, seed=5, padded=(0, 7)), schedule="prefetch")

@@ -31,6 +31,9 @@ struct __align__(128) PrefetchSmem {
   int meta[2][2];                 // (slot, pending) of the item of each parity; slot -1: padded
 };
 
+// Two CTAs per SM: 2 x (this + 1 KB the system reserves per CTA) within the 228 KB of an SM.
+static_assert(2 * (sizeof(PrefetchSmem) + 1024) <= 228 * 1024, "two prefetch CTAs per SM");
+
 template <class C>
 constexpr int prefetch_smem_bytes() {
   return static_cast<int>(sizeof(PrefetchSmem));
