@@ -320,7 +320,10 @@ def kda_verify(ceiling: float, quick: bool = False) -> list:
     /work/shared/anchors/decode_anchors.py: pool [B*T, H, K, V], indices [B, T], accepted counts).
     Bytes are the fused op's (spec.bytes_moved, record start) for both columns.
 
-    Bar (PERF.md): H = 12, B in {32, 128, 512}: >= 80% of copy and >= 1.35x FLA (extra.meets_bar).
+    Bar (PERF.md): H = 12, B in {32, 128, 512}: >= 80% of copy and >= 1.35x FLA (extra.meets_bar,
+    on the default schedule's time; extra.bar_us is the time that would meet both halves).
+    extra.schedule_us times the row and prefetch kernels on the same inputs (bench/NOTES.md has the
+    model of both); extra.write_fill_tbps is the same-run pure-write bandwidth.
     Prediction from the byte count: per (sequence, head) one 64 KB FP32 start read and four 64 KB
     writes (ssm + 3 records) = 320 KB of the ~350 KB per CTA, so B = 128 moves ~532 MB (125 us at
     4.27 TB/s; the bar is ~156 us, and FLA at its 56-60% ~215 us). The kernel keeps one CTA per
