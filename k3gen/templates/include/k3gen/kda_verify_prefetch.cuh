@@ -174,6 +174,47 @@ __device__ __forceinline__ void stage_all(const Params& p_, PrefetchSmem& ps, co
   }
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// The next item's staging inputs into L2 (one 128-byte line per thread, hints only, no registers
+// held): its q|k|v|g slices and fa / beta of every token, and its conv-cache channels. Its staging
+// then waits for L2, not DRAM. `slot` is the next item's (valid) slot.
+template <class C>
+__device__ __forceinline__ void prefetch_inputs(const Params& p_, Item it, int slot) {
+  constexpr int H = C::kHeads, M = C::kDrafts, T = 1 + M, D = H * kDim, CE = 3 + M;
+  constexpr int kTok = 4 * 2, kFa = 3, kCe = (kDim * CE * 4 + 127) / 128 + 1;  // lines per unit
+  int j = threadIdx.x;
+  const Tokens& tk = p_.tk;
+  const long long tok0 = static_cast<long long>(it.b) * T;
+  if (j < T * kTok) {  // section j / 2 % 4 of token j / 8, 256 bytes = two lines
+    const int t = j / kTok, sec = (j % kTok) >> 1;
+    prefetch_l2(reinterpret_cast<const char*>(tk.qkvg + (tok0 + t) * tk.qkvg_stride + sec * D + it.h * kDim) +
+                128 * (j & 1));
+    return;
+  }
+  j -= T * kTok;
+  if (j < T * kFa) {  // a 256-byte fa row at any 2-byte alignment spans at most three lines
+    const int t = j / kFa;
+    prefetch_l2(reinterpret_cast<const char*>(tk.fa + (tok0 + t) * tk.fa_stride) + 127 * (j % kFa));
+    return;
+  }
+  j -= T * kFa;
+  if (j < T) {
+    prefetch_l2(tk.beta + (tok0 + j) * tk.beta_stride + it.h);
+    return;
+  }
+  j -= T;
+  if (j < 3 * kCe) {  // conv-cache channels of q, k, v of the head: 3 runs of 128 * CE floats
+    const int sec = j / kCe;
+    const float* run = p_.conv_ext + static_cast<long long>(slot) * (3 * D) * CE +
+                       static_cast<long long>(sec * D + it.h * kDim) * CE;
+    const char* line = reinterpret_cast<const char*>(run) + 128 * (j % kCe);
+    if (line < reinterpret_cast<const char*>(run + kDim * CE)) prefetch_l2(line);
+  }
+}
+
 // emit() with the gate and norm weight from shared memory (same expression order).
 template <int H>
 __device__ __forceinline__ void emit_staged(const Tokens& tk, int h, int n, const PrefetchSmem& ps) {
@@ -265,7 +306,7 @@ __device__ __forceinline__ void run_prefetch(const Params& p_, int batch) {
     const int slot = ps.meta[par][0], pend = ps.meta[par][1];
     const bool has_next = i + 1 < i1;
     const Item nx = item_of(has_next ? i + 1 : i, batch);
-    const int nslot = threadIdx.x == 0 && has_next ? __ldg(p_.slots + nx.b) : -1;
+    const int nslot = has_next ? __ldg(p_.slots + nx.b) : -1;  // every thread: L2 prefetch below
     if (slot < 0) {  // padded row: zeros out, nothing touched; hand the buffer to the next item
       zero_outputs<H>(tk, it.h, T);
       if (threadIdx.x == 0 && has_next) issue_state<C>(p_, ps, nx.h, resolve<C>(p_, nslot), par ^ 1);
@@ -275,6 +316,7 @@ __device__ __forceinline__ void run_prefetch(const Params& p_, int batch) {
     stage_all<C>(p_, ps, tk, it.h, slot, pend, a_gate, wphase);
     Lookup nlk{-1, 0};
     if (threadIdx.x == 0 && has_next) nlk = resolve<C>(p_, nslot);
+    if (nslot >= 0 && nslot < p_.num_slots) prefetch_inputs<C>(p_, nx, nslot);
     float d[kRows][8];
     mbar_wait(&ps.sbar, sphase);
     sphase ^= 1;
