@@ -43,10 +43,13 @@ def choose_schedule(batch: int, heads: int, sms: int, available: bool) -> str:
 
 
 class KdaVerify(Launcher):
+    _prefetch = None
+
     def load(self):
+        """Also loads the prefetch entry once (the `kernel` property calls load() on every launch,
+        and the shared-memory constant is read with a synchronous copy, never inside a capture)."""
         super().load()
-        self._prefetch = None
-        if has_prefetch(self.spec):
+        if self._prefetch is None and has_prefetch(self.spec):
             self.sm_count  # noqa: B018  (queried once, outside any graph capture)
             dev = self.device_index
             self._prefetch = self._kernel.sibling(PREFETCH_ENTRY)
