@@ -172,8 +172,8 @@ PREFETCH_CASES = [  # (H, M, B, ssm, padded)
     (12, 3, 57, SsmDtype.FP32, tuple(range(20, 48))),
     (12, 3, 61, SsmDtype.BF16, (0, 1, 2, 60)),
     (6, 1, 101, SsmDtype.FP32, tuple(range(0, 101, 3))),
-    (96, 3, 7, SsmDtype.FP32, (3,)),
-    (96, 3, 9, SsmDtype.BF16, ()),
+    (96, 3, 4, SsmDtype.FP32, (3,)),
+    (96, 3, 3, SsmDtype.BF16, ()),
 ]
 
 
