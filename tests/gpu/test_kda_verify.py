@@ -18,6 +18,7 @@ from k3gen.ir.ops.kda_verify import KdaVerifySpec, VerifyVariant
 from k3gen.reference.kda_decode import kda_token_loop, random_weights
 from k3gen.reference.kda_verify import commit, start_of
 from k3gen.reference.kda_verify import kda_verify as ref_verify
+from k3gen.runtime.ops.kda_verify import PREFETCH_MAX_DRAFTS, SCHEDULES
 from k3gen.targets import get_target
 
 pytestmark = pytest.mark.gpu
@@ -107,16 +108,16 @@ class Case:
                     out=torch.full((self.B, self.T, self.H, K), float("nan"), dtype=torch.bfloat16, device=DEV))
 
 
-def run(op, t):
+def run(op, t, schedule=None):
     return op(t["qkvg"], t["fa"], t["beta_logit"], t["ssm"], t["draft_rec"], t["conv_ext"], t["pending"], t["slots"],
-              t["conv_w"], t["fb_w"], t["dt_bias"], t["a_log"], t["norm_w"], t["out"])
+              t["conv_w"], t["fb_w"], t["dt_bias"], t["a_log"], t["norm_w"], t["out"], schedule=schedule)
 
 
-def check_against_reference(case: Case, gate=GateKind.BOUNDED, variant=VerifyVariant.NVFP4):
+def check_against_reference(case: Case, gate=GateKind.BOUNDED, variant=VerifyVariant.NVFP4, schedule=None):
     ssm_e = SsmDtype.FP32 if case.ssm_dtype == torch.float32 else SsmDtype.BF16
     op = verify_op(case.H, case.M, ssm_e, gate, variant)
     t = case.gpu()
-    run(op, t)
+    run(op, t, schedule)
     torch.cuda.synchronize()
     ssm, rec, ce, pend = case.pools()
     ssm32 = ssm.float()
@@ -151,19 +152,64 @@ CASES = [  # (H, M, B, ssm, padded)
 ]
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("H,M,B,ssm,padded", CASES, ids=[f"H{c[0]}-M{c[1]}-B{c[2]}-{c[3].value}" for c in CASES])
-def test_matches_reference(H, M, B, ssm, padded):
-    check_against_reference(Case(H, M, B, ssm, seed=H * 100 + M * 10 + B, padded=padded))
+def test_matches_reference(H, M, B, ssm, padded, schedule):
+    if schedule == "prefetch" and M > PREFETCH_MAX_DRAFTS:
+        pytest.skip("the prefetch schedule is built for M <= 3")
+    check_against_reference(Case(H, M, B, ssm, seed=H * 100 + M * 10 + B, padded=padded), schedule=schedule)
 
 
 def test_softplus_gate_and_original_variant():
     check_against_reference(Case(12, 3, 6, SsmDtype.FP32, seed=9), gate=GateKind.SOFTPLUS)
+    check_against_reference(Case(12, 3, 6, SsmDtype.FP32, seed=9), gate=GateKind.SOFTPLUS, schedule="prefetch")
     check_against_reference(Case(12, 3, 6, SsmDtype.FP32, seed=10), variant=VerifyVariant.ORIGINAL)
 
 
+# Prefetch-schedule ranges: B*H above two CTAs per SM, so CTAs walk several items, cross head
+# boundaries (f_b reloads) and meet runs of padded rows (a head whose items are all padded).
+PREFETCH_CASES = [  # (H, M, B, ssm, padded)
+    (12, 3, 57, SsmDtype.FP32, tuple(range(20, 48))),
+    (12, 3, 61, SsmDtype.BF16, (0, 1, 2, 60)),
+    (6, 1, 101, SsmDtype.FP32, tuple(range(0, 101, 3))),
+    (96, 3, 4, SsmDtype.FP32, (3,)),
+    (96, 3, 3, SsmDtype.BF16, ()),
+]
+
+
+@pytest.mark.parametrize("H,M,B,ssm,padded", PREFETCH_CASES,
+                         ids=[f"H{c[0]}-M{c[1]}-B{c[2]}-{c[3].value}" for c in PREFETCH_CASES])
+def test_prefetch_schedule_reference_and_bitwise_rows(H, M, B, ssm, padded):
+    """The prefetch kernel against the FP32 reference, and bit for bit against the row kernel
+    (same expressions): outputs, ssm, records and conv caches, with mixed pending values."""
+    case = Case(H, M, B, ssm, seed=7 * B + H, padded=padded)
+    t_pre = check_against_reference(case, schedule="prefetch")
+    op = verify_op(H, M, ssm)
+    t_rows = case.gpu()
+    run(op, t_rows, "rows")
+    torch.cuda.synchronize()
+    for name in ("out", "ssm", "draft_rec", "conv_ext"):
+        assert torch.equal(t_pre[name], t_rows[name]), f"{name}: prefetch and row schedules differ"
+
+
+def test_schedule_choice_and_errors():
+    from k3gen.errors import SpecError
+    op = verify_op(12, 3)
+    assert op.schedule_for(1) == "rows"
+    assert op.schedule_for(512) == "prefetch"
+    t = Case(12, 3, 2, SsmDtype.FP32, seed=5).gpu()
+    with pytest.raises(SpecError):
+        run(op, t, "stream")
+    with pytest.raises(SpecError):
+        run(verify_op(12, 7), Case(12, 7, 2, SsmDtype.FP32, seed=5).gpu(), "prefetch")
+    with pytest.raises(SpecError):
+        run(verify_op(12, 3, variant=VerifyVariant.ORIGINAL), t, "prefetch")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("M", [1, 3, 7])
 @pytest.mark.parametrize("ssm", list(SsmDtype))
-def test_verify_commit_equals_decode_kernel(M, ssm):
+def test_verify_commit_equals_decode_kernel(M, ssm, schedule):
     """Done-when: for every accepted count 0..M (row b accepts (b + round) % (M + 1) drafts), three
     rounds so that pending differs across rows, verify + commit leaves the state and window of an
     FP32 token loop over the accepted tokens (from the state the step started at), and all 1 + M
@@ -173,6 +219,8 @@ def test_verify_commit_equals_decode_kernel(M, ssm):
     token as an independent chain over the three rounds, must reach the same state and outputs; with
     BF16 storage it rounds the state after every token, which records deliberately do not, so it is
     not the yardstick there."""
+    if schedule == "prefetch" and M > PREFETCH_MAX_DRAFTS:
+        pytest.skip("the prefetch schedule is built for M <= 3")
     H, B, T = 12, M + 1, 1 + M
     D, S = H * K, 2 * B + 1
     g = torch.Generator().manual_seed(1000 + M)
@@ -196,7 +244,7 @@ def test_verify_commit_equals_decode_kernel(M, ssm):
         start, window = start_of(ssm_v, rec, ce, pend, idx)  # FP32 copies, before the kernel runs
         out = torch.full((B, T, H, K), float("nan"), dtype=torch.bfloat16, device=DEV)
         vop(qkvg, fab[:, :K], fab[:, K:], ssm_v, rec, ce, pend, slots, wg.conv_w, wg.fb_w, wg.dt_bias, wg.a_log,
-            wg.norm_w, out)
+            wg.norm_w, out, schedule=schedule)
         accepted = torch.tensor([(i + rnd) % (M + 1) for i in range(B)])
         commit(pend, slots, (accepted + 1).to(DEV))
         torch.cuda.synchronize()
@@ -280,3 +328,5 @@ def test_sanitize_reduced_matrix():
     """Small enough for compute-sanitizer memcheck (scripts/h200.sh selects `sanitize`)."""
     check_against_reference(Case(6, 3, 3, SsmDtype.BF16, seed=3, padded=(1,)))
     check_against_reference(Case(6, 7, 2, SsmDtype.FP32, seed=4))
+    # 300 items on 264 CTAs: ranges of two items, a padded row inside a range.
+    check_against_reference(Case(6, 3, 50, SsmDtype.BF16, seed=5, padded=(0, 7)), schedule="prefetch")

@@ -199,6 +199,26 @@ def test_compiles_without_spills(target, drafts, ssm, variant):
     assert all(x["shared"] <= 48 * 1024 for x in r.resources)
     ops = {k for x in r.resources for k in x["sass"]}
     assert any(k.startswith("UBLKCP") for k in ops) and any(k.startswith("SYNCS") for k in ops), ops  # bulk copy
+    from k3gen.runtime.ops.kda_verify import PREFETCH_ENTRY, has_prefetch
+    pre = [x for x in r.resources if x["function"] == PREFETCH_ENTRY]
+    assert len(pre) == (1 if has_prefetch(spec) else 0), [x["function"] for x in r.resources]
+    assert all(x["registers"] <= 128 for x in pre), pre  # its launch bounds: two CTAs per SM
+
+
+def test_prefetch_schedule_choice_and_source():
+    from k3gen.lower.jinja import render
+    from k3gen.runtime.ops.kda_verify import PREFETCH_ENTRY, KdaVerify, choose_schedule, has_prefetch
+    assert choose_schedule(128, 12, 132, True) == "prefetch" and choose_schedule(22, 12, 132, True) == "rows"
+    assert choose_schedule(512, 12, 132, False) == "rows"
+    for m, variant, want in ((1, VerifyVariant.NVFP4, True), (3, VerifyVariant.NVFP4, True),
+                             (4, VerifyVariant.NVFP4, False), (3, VerifyVariant.ORIGINAL, False)):
+        spec = KdaVerifySpec(target=SM90, heads=12, drafts=m, variant=variant)
+        assert has_prefetch(spec) == want and (PREFETCH_ENTRY in render(spec)) == want
+    for sched, spec in (("stream", KdaVerifySpec(target=SM90, heads=12, drafts=3)),
+                        ("prefetch", KdaVerifySpec(target=SM90, heads=12, drafts=7))):
+        with pytest.raises(SpecError) as e:
+            KdaVerify(spec)(*([None] * 14), schedule=sched)
+        assert "schedule" in str(e.value)
 
 
 # -- launcher (metadata checks only) ---------------------------------------------------------------

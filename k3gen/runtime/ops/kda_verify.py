@@ -10,6 +10,7 @@ import ctypes
 from ...config import settings
 from ...errors import SpecError
 from ...ir.dtypes import SsmDtype
+from ...ir.ops.kda_verify import VerifyVariant
 from ...ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
 from ..bind import Launcher
 from ..checks import check_kda_weights, check_one_device, check_tensor
@@ -18,8 +19,53 @@ from .kda_decode import MAX_GRID_Z, KdaDecode
 
 I64 = ctypes.c_longlong
 
+SCHEDULES = ("rows", "prefetch")
+PREFETCH_ENTRY = "k3gen_kda_verify_prefetch"
+PREFETCH_MAX_DRAFTS = 3   # the prefetch kernel stages all 1 + M tokens in one chunk
+
+
+def has_prefetch(spec) -> bool:
+    """Whether the cubin carries the prefetch schedule (templates/kda_verify.cu.j2)."""
+    return spec.variant is VerifyVariant.NVFP4 and spec.drafts <= PREFETCH_MAX_DRAFTS
+
+
+def choose_schedule(batch: int, heads: int, sms: int, available: bool) -> str:
+    """The prefetch schedule once its persistent CTAs (two per SM) get more than one item each,
+    so that a next item's start state can load under the current item's stores; the row kernel
+    (one CTA per item) below that, where the two are the same schedule without the prefetch.
+
+    Prediction, not yet measured (bench kda_verify, extra.schedule_us): the row kernel's exposed
+    per-item chain (slot -> pending -> 64 KB state load; six staging round trips) is ~25-30% of
+    its CTA life at H12 B128-B512; the prefetch schedule hides the state load and folds the
+    staging loads into one round trip.
+    """
+    return "prefetch" if available and batch * heads > 2 * sms else "rows"
+
 
 class KdaVerify(Launcher):
+    _prefetch = None
+
+    def load(self):
+        """Also loads the prefetch entry once (the `kernel` property calls load() on every launch,
+        and the shared-memory constant is read with a synchronous copy, never inside a capture)."""
+        super().load()
+        if self._prefetch is None and has_prefetch(self.spec):
+            self.sm_count  # noqa: B018  (queried once, outside any graph capture)
+            dev = self.device_index
+            self._prefetch = self._kernel.sibling(PREFETCH_ENTRY)
+            self._prefetch_smem = self._prefetch.read_i32(PREFETCH_ENTRY + "_smem", dev)
+            self._prefetch.set_max_dynamic_smem(self._prefetch_smem, dev)
+            # Two CTAs of ~110 KB per SM need the largest shared-memory carve-out.
+            from cuda.bindings import driver
+            from ..loader import _check
+            _check(driver.cuFuncSetAttribute(
+                self._prefetch.function(dev),
+                driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),
+                "cuFuncSetAttribute(carveout)")
+        return self
+
+    def schedule_for(self, batch: int) -> str:
+        return choose_schedule(batch, self.spec.heads, self.sm_count, has_prefetch(self.spec))
 
     def check(self, qkvg, fa, beta_logit, ssm, draft_rec, conv_ext, pending, slots, conv_w, fb_w, dt_bias, a_log,
               norm_w, out) -> tuple[int, int]:
@@ -51,10 +97,17 @@ class KdaVerify(Launcher):
         return B, S
 
     def __call__(self, qkvg, fa, beta_logit, ssm, draft_rec, conv_ext, pending, slots, conv_w, fb_w, dt_bias,
-                 a_log, norm_w, out):
+                 a_log, norm_w, out, *, schedule: str | None = None):
         """One verify step of 1 + M tokens for `slots.shape[0]` sequences; returns `out`
-        [B, 1 + M, H, 128]. Token t of sequence b is row b * (1 + M) + t of qkvg / fa / beta_logit."""
+        [B, 1 + M, H, 128]. Token t of sequence b is row b * (1 + M) + t of qkvg / fa / beta_logit.
+        `schedule` forces "rows" or "prefetch" (NVFP4 variant, M <= 3; both give the same bits);
+        by default it depends on B only."""
         import torch
+        if schedule is not None and schedule not in SCHEDULES:
+            raise SpecError("schedule", schedule, list(SCHEDULES))
+        if schedule == "prefetch" and not has_prefetch(self.spec):
+            raise SpecError("schedule", schedule, ["rows"],
+                            f"the prefetch kernel needs variant nvfp4 and M <= {PREFETCH_MAX_DRAFTS}")
         B, S = self.check(qkvg, fa, beta_logit, ssm, draft_rec, conv_ext, pending, slots, conv_w, fb_w, dt_bias,
                           a_log, norm_w, out)
         if B == 0:
@@ -71,5 +124,13 @@ class KdaVerify(Launcher):
         types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR)
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
+        if schedule is None:
+            schedule = self.schedule_for(B)
+        if schedule == "prefetch":
+            self.load()
+            grid = (min(B * self.spec.heads, 2 * self.sm_count), 1, 1)
+            self._prefetch.launch(grid, (self.spec.threads, 1, 1), args + (B,), types + (I32,), dev, stream,
+                                  smem=self._prefetch_smem)
+            return out
         self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream)
         return out
