@@ -214,9 +214,24 @@ def _random_plain(name: str, info: TensorInfo, cfg: ModelConfig, g: torch.Genera
     return (torch.randn(shape, generator=g) * fan_in ** -0.5).to(info.dtype)
 
 
-def random_tensors(cfg: ModelConfig, seed: int = 0, truth: bool = True):
+def random_nvfp4_codes(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random NVFP4 weight drawn in the stored format itself: uniform E2M1 code bytes, E4M3
+    block scales in [0.5, 1.5), weight_scale_2 giving an RMS of about k^-0.5 (uniform codes have
+    an RMS of sqrt(68.5 / 8)). The same tensors as `quantize_nvfp4_weight` returns, without
+    quantizing a float matrix first: the experts are the bulk of a checkpoint and the quantizer
+    costs seconds per layer on a CI CPU."""
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    sc = (0.5 + torch.rand(n, k // NVFP4_BLOCK, generator=g)).to(torch.float8_e4m3fn)
+    ws2 = torch.tensor(k ** -0.5 / math.sqrt(68.5 / 8), dtype=torch.float32)
+    return packed, sc, ws2
+
+
+def random_tensors(cfg: ModelConfig, seed: int = 0, truth: bool = True, fp4: str = "quantize"):
     """(stored tensors by name, FP32 values every quantized weight must load as: decoded
-    independently with ml_dtypes; empty with truth=False)."""
+    independently with ml_dtypes; empty with truth=False). fp4="quantize" quantizes Gaussian
+    expert weights (`quantize_nvfp4_weight`), fp4="codes" draws them in the stored format."""
+    if fp4 not in ("quantize", "codes"):
+        raise ValueError(f"fp4={fp4!r}: 'quantize' or 'codes'")
     g = torch.Generator().manual_seed(seed)
     info = expected_tensors(cfg)
     stored, truth_d = {}, {}
@@ -232,8 +247,10 @@ def random_tensors(cfg: ModelConfig, seed: int = 0, truth: bool = True):
         elif ti.kind == "fp4_weight":
             base = name[: -len(".weight")]
             n, k = ti.shape[0], ti.shape[1] * 2
-            w = torch.randn(n, k, generator=g) * k ** -0.5
-            p, s, s2 = quantize_nvfp4_weight(w)
+            if fp4 == "codes":
+                p, s, s2 = random_nvfp4_codes(n, k, g)
+            else:
+                p, s, s2 = quantize_nvfp4_weight(torch.randn(n, k, generator=g) * k ** -0.5)
             stored[name], stored[base + ".weight_scale"], stored[base + ".weight_scale_2"] = p, s, s2
             if truth:
                 truth_d[base] = decode_nvfp4(p, s, s2)
@@ -279,9 +296,9 @@ def config_json(cfg: ModelConfig) -> dict:
 
 
 def write_random_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, shard_bytes: int = 64 << 20,
-                            truth: bool = False):
+                            truth: bool = False, fp4: str = "quantize"):
     """A random checkpoint of `cfg`; returns (folder, FP32 truth of every quantized weight or {})."""
-    stored, truth = random_tensors(cfg, seed, truth)
+    stored, truth = random_tensors(cfg, seed, truth, fp4)
     return write_checkpoint(stored, out, cfg, shard_bytes), truth
 
 

@@ -1,9 +1,8 @@
-"""MLA attention over the paged latent KV cache, absorbed form, in PyTorch.
-
-This is the FP32 path of `mla_decode` until the generated kernel lands (a teammate writes it):
-`MLA_DECODE_KERNEL` below is the hook. It dequantizes the pages of each sequence with vectorized
-tensor ops (no host sync, static shapes: CUDA-graph safe) and matches k3gen's
-`reference.kv_cache_write.gather_rows` value for value (tests/nogpu/test_model_attention.py).
+"""MLA attention over the paged latent KV cache, absorbed form, in PyTorch: the attention of the
+reference path (RefOps). The kernel path (KernelOps) runs the generated `mla_decode` instead.
+It dequantizes the pages of each sequence with vectorized tensor ops (no host sync, static shapes)
+and matches k3gen's `reference.kv_cache_write.gather_rows` value for value
+(tests/nogpu/test_model_attention.py).
 
 Multi-token queries (verify: 1 + M tokens per sequence) are bottom-right causal: query t of a
 sequence whose step starts at position p sees positions < p + t + 1. With NVFP4 KV each query reads
@@ -22,10 +21,6 @@ from k3gen.reference import quant as Q
 
 SOFTMAX_SCALE = 1.0 / math.sqrt(192.0)
 
-# The generated mla_decode kernel plugs in here: a callable with the signature of
-# `paged_mla_attention` minus `layout` (bound by the caller), or None for the PyTorch path.
-MLA_DECODE_KERNEL = None
-
 
 def dequant_pages(layout: KvLayout, cache: dict, pages: torch.Tensor, scale: float) -> torch.Tensor:
     """FP32 rows of the pages `pages` [B, P] (int) -> [B, P * page, 576]."""
@@ -37,7 +32,7 @@ def dequant_pages(layout: KvLayout, cache: dict, pages: torch.Tensor, scale: flo
     if layout.kv is KvDtype.FP8:
         v = Q.e4m3_decode(cache["kv_codes"][pl])
         if layout.fp8_scales is Fp8ScaleGranularity.PER_TENSOR:
-            v = v * Q._f32(torch.tensor(scale, dtype=torch.float32, device=v.device))
+            v = v * float(Q._f32(torch.tensor(scale, dtype=torch.float32)))   # a host scalar: no copy in capture
         else:
             sc = cache["kv_scales"][pl]                                          # [B, P, pg, 5]
             grp = torch.cat([torch.arange(MLA_LATENT, device=v.device) // 128,

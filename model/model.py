@@ -21,8 +21,10 @@ def gemm_shapes_for(cfg, tp: int = 1) -> list[tuple[int, int]]:
     sh = cfg.for_tp(tp)
     D, Hm = sh.kda_heads * 128, sh.mla_heads * 128
     fab = -(-(128 + sh.kda_heads) // 16) * 16
+    # Q-B (H * 192, q_lora) runs as its own GEMM in the unabsorbed prefill (decode fuses it into
+    # mla_q_absorb).
     return sorted({(4 * D, cfg.hidden), (fab, cfg.hidden), (cfg.hidden, D),
-                   (cfg.q_lora + KV_A_PAD + Hm, cfg.hidden), (cfg.hidden, Hm)})
+                   (cfg.q_lora + KV_A_PAD + Hm, cfg.hidden), (cfg.hidden, Hm), (sh.mla_heads * 192, cfg.q_lora)})
 
 
 class K3Model:
@@ -37,16 +39,22 @@ class K3Model:
         out = []
         for lw in self.w.layers:
             a = lw.attn
-            lins = [a.qkvg, a.fab, a.o_proj] if isinstance(a, KdaLayerWeights) else [a.a_proj, a.o_proj]
+            lins = [a.qkvg, a.fab, a.o_proj] if isinstance(a, KdaLayerWeights) else [a.a_proj, a.q_b, a.o_proj]
             out += [(x.n, x.k) for x in lins]
         return out
 
     def kernel_specs(self) -> list:
         return self.ops.specs(self.gemm_shapes()) if self.ops.kind == "kernel" else []
 
+    def max_tokens(self) -> int:
+        """The most positions a sequence can hold (its block-table row): what mla_decode plans for."""
+        return self.cache.max_pages_per_seq * self.layout.page
+
     def load_kernels(self) -> None:
+        """Every kernel loaded and every mla_decode split plan made for the captured batch sizes:
+        what capture needs so that it never compiles or allocates from host data."""
         if self.ops.kind == "kernel":
-            self.ops.load_all(self.gemm_shapes())
+            self.ops.load_all(self.gemm_shapes(), self.tcfg.graph_batch_sizes, self.max_tokens())
 
     def _ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
         lw = self.w.layers[i]

@@ -12,6 +12,7 @@ import collections
 
 import torch
 
+from k3gen.errors import SpecError
 from k3gen.ir.dtypes import GateKind, KvDtype, ScaleRecipe, SsmDtype
 from k3gen.ir.layouts import KvLayout
 from k3gen.reference.act_quant_fp8 import act_quant_fp8 as ref_act_quant
@@ -42,10 +43,8 @@ class Ops:
         self.ran[f"{kind or self.kind}:{op}"] += 1
 
     def mla_attention(self, layout: KvLayout, q, cache, block_table, start, ring_slot, scale):
-        """q [B, T, H, 576] BF16 -> o_lat [B, T, H, 512] BF16."""
-        if attn.MLA_DECODE_KERNEL is not None and self.kind == "kernel":
-            self._mark("mla_decode")
-            return attn.MLA_DECODE_KERNEL(q, cache, block_table, start, ring_slot, scale)
+        """q [B, T, H, 576] BF16 -> o_lat [B, T, H, 512] BF16 (the FP32 PyTorch attention;
+        KernelOps runs the generated mla_decode instead)."""
         self._mark("mla_attention", "torch" if self.kind == "kernel" else "ref")
         return attn.paged_mla_attention(layout, q, cache, block_table, start, ring_slot, scale).to(BF16)
 
@@ -104,6 +103,10 @@ class KernelOps(Ops):
         self.target, self.ssm, self.kv_layout = target, ssm, kv
         self.heads_kda, self.heads_mla, self.max_drafts = heads_kda, heads_mla, max_drafts
         self._launchers: dict[str, object] = {}
+        # mla_decode split plans (split count + FP32 workspace) by (T, batch): made outside
+        # capture, sized for the longest sequence a block-table row can hold; a graph keeps the
+        # workspace pointers of the plan it was captured with.
+        self._plans: dict[tuple[int, int], object] = {}
 
     # -- specs ------------------------------------------------------------------------------------
     def specs(self, gemm_shapes) -> list:
@@ -123,6 +126,7 @@ class KernelOps(Ops):
                                 max_drafts=self.kv_layout.max_drafts),
                MlaQAbsorbSpec(target=t, heads=self.heads_mla, recipe=self.recipe),
                MlaVbGateSpec(target=t, heads=self.heads_mla)]
+        out += [self.mla_decode_spec(T) for T in self.attention_tokens()]
         if self.max_drafts:
             out.append(KdaVerifySpec(target=t, heads=self.heads_kda, drafts=self.max_drafts, ssm=self.ssm,
                                      gate=self.gate))
@@ -132,16 +136,54 @@ class KernelOps(Ops):
             out.append(ActQuantFp8Spec(target=t, k=k, recipe=self.recipe))
         return out
 
+    def step_tokens(self) -> list[int]:
+        """Query tokens per sequence of the decode (1) and verify (1 + drafts) steps."""
+        return [1] + ([1 + self.max_drafts] if self.max_drafts else [])
+
+    def mla_decode_spec(self, T: int):
+        """The attention spec whose KvLayout is exactly the cache's (page, FP8 scale granularity,
+        NVFP4 scale layout, HP tail ring of 16 + drafts rows)."""
+        from k3gen.ir.ops.mla_decode import MlaDecodeSpec
+        lay = self.kv_layout
+        nvfp4 = lay.kv is KvDtype.NVFP4
+        spec = MlaDecodeSpec(target=self.target, heads=self.heads_mla, tokens=T, kv=lay.kv,
+                             fp8_scales=lay.fp8_scales, scale_layout=lay.scale_layout if nvfp4 else None,
+                             max_drafts=lay.max_drafts)
+        if spec.layout.tensors() != lay.tensors() or spec.page != lay.page:
+            raise SpecError("kv_layout", str(lay), [str(spec.layout)], "mla_decode reads the cache's own layout")
+        return spec
+
     def launcher(self, spec):
+        """The loaded launcher of `spec`. Loading compiles or reads a cubin: never inside capture."""
         key = spec.digest()
         if key not in self._launchers:
             from k3gen.runtime.bind import launcher_class
             self._launchers[key] = launcher_class(spec.op)(spec)
-        return self._launchers[key]
+        op = self._launchers[key]
+        if op._kernel is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise SpecError("kernel", spec.file_stem, "loaded before CUDA-graph capture (load_all)")
+            op.load()
+        return op
 
-    def load_all(self, gemm_shapes) -> None:
+    def load_all(self, gemm_shapes, batch_sizes=(), max_len: int | None = None) -> None:
+        """Load every kernel; with `max_len`, plan mla_decode for each batch size and step length."""
         for s in self.specs(gemm_shapes):
-            self.launcher(s).load()
+            self.launcher(s)
+        if max_len is not None:
+            for T in self.attention_tokens():
+                for B in batch_sizes:
+                    self.attention_plan(T, B, max_len)
+
+    def attention_plan(self, T: int, B: int, max_len: int):
+        key = (T, B)
+        plan = self._plans.get(key)
+        if plan is None or plan.max_len < max_len:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise SpecError("mla_decode plan", key, "made before CUDA-graph capture (load_all)")
+            plan = self.launcher(self.mla_decode_spec(T)).plan(B, max_len)
+            self._plans[key] = plan
+        return plan
 
     def _get(self, op: str, **kw):
         from k3gen.ir.spec import registry
@@ -183,6 +225,42 @@ class KernelOps(Ops):
         out = torch.empty(qkvg.shape[0], w.heads, 128, dtype=BF16, device=qkvg.device)
         op = self._get("kda_prefill", heads=w.heads, ssm=self.ssm, gate=self.gate)
         return op(qkvg, fa, beta, cu_seqlens, slots, resume, pools["ssm"], pools["conv"], *self._kda_args(w), out)
+
+    def mla_attention(self, layout: KvLayout, q, cache, block_table, start, ring_slot, scale):
+        """The generated mla_decode over the paged cache (the step's rows are written first).
+
+        Decode (T = 1) and BF16/FP8 verify run one launch with lengths = start + T. NVFP4 verify
+        runs one T = 1 launch per query token with lengths = start + t + 1: the multi-token kernel
+        reads every tile completed by the step's rows as FP4 for all T queries, while decoding
+        token by token reads a query's own live tile exact from the HP ring; per-token launches
+        keep verify's attention identical to greedy decode's (speculative == greedy), and the
+        ring (16 + drafts rows) still holds every such tile."""
+        self._mark("mla_decode")
+        B, T, H = q.shape[0], q.shape[1], q.shape[2]
+        max_len = block_table.shape[1] * layout.page   # a block-table row's capacity: plans hold for any length
+        ring = ring_slot if layout.kv is KvDtype.NVFP4 else None
+        per_token = layout.kv is KvDtype.NVFP4 and T > 1
+        Tk = 1 if per_token else T
+        op = self.launcher(self.mla_decode_spec(Tk))
+        if H != op.spec.heads:
+            raise SpecError("q heads", H, [op.spec.heads])
+        plan = self.attention_plan(Tk, B, max_len)
+        out = torch.empty(B, T, H, 512, dtype=BF16, device=q.device)
+        if not per_token:
+            return op(q.contiguous(), cache, block_table, (start + T).to(torch.int32), out, ring_slot=ring,
+                      scale=float(scale), plan=plan)
+        for t in range(T):
+            o = torch.empty(B, 1, H, 512, dtype=BF16, device=q.device)
+            op(q[:, t:t + 1].contiguous(), cache, block_table, (start + (t + 1)).to(torch.int32), o, ring_slot=ring,
+               scale=float(scale), plan=plan)
+            out[:, t:t + 1].copy_(o)
+        return out
+
+    def attention_tokens(self) -> list[int]:
+        """Query tokens per launch of the mla_decode kernels this target runs."""
+        if self.kv_layout.kv is KvDtype.NVFP4:
+            return [1]
+        return self.step_tokens()
 
     def kv_write(self, layout, cache, rows, cu_rows, start_pos, block_table, ring_slot, scale, max_rows):
         self._mark("kv_cache_write")

@@ -163,7 +163,7 @@ def _nvfp4_dequant(r: CheckpointReader, name: str) -> torch.Tensor:
     """FP32 values of an NVFP4 weight: e2m1 * e4m3(scale) * weight_scale_2 (a byte -> pair table
     and torch's float8 decode: the expert tensors are the bulk of a checkpoint)."""
     p, s, s2 = r.get(name + ".weight"), r.get(name + ".weight_scale"), r.get(name + ".weight_scale_2")
-    v = _E2M1_PAIRS[p.long()].reshape(p.shape[0], -1)
+    v = _E2M1_PAIRS[p.int()].reshape(p.shape[0], -1)
     d = s.float()
     return (v.reshape(*d.shape, -1) * d[..., None]).flatten(-2) * s2.float()
 
@@ -286,9 +286,9 @@ def load_weights(folder, cfg: ModelConfig, recipe: ScaleRecipe = ScaleRecipe.FP3
             ffn = MoeWeights(
                 router=r.get(m + "gate.weight").float(), bias=r.get(m + "gate.e_score_correction_bias").float(),
                 latent_down=r.get(m + "latent_down.weight"), latent_up=r.get(m + "latent_up.weight"),
-                w1_dequant=torch.stack([_nvfp4_dequant(r, e + "w1") for e in ex]).to(bf),
-                w3_dequant=torch.stack([_nvfp4_dequant(r, e + "w3") for e in ex]).to(bf),
-                w2_dequant=torch.stack([_nvfp4_dequant(r, e + "w2") for e in ex]).to(bf),
+                w1_dequant=torch.stack([_nvfp4_dequant(r, e + "w1").to(bf) for e in ex]),
+                w3_dequant=torch.stack([_nvfp4_dequant(r, e + "w3").to(bf) for e in ex]),
+                w2_dequant=torch.stack([_nvfp4_dequant(r, e + "w2").to(bf) for e in ex]),
                 shared_gate=r.get(m + "shared_experts.gate_proj.weight"),
                 shared_up=r.get(m + "shared_experts.up_proj.weight"),
                 shared_down=r.get(m + "shared_experts.down_proj.weight"))

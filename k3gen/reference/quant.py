@@ -117,9 +117,13 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    c = code.to(torch.int64)
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
-    mag = lut[c & 7]
+    """Values of E2M1 codes (bit 3 sign). Computed from the bits, not looked up in a table built
+    from host data: a host-to-device copy is illegal inside CUDA-graph capture."""
+    c = code.to(torch.int32)
+    e = ((c >> 1) & 3).to(torch.float32)
+    m = (c & 1).to(torch.float32)
+    # e == 0: subnormal m * 0.5; else 2^(e-1) * (1 + m / 2). Every value is exact in FP32.
+    mag = torch.where(e == 0, m * 0.5, torch.exp2(e - 1.0) * (1.0 + m * 0.5))
     return torch.where((c & 8) != 0, -mag, mag)
 
 

@@ -3,8 +3,8 @@ reference path: NVFP4 KV (128-token pages) + BF16 SSM, and BF16 KV + FP32 SSM.
 
 - groups of 1, 2, 4, 8 requests with CUDA graphs: the same requests twice give identical tokens,
   graph replay gives the eager tokens, the pools have the target's dtypes, and the record of what
-  ran holds kernels only (besides the named PyTorch stand-ins: MLA attention until mla_decode
-  lands, the dequantized-expert MoE, the dense MLP and the prefill attention), eager and captured;
+  ran holds kernels only (mla_decode for decode and verify attention; besides the named PyTorch
+  stand-ins: the dequantized-expert MoE, the dense MLP and the prefill attention), eager and captured;
 - teacher-forced logits vs the reference path: top-1 agreement and mean KL per KV dtype printed;
   BF16 KV top-1 >= 99%;
 - speculative decoding == greedy decoding, a divergence allowed only where the top-2 logit margin
@@ -31,9 +31,9 @@ pytestmark = pytest.mark.gpu
 CFG = small_config()
 COMBOS = [("nvfp4", "bf16"), ("bf16", "fp32")]
 DRAFTS = 3
-ALLOWED_TORCH = {"torch:mla_attention", "torch:mla_prefill_attention", "torch:moe_torch_dequant", "torch:dense_mlp"}
+ALLOWED_TORCH = {"torch:mla_prefill_attention", "torch:moe_torch_dequant", "torch:dense_mlp"}
 KERNEL_OPS = {"kernel:fp8_linear", "kernel:kda_decode", "kernel:kv_cache_write", "kernel:mla_q_absorb",
-              "kernel:mla_vb_gate"}
+              "kernel:mla_vb_gate", "kernel:mla_decode"}
 
 
 def prebuild_specs():
@@ -155,3 +155,55 @@ def test_bad_input_is_typed():
     with pytest.raises(SpecError):
         TargetConfig(arch="sm90", kv="nvfp4", max_drafts=3, graph_batch_sizes=(8, 4))
     assert m.cache.mgr.free_slots == 8
+
+
+@pytest.mark.parametrize("kv,ssm", COMBOS, ids=lambda x: x)
+def test_mla_decode_on_model_cache_vs_reference(kv, ssm):
+    """The generated mla_decode over the cache the model allocates and writes (kv_cache_write
+    kernel, padding slot and page included) against the reference path's FP32 attention, for
+    decode and verify steps (lengths around the 16-token tile and the page edge), eager and
+    replayed from a graph captured with other lengths."""
+    from model.ops import RefOps
+    t = TargetConfig(kv=kv, ssm=ssm, max_drafts=DRAFTS, path="kernel")
+    sh = CFG.for_tp(1)
+    H = sh.mla_heads
+    c = HybridCache(CFG, t, num_slots=8, num_pages=32, max_seq_len=256, device="cuda")
+    ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), sh.kda_heads, H, DRAFTS)
+    ops.load_all(gemm_shapes_for(CFG), t.graph_batch_sizes, c.max_pages_per_seq * c.layout.page)
+    layer = CFG.mla_layer_ids[0]
+    kvd, scale = c.kv[layer], c.kv_scale[layer]
+    lengths = [18, 129, 16, 64, 200]
+    g = torch.Generator(device="cuda").manual_seed(9)
+    for s, n in enumerate(lengths):
+        c.admit(s, n)
+        c.extend(s, n)
+    slots = torch.tensor([c.mgr.entry(s).slot for s in range(len(lengths))], dtype=torch.int32, device="cuda")
+    bt = c.block_table[slots.long()]
+    rows = [torch.randn(n, 576, device="cuda", generator=g).bfloat16() for n in lengths]
+    T = 1 + DRAFTS
+    for part in (0, 1):                  # the context, then the last step's T rows
+        cnt = [n - T if part == 0 else T for n in lengths]
+        st = [0 if part == 0 else n - T for n in lengths]
+        new = torch.cat([r[:k] if part == 0 else r[s0:] for r, k, s0 in zip(rows, cnt, st)])
+        cu = torch.tensor([0] + torch.tensor(cnt).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        ops.kv_write(c.layout, kvd, new.contiguous(), cu, torch.tensor(st, dtype=torch.int32, device="cuda"), bt,
+                     slots, scale, max(cnt))
+    ref = RefOps(t.recipe)
+    for steps in (1, T):
+        start = torch.tensor([n - steps for n in lengths], dtype=torch.int32, device="cuda")
+        q = (torch.randn(len(lengths), steps, H, 576, device="cuda", generator=g) * (1 / 3) ** 0.5).bfloat16()
+        want = ref.mla_attention(c.layout, q, kvd, bt, start, slots, scale).float()
+        got = ops.mla_attention(c.layout, q, kvd, bt, start, slots, scale)
+        assert got.dtype == torch.bfloat16 and not torch.isnan(got).any()
+        err = float((got.float() - want).norm() / want.norm())
+        assert err <= 1e-2, f"T={steps}: rel RMS {err:.3g}"
+        # A graph captured with shorter lengths replays the current ones (plans hold any length).
+        start_buf = torch.zeros_like(start)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.mla_attention(c.layout, q, kvd, bt, start_buf, slots, scale)
+        start_buf.copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, got), f"T={steps}: graph replay differs from eager"
+    assert ops.ran["kernel:mla_decode"] == 4 and not [k for k in ops.ran if k.startswith(("torch:", "ref:"))]

@@ -127,3 +127,18 @@ def test_loader_errors_on_files(tmp_path):
     shard.unlink()
     with pytest.raises(CheckpointError, match="missing"):
         load_weights(d, CFG)
+
+
+def test_random_codes_writer_round_trip(tmp_path):
+    """The writer's fast NVFP4 draw (codes and scales in the stored format, what
+    write_random_checkpoint uses) loads as its ml_dtypes decode, at about unit-fan-in RMS."""
+    from model.checkpoint import write_random_checkpoint
+    d, truth = write_random_checkpoint(CFG, tmp_path, seed=2, truth=True, fp4="codes")
+    w = load_weights(d, CFG)
+    e = PREFIX + "layers.2.block_sparse_moe.experts."
+    moe = w.layers[2].ffn
+    for x in range(CFG.experts):
+        for n in ("w1", "w2", "w3"):
+            assert torch.equal(getattr(moe, n + "_dequant")[x], truth[f"{e}{x}.{n}"].to(torch.bfloat16))
+    w1 = truth[e + "0.w1"]
+    assert 0.5 < float(w1.pow(2).mean().sqrt()) * w1.shape[1] ** 0.5 < 2.0

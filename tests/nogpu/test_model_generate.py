@@ -39,7 +39,7 @@ def _same_or_tie(a: Request, b: Request) -> None:
 
 def test_small_config_generates_on_cpu(tmp_path):
     cfg = small_config()
-    d, _ = write_random_checkpoint(cfg, tmp_path, seed=0)
+    d, _ = write_random_checkpoint(cfg, tmp_path, seed=0, fp4="codes")   # the fast draw: same format
     m = _model(load_weights(d, cfg), kv="nvfp4", ssm="bf16")
     reqs = Generator(m).generate([Request([3, 1, 4, 1, 5], 3), Request([2, 7], 3, temperature=0.8, seed=5)])
     assert all(len(r.out) == 3 and all(0 <= t < cfg.vocab for t in r.out) for r in reqs)

@@ -130,7 +130,7 @@ class Fp8BlockGemm(Launcher):
         if split is not None and not 1 <= split <= cap:
             raise SpecError("split", split, f"1..{cap}", "K blocks per cluster CTA >= 1")
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
-        self._allow_smem(dev)
+        self.load()._allow_smem(dev)  # a launcher called before load() loads itself (never in capture)
         stream = torch.cuda.current_stream(out.device).cuda_stream
         if self.spec.mma == "wgmma":
             plan = self.spec.plan(m, self.sm_count, split)

@@ -1,0 +1,140 @@
+"""The kernel path's MLA attention plumbing on the CPU: KernelOps.mla_attention drives the real
+MlaDecode launcher's checks (cache tensors by the spec's layout, q/out/lengths/block table/ring
+shapes and dtypes) with its launch replaced by k3gen's FP32 mla_decode reference, over a
+HybridCache the model allocates, and must equal the reference path's attention (RefOps) for
+decode and verify steps, including NVFP4 verify steps whose rows complete a 16-token tile.
+Also: the specs the model loads (mla_decode per step length, Q-B's GEMM), plans made once per
+(T, batch) outside capture and sized for a block-table row."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3gen.ir.dtypes import KvDtype
+from k3gen.ir.layouts import MLA_LATENT
+from k3gen.reference.mla_decode import mla_decode as mla_ref
+from k3gen.runtime.ops import mla_decode as launcher_mod
+from k3gen.runtime.ops.mla_decode import MlaDecode, SplitPlan
+from model.cache import HybridCache
+from model.config import TargetConfig, small_config, tiny_config
+from model.model import gemm_shapes_for
+from model.ops import KernelOps, RefOps
+
+H, M = 2, 3
+
+
+class CpuMlaDecode(MlaDecode):
+    """The launcher with its checks and plan bookkeeping, the launch replaced by the reference."""
+    plans: list = []
+
+    def load(self):
+        self._kernel = object()
+        return self
+
+    def plan(self, batch, max_len, *, splits=None, device=None):
+        CpuMlaDecode.plans.append((self.spec.tokens, batch, max_len))
+        return SplitPlan(batch, max_len, 1)
+
+    def __call__(self, q, cache, block_table, lengths, out, *, ring_slot=None, scale=1.0, plan=None):
+        B, _, _ = self.check(q, cache, block_table, lengths, out, ring_slot)
+        assert plan is not None and plan.batch >= B
+        assert int(lengths.max()) <= plan.max_len
+        self.validate_inputs(block_table, lengths, cache[next(iter(cache))].shape[0], ring_slot,
+                             cache["hp_tail"].shape[0] if "hp_tail" in cache else 1)
+        out.copy_(mla_ref(self.spec.layout, cache, q, block_table, lengths, ring_slot=ring_slot, scale=scale))
+        return out
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    monkeypatch.setattr(launcher_mod, "check_one_device", lambda *a: None)
+    CpuMlaDecode.plans = []
+
+    def make(t: TargetConfig) -> KernelOps:
+        ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), H, H, t.max_drafts)
+        for T in ops.attention_tokens():
+            spec = ops.mla_decode_spec(T)
+            ops._launchers[spec.digest()] = CpuMlaDecode(spec)
+        return ops
+    return make
+
+
+def _cache(t: TargetConfig, lengths: list[int], seed: int):
+    """A tiny-config HybridCache whose first MLA layer holds `lengths` rows per sequence, written
+    by the reference KV write in two parts: the context, then a step's last rows."""
+    cfg = tiny_config()
+    c = HybridCache(cfg, t, num_slots=len(lengths) + 1, num_pages=12, max_seq_len=300)
+    g = torch.Generator().manual_seed(seed)
+    layer = cfg.mla_layer_ids[0]
+    ref = RefOps(t.recipe)
+    for s, n in enumerate(lengths):
+        c.admit(s + 10, n)
+        c.extend(s + 10, n)
+    slots = torch.tensor([c.mgr.entry(s + 10).slot for s in range(len(lengths))], dtype=torch.int32)
+    bt = c.block_table[slots.long()]
+    rows = [(torch.randn(n, 576, generator=g) * 2).to(torch.bfloat16) for n in lengths]
+    for part in (0, 1):
+        cnt = [n - 4 if part == 0 else 4 for n in lengths]
+        st = [0 if part == 0 else n - 4 for n in lengths]
+        new = torch.cat([r[:k] if part == 0 else r[s:] for r, k, s in zip(rows, cnt, st)])
+        cu = torch.tensor([0] + torch.tensor(cnt).cumsum(0).tolist(), dtype=torch.int32)
+        ref.kv_write(c.layout, c.kv[layer], new, cu, torch.tensor(st, dtype=torch.int32), bt, slots,
+                     c.kv_scale[layer], max(cnt))
+    return c, c.kv[layer], bt, slots, c.kv_scale[layer]
+
+
+COMBOS = [dict(kv="bf16", ssm="fp32"), dict(kv="fp8", ssm="fp32"), dict(kv="nvfp4", ssm="bf16")]
+
+
+@pytest.mark.parametrize("tk", COMBOS, ids=lambda d: d["kv"])
+def test_kernel_attention_equals_reference_path(cpu_kernels, tk):
+    t = TargetConfig(max_drafts=M, path="kernel", **tk)
+    lengths = [18, 132, 37]            # 18 = 14 + 4: the verify rows complete the first 16-token tile
+    c, kv, bt, slots, scale = _cache(t, lengths, seed=5)
+    ops = cpu_kernels(t)
+    g = torch.Generator().manual_seed(6)
+    for T in (1, 1 + M):
+        start = torch.tensor([n - T for n in lengths], dtype=torch.int32)
+        q = (torch.randn(len(lengths), T, H, 576, generator=g) * 0.6).to(torch.bfloat16)
+        got = ops.mla_attention(c.layout, q, kv, bt, start, slots, scale)
+        want = RefOps(t.recipe).mla_attention(c.layout, q, kv, bt, start, slots, scale)
+        assert got.dtype == torch.bfloat16 and got.shape == (len(lengths), T, H, MLA_LATENT)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert ops.ran["kernel:mla_decode"] == 2 and not [k for k in ops.ran if k.startswith("torch:")]
+    # One plan per (launch tokens, batch), sized for a block-table row, reused by later calls.
+    row_cap = bt.shape[1] * c.layout.page
+    assert sorted(set(CpuMlaDecode.plans)) == sorted({(T, 3, row_cap) for T in ops.attention_tokens()})
+    assert len(CpuMlaDecode.plans) == len(set(CpuMlaDecode.plans))
+
+
+def test_nvfp4_verify_sees_each_query_own_tail():
+    """Why NVFP4 verify launches per token: one multi-token launch reads a tile completed by the
+    step's later rows as FP4 for the earlier queries, unlike the token-by-token decode."""
+    t = TargetConfig(kv="nvfp4", ssm="bf16", max_drafts=M)
+    c, kv, bt, slots, scale = _cache(t, [18], seed=7)
+    q = (torch.randn(1, 1 + M, H, 576, generator=torch.Generator().manual_seed(8)) * 0.6).to(torch.bfloat16)
+    start = torch.tensor([14], dtype=torch.int32)
+    per_query = RefOps(t.recipe).mla_attention(c.layout, q, kv, bt, start, slots, scale).float()
+    whole = mla_ref(c.layout, kv, q, bt, [18], ring_slot=slots, scale=scale)
+    assert (per_query[0, 0] - whole[0, 0]).abs().max() > 1e-2      # query 0 (length 15) differs
+    torch.testing.assert_close(per_query[0, 3], whole[0, 3], rtol=2e-2, atol=2e-2)   # the last one agrees
+
+
+@pytest.mark.parametrize("tk", COMBOS, ids=lambda d: d["kv"])
+def test_kernel_specs_cover_every_launch(tk):
+    """The kernels the model launches are the ones load_all loads (and prebuild builds): the
+    mla_decode of each launch length with the cache's exact layout, and Q-B's prefill GEMM."""
+    t = TargetConfig(max_drafts=M, path="kernel", **tk)
+    cfg = small_config()
+    sh = cfg.for_tp(1)
+    ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), sh.kda_heads, sh.mla_heads, M)
+    specs = ops.specs(gemm_shapes_for(cfg))
+    attn = [s for s in specs if s.op == "mla_decode"]
+    want_tokens = [1] if t.kv is KvDtype.NVFP4 else [1, 1 + M]
+    assert sorted(s.tokens for s in attn) == want_tokens
+    for s in attn:
+        assert s.layout.tensors() == t.kv_layout().tensors() and s.page == t.kv_layout().page
+        assert s.heads == sh.mla_heads
+    gemms = {(s.n, s.k) for s in specs if s.op == "fp8_block_gemm"}
+    assert (sh.mla_heads * 192, cfg.q_lora) in gemms
+    assert {s.k for s in specs if s.op == "act_quant_fp8"} == {k for _, k in gemms}
