@@ -4,30 +4,46 @@
 // digest: 9323e1609cbc1e226e8ae17d8db596f23619788b13ce4edf4f57150f271d98c2
 
 // fp8_block_gemm n6144-k7168-fp32 for sm_90a
-// Algorithm: include/k3gen/fp8_gemm.cuh. Contract: k3gen/ir/ops/fp8_block_gemm.py.
-// Launch: grid (split, ceil(M / 64), 96), 128 threads,
-// cluster (split, 1, 1) when split > 1; dynamic shared memory spec.smem_bytes(split).
+// wgmma flavour. Contract: k3gen/ir/ops/fp8_block_gemm.py.
+// Algorithm: include/k3gen/fp8_gemm_wgmma.cuh. Launch (spec.plan): grid (split, ceil(M / nt),
+// 48), 384 threads, cluster (split, 1, 1) when split > 1,
+// dynamic shared memory spec.smem_bytes_nt(nt); W and x are TMA tensor maps (spec.tma_boxes).
 #include <cuda_bf16.h>
 
-#include "k3gen/fp8_gemm.cuh"
+#include "k3gen/fp8_gemm_wgmma.cuh"
 
 struct Config {
   static constexpr int kN = 6144;
   static constexpr int kK = 7168;
-  static constexpr int kBm = 64;
-  static constexpr int kStages = 4;
   static constexpr bool kUe8m0 = false;
+  static constexpr int kRingBytes = 196608;
+  static constexpr int kMaxStages = 8;
+  static constexpr unsigned kDescLbo = 16;
+  static constexpr unsigned kDescSbo = 1024;
+  static constexpr unsigned kDescLayout = 1;
 };
 
-static_assert(Config::kStages >= 3, "one stage in flight while one is consumed and one refilled");
-static_assert(128 == k3gen::fp8gemm::kThreads, "spec and header agree on the CTA size");
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
-#error "fp8_block_gemm needs e4m3 mma.sync and thread-block clusters (sm_90+)"
+static_assert(384 == k3gen::fp8gemm90::kThreads, "spec and header agree on the CTA size");
+// The descriptor bits the kernel builds are the ones the CPU test checks against the PTX layout.
+static_assert(k3gen::sm90::wgmma_desc<Config::kDescLbo, Config::kDescSbo, Config::kDescLayout>(115744u) ==
+              4611686293305367618ull, "wgmma descriptor encoding");
+static_assert(k3gen::fp8gemm90::smem_bytes(8, Config::kRingBytes, Config::kMaxStages) == 140416,
+              "launcher and kernel agree on the shared memory of nt = 8");
+static_assert(k3gen::fp8gemm90::smem_bytes(16, Config::kRingBytes, Config::kMaxStages) == 148608,
+              "launcher and kernel agree on the shared memory of nt = 16");
+static_assert(k3gen::fp8gemm90::smem_bytes(32, Config::kRingBytes, Config::kMaxStages) == 164992,
+              "launcher and kernel agree on the shared memory of nt = 32");
+static_assert(k3gen::fp8gemm90::smem_bytes(64, Config::kRingBytes, Config::kMaxStages) == 197760,
+              "launcher and kernel agree on the shared memory of nt = 64");
+static_assert(k3gen::fp8gemm90::smem_bytes(128, Config::kRingBytes, Config::kMaxStages) == 197728,
+              "launcher and kernel agree on the shared memory of nt = 128");
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "the wgmma flavour of fp8_block_gemm needs sm_90a"
 #endif
 
-extern "C" __global__ void __launch_bounds__(128, 4) k3gen_fp8_block_gemm(
-    const unsigned char* x, const void* x_scales, const unsigned char* w, const void* w_scales,
-    __nv_bfloat16* out, int m) {
-  const k3gen::fp8gemm::Params p{x, x_scales, w, w_scales, out, m};
-  k3gen::fp8gemm::gemm<Config>(p);
+extern "C" __global__ void __launch_bounds__(384, 1) k3gen_fp8_block_gemm(
+    const __grid_constant__ k3gen::sm90::TmaMap w_map, const __grid_constant__ k3gen::sm90::TmaMap x_map,
+    const void* x_scales, const void* w_scales, __nv_bfloat16* out, int m, int nt) {
+  const k3gen::fp8gemm90::Params p{x_scales, w_scales, out, m};
+  k3gen::fp8gemm90::gemm_dispatch<Config>(&w_map, &x_map, p, nt);
 }

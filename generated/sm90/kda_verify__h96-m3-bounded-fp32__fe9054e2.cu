@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 
 #include "k3gen/kda_verify.cuh"
+#include "k3gen/kda_verify_prefetch.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;
@@ -36,4 +37,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_verify(
       {conv_w, reinterpret_cast<const uint4*>(fb_w), dt_bias, a_log, norm_w},
       slots, pending, ssm, draft_rec, conv_ext, num_slots};
   k3gen::kda::verify::run<Config>(p);
+}
+
+// Prefetch schedule (include/k3gen/kda_verify_prefetch.cuh): grid (P, 1, 1) persistent CTAs over
+// the H * B (head, sequence) items, 256 threads, two CTAs per SM, dynamic shared
+// memory k3gen_kda_verify_prefetch_smem bytes.
+extern "C" __constant__ int k3gen_kda_verify_prefetch_smem = k3gen::kda::verify::prefetch_smem_bytes<Config>();
+
+extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_verify_prefetch(
+    const __nv_bfloat16* qkvg, long long qkvg_stride, const __nv_bfloat16* fa, long long fa_stride,
+    const __nv_bfloat16* beta_logit, long long beta_stride, const int* slots, const int* pending,
+    void* ssm, float* draft_rec, float* conv_ext, int num_slots,
+    const __nv_bfloat16* conv_w, const __nv_bfloat16* fb_w, const float* dt_bias, const float* a_log,
+    const float* norm_w, __nv_bfloat16* out, int batch) {
+  const k3gen::kda::verify::Params p{
+      {qkvg, fa, beta_logit, out, qkvg_stride, fa_stride, beta_stride, 0},
+      {conv_w, reinterpret_cast<const uint4*>(fb_w), dt_bias, a_log, norm_w},
+      slots, pending, ssm, draft_rec, conv_ext, num_slots};
+  k3gen::kda::verify::run_prefetch<Config>(p, batch);
 }
