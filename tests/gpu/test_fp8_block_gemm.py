@@ -12,7 +12,8 @@ import torch
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
-from k3gen.reference.fp8_block_gemm import fp8_block_gemm, quantize_activations, quantize_weights
+from k3gen.reference.fp8_block_gemm import (dequantize_activations, dequantize_weights, fp8_block_gemm,
+                                            quantize_activations, quantize_weights)
 from k3gen.runtime.ops.fp8_block_gemm import Fp8BlockGemm
 from k3gen.targets import TARGETS
 
@@ -63,9 +64,16 @@ def _check(out, xc, xs, wc, ws, recipe):
     got = out.cpu().double()
     assert rel_rms(got, ref64) <= BF16_REL_RMS
     assert rel_rms(got, ref32) <= BF16_REL_RMS
-    # Every element within BF16 rounding of the exact value plus FP32 accumulation error.
-    tol = ref64.abs() * 2 ** -7 + ref64.abs().amax(dim=1, keepdim=True) * 1e-4
-    assert ((got - ref64).abs() <= tol).all()
+    # Every element within BF16 rounding of the exact value plus the tensor cores' accumulation
+    # error. Hopper's FP8 MMA keeps about 14 bits in its accumulator (DeepSeek-V3 report, sec.
+    # 3.3.2), which is why the kernel promotes every 128-K block into FP32: within a block the error
+    # is bounded by a few 2^-13 roundings of partial sums, i.e. by ~2^-10 of sum_k |x_k w_k|. A wrong
+    # tile, scale or fragment is off by O(1) of that sum and still fails.
+    xa = dequantize_activations(xc.cpu(), xs.cpu(), recipe, torch.float64).abs()
+    wa = dequantize_weights(wc.cpu(), ws.cpu(), recipe, torch.float64).abs()
+    tol = ref64.abs() * 2 ** -7 + (xa @ wa.T) * 2 ** -10
+    err = (got - ref64).abs()
+    assert (err <= tol).all(), f"{int((err > tol).sum())} elements off, worst {float((err / tol).max()):.2f}x tol"
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
