@@ -39,6 +39,7 @@ struct __align__(128) Smem {
   float v[kC][kLd];                     // post-conv v -> U
   float g[kC][kLd];                     // log decay -> cumulative G -> -W
   float o[kC][kLd];                     // O of the chunk (before the gated RMSNorm)
+  float fa[kC][kDim];                   // f_a rows of the chunk (gate input)
   float A[kC][kC + 1];
   float P[kC][kC + 1];
   float egl[kDim];                      // e^(G_C)
@@ -120,7 +121,9 @@ __device__ __forceinline__ void mma3(float (&d)[4], const SplitA& a, float b0, f
 
 // ---- one chunk --------------------------------------------------------------------------------
 // Conv + SiLU of q, k, v and the log decays of tokens t0 .. t0+n-1 into the chunk tiles; rows
-// n .. kC-1 are zeros (no contribution: zero k, v, beta and decay).
+// n .. kC-1 are zeros (no contribution: zero k, v, beta and decay). Every global load of the chunk
+// is issued before the first use: a per-token load -> use loop costs one device-memory latency per
+// token (the first chunk16 version spent ~32 such round trips, ~25 us, per 16-token chunk).
 template <Gate G_, int H>
 __device__ __forceinline__ void stage(const Params& p, long long tok0, int h, int n, multi::Window& win, Smem& sm,
                                       float a_gate) {
@@ -128,29 +131,43 @@ __device__ __forceinline__ void stage(const Params& p, long long tok0, int h, in
   const int sec = tid >> 7, ch = tid & (kDim - 1);
   const bool has_v = tid < kDim;
   const int cqk = multi::chan_qk<H>(h), cv = multi::chan_v<H>(h);
+  float xq[kC], xv[kC];
+#pragma unroll
+  for (int t = 0; t < kC; ++t) {
+    const __nv_bfloat16* xrow = p.qkvg + (tok0 + t) * p.qkvg_stride;
+    xq[t] = t < n ? __bfloat162float(xrow[cqk]) : 0.0f;
+    xv[t] = t < n && has_v ? __bfloat162float(xrow[cv]) : 0.0f;
+  }
+  {  // f_a rows of the chunk: thread tid stages 8 channels of token tid / 16 (any row stride)
+    const int t = tid >> 4, c0 = 8 * (tid & 15);
+    float f[8];
+    const __nv_bfloat16* farow = p.fa + (tok0 + t) * p.fa_stride + c0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = t < n ? __bfloat162float(farow[e]) : 0.0f;
+    *reinterpret_cast<float4*>(&sm.fa[t][c0]) = make_float4(f[0], f[1], f[2], f[3]);
+    *reinterpret_cast<float4*>(&sm.fa[t][c0 + 4]) = make_float4(f[4], f[5], f[6], f[7]);
+  }
+  if (tid < kC) sm.beta[tid] = tid < n ? sigmoidf_(__bfloat162float(p.beta[(tok0 + tid) * p.beta_stride + h])) : 0.0f;
   float wqk[4], wv[4];
   multi::taps_of(p.conv_w, cqk, wqk);
   multi::taps_of(p.conv_w, cv, wv);
   float* qk_tile = sec == 0 ? &sm.q[0][0] : &sm.k[0][0];
-#pragma unroll 1
+#pragma unroll
   for (int t = 0; t < kC; ++t) {
     float yqk = 0.0f, yv = 0.0f;
     if (t < n) {
-      const __nv_bfloat16* xrow = p.qkvg + (tok0 + t) * p.qkvg_stride;
-      const float x = __bfloat162float(xrow[cqk]);
-      yqk = conv_silu(wqk, win.qk[0], win.qk[1], win.qk[2], x);
-      win.qk[0] = win.qk[1], win.qk[1] = win.qk[2], win.qk[2] = x;
+      yqk = conv_silu(wqk, win.qk[0], win.qk[1], win.qk[2], xq[t]);
+      win.qk[0] = win.qk[1], win.qk[1] = win.qk[2], win.qk[2] = xq[t];
       if (has_v) {
-        const float xv = __bfloat162float(xrow[cv]);
-        yv = conv_silu(wv, win.v[0], win.v[1], win.v[2], xv);
-        win.v[0] = win.v[1], win.v[1] = win.v[2], win.v[2] = xv;
+        yv = conv_silu(wv, win.v[0], win.v[1], win.v[2], xv[t]);
+        win.v[0] = win.v[1], win.v[1] = win.v[2], win.v[2] = xv[t];
       }
     }
     qk_tile[t * kLd + ch] = yqk;
     if (has_v) sm.v[t][ch] = yv;
   }
-  if (tid < kC) sm.beta[tid] = tid < n ? sigmoidf_(__bfloat162float(p.beta[(tok0 + tid) * p.beta_stride + h])) : 0.0f;
   mbar_wait(&sm.bar, 0);  // f_b rows (completed once; later chunks pass at once)
+  __syncthreads();        // the f_a tile
   // Gate: half-warp hw computes channels hw + 16 j (as the multi-token engine).
   constexpr int GR = 4;
 #pragma unroll 1
@@ -160,9 +177,9 @@ __device__ __forceinline__ void stage(const Params& p, long long tok0, int h, in
       continue;
     }
     float fa[8];
-    const __nv_bfloat16* farow = p.fa + (tok0 + t) * p.fa_stride + 8 * hl;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) fa[e] = __bfloat162float(farow[e]);
+    const float4 f0 = *reinterpret_cast<const float4*>(&sm.fa[t][8 * hl]);
+    const float4 f1 = *reinterpret_cast<const float4*>(&sm.fa[t][8 * hl + 4]);
+    fa[0] = f0.x, fa[1] = f0.y, fa[2] = f0.z, fa[3] = f0.w, fa[4] = f1.x, fa[5] = f1.y, fa[6] = f1.z, fa[7] = f1.w;
 #pragma unroll
     for (int gg = 0; gg < 2; ++gg) {
       float zp[GR];
@@ -273,10 +290,13 @@ __device__ __forceinline__ void prepare(Smem& sm) {
   __syncthreads();
 }
 
-// The tensor-core phase of one chunk on this warp's 16 state rows; writes O to sm.o. No barrier.
-__device__ __forceinline__ void chunk_mma(float (&st)[16][4], Smem& sm) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int v0 = 16 * warp;
+// The tensor-core phase of one chunk on this warp's 16 state rows; writes the first n rows of O
+// (row stride ldo) to o. `sm` holds the prepared tiles q, k, v, g, P, egl (Smem or a saved Tiles).
+// No barrier.
+template <class T>
+__device__ __forceinline__ void chunk_mma(float (&st)[16][4], const T& sm, float* o, long long ldo, int n, int rb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int v0 = 16 * rb;
   float vn[2][4], oi[2][4];
   // V_new^T starts as U^T; O^T as zero.
 #pragma unroll
@@ -325,16 +345,21 @@ __device__ __forceinline__ void chunk_mma(float (&st)[16][4], Smem& sm) {
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int r = 8 * j + 2 * t;
-    sm.o[r][v0 + g] = oi[j][0];
-    sm.o[r + 1][v0 + g] = oi[j][1];
-    sm.o[r][v0 + g + 8] = oi[j][2];
-    sm.o[r + 1][v0 + g + 8] = oi[j][3];
+    if (r < n) {
+      o[r * ldo + v0 + g] = oi[j][0];
+      o[r * ldo + v0 + g + 8] = oi[j][2];
+    }
+    if (r + 1 < n) {
+      o[(r + 1) * ldo + v0 + g] = oi[j][1];
+      o[(r + 1) * ldo + v0 + g + 8] = oi[j][3];
+    }
   }
 }
 
-// Gated RMSNorm of the chunk's n tokens (after a barrier): warp w takes tokens w and w + 8.
+// Gated RMSNorm of n tokens whose raw O rows are o (row stride ldo), after a barrier: warp w
+// takes tokens w, w + 8, ...
 template <int H>
-__device__ __forceinline__ void emit(const Params& p, long long tok0, int h, int n, const Smem& sm) {
+__device__ __forceinline__ void emit(const Params& p, long long tok0, int h, int n, const float* o_rows, long long ldo) {
   constexpr int D = H * kDim;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll 1
@@ -343,7 +368,7 @@ __device__ __forceinline__ void emit(const Params& p, long long tok0, int h, int
     float o[4], ssq = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      o[i] = sm.o[t][4 * lane + i];
+      o[i] = o_rows[t * ldo + 4 * lane + i];
       ssq = fmaf(o[i], o[i], ssq);
     }
 #pragma unroll
@@ -361,8 +386,8 @@ __device__ __forceinline__ void emit(const Params& p, long long tok0, int h, int
 
 // ---- state I/O in the accumulator layout ------------------------------------------------------
 template <bool kBf16>
-__device__ __forceinline__ void load_state(const void* head, float (&st)[16][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * (threadIdx.x >> 5) + g;
+__device__ __forceinline__ void load_state(const void* head, float (&st)[16][4], int rb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * rb + g;
 #pragma unroll
   for (int kt = 0; kt < 16; ++kt) {
     const int k = 8 * kt + 2 * t;
@@ -383,8 +408,8 @@ __device__ __forceinline__ void load_state(const void* head, float (&st)[16][4])
 }
 
 template <bool kBf16>
-__device__ __forceinline__ void store_state(void* head, const float (&st)[16][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * (threadIdx.x >> 5) + g;
+__device__ __forceinline__ void store_state(void* head, const float (&st)[16][4], int rb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * rb + g;
 #pragma unroll
   for (int kt = 0; kt < 16; ++kt) {
     const int k = 8 * kt + 2 * t;
@@ -441,7 +466,7 @@ __device__ __forceinline__ void run(const Params& p, Smem& sm) {
 #pragma unroll
       for (int i = 0; i < 3; ++i) win.v[i] = bf16_bits_to_float(wbase[cv * 3 + i]);
     }
-    load_state<C::kBf16State>(head, st);
+    load_state<C::kBf16State>(head, st, threadIdx.x >> 5);
   } else {
 #pragma unroll
     for (int kt = 0; kt < 16; ++kt)
@@ -455,12 +480,12 @@ __device__ __forceinline__ void run(const Params& p, Smem& sm) {
     stage<C::kGate, H>(p, tok0 + t0, h, n, win, sm, a_gate);
     __syncthreads();
     prepare(sm);
-    chunk_mma(st, sm);
+    chunk_mma(st, sm, &sm.o[0][0], kLd, kC, threadIdx.x >> 5);
     __syncthreads();
-    emit<H>(p, tok0 + t0, h, n, sm);
+    emit<H>(p, tok0 + t0, h, n, &sm.o[0][0], kLd);
     __syncthreads();  // the next chunk's staging overwrites the tiles emit and the mma phase read
   }
-  store_state<C::kBf16State>(head, st);
+  store_state<C::kBf16State>(head, st, threadIdx.x >> 5);
   // Each channel's window is owned by the one thread that read it; raw BF16 values: exact.
 #pragma unroll
   for (int i = 0; i < 3; ++i) wbase[cqk * 3 + i] = __bfloat16_as_ushort(__float2bfloat16(win.qk[i]));
