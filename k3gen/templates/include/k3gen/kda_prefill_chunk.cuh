@@ -297,7 +297,7 @@ template <class T>
 __device__ __forceinline__ void chunk_mma(float (&st)[16][4], const T& sm, float* o, long long ldo, int n, int rb) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int v0 = 16 * rb;
-  float vn[2][4], oi[2][4];
+  float vn[2][4], oi[2][4], vn2[2][4], oi2[2][4];
   // V_new^T starts as U^T; O^T as zero.
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -307,9 +307,11 @@ __device__ __forceinline__ void chunk_mma(float (&st)[16][4], const T& sm, float
     vn[j][2] = sm.v[r][v0 + g + 8];
     vn[j][3] = sm.v[r + 1][v0 + g + 8];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) oi[j][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) oi[j][e] = vn2[j][e] = oi2[j][e] = 0.0f;
   }
-  // V_new^T += S^T (-W)^T ; O^T += S^T (e^G q)^T, contracting over k in 16 steps of 8.
+  // V_new^T += S^T (-W)^T ; O^T += S^T (e^G q)^T, contracting over k in 16 steps of 8. Even and
+  // odd steps go to separate accumulators (summed after): 8 independent chains of 24 dependent
+  // mma per warp instead of 4 of 48, so the tensor pipe is not waiting on mma latency.
 #pragma unroll
   for (int kk = 0; kk < 16; ++kk) {
     const SplitA a(st[kk]);
@@ -317,11 +319,15 @@ __device__ __forceinline__ void chunk_mma(float (&st)[16][4], const T& sm, float
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float2 w = *reinterpret_cast<const float2*>(&sm.g[8 * j + g][kc]);
-      mma3(vn[j], a, w.x, w.y);
+      mma3((kk & 1) ? vn2[j] : vn[j], a, w.x, w.y);
       const float2 q = *reinterpret_cast<const float2*>(&sm.q[8 * j + g][kc]);
-      mma3(oi[j], a, q.x, q.y);
+      mma3((kk & 1) ? oi2[j] : oi[j], a, q.x, q.y);
     }
   }
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) vn[j][e] += vn2[j][e], oi[j][e] += oi2[j][e];
   // O^T += V_new^T P^T (contract over tokens s); the state decays and gains V_new^T Kd.
   const SplitA an0(vn[0]), an1(vn[1]);
 #pragma unroll
