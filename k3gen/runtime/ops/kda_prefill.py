@@ -101,7 +101,7 @@ class KdaPrefill(Launcher):
         types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR)
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        self._allow_smem(dev)
+        self.load()._allow_smem(dev)
         if self.spec.algo is not PrefillAlgo.CHUNKPAR:
             self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream,
                                self.spec.smem_bytes)
