@@ -30,6 +30,7 @@ constexpr int kThreads = 256;
 constexpr int kC = 16;                  // tokens per chunk
 constexpr int kLd = kDim + 8;           // padded row stride (floats) of the [token][channel] tiles
 constexpr int kRowVecs = kDim * 2 / 16; // uint4 per BF16 f_b row
+constexpr int kFaLd = kDim + 8;         // padded f_a row (BF16): fragment loads hit 32 distinct banks
 
 struct __align__(128) Smem {
   uint4 fb[kDim * kRowVecs];            // f_b rows of this head (32 KB)
@@ -39,7 +40,7 @@ struct __align__(128) Smem {
   float v[kC][kLd];                     // post-conv v -> U
   float g[kC][kLd];                     // log decay -> cumulative G -> -W
   float o[kC][kLd];                     // O of the chunk (before the gated RMSNorm)
-  float fa[kC][kDim];                   // f_a rows of the chunk (gate input)
+  unsigned short fa[kC][kFaLd];         // f_a rows of the chunk, raw BF16 (gate A operand)
   float A[kC][kC + 1];
   float P[kC][kC + 1];
   float egl[kDim];                      // e^(G_C)
@@ -96,6 +97,15 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// d += A B, BF16 inputs, FP32 accumulate (A: 16 x 16 row-major fragment, B: 16 x 8 column-major).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // d += A B in 3xTF32; A given as the FP32 accumulator tile c (k order permuted, see the top),
 // B as its two FP32 values (k slots t and t+4 of column g).
 struct SplitA {
@@ -127,7 +137,7 @@ __device__ __forceinline__ void mma3(float (&d)[4], const SplitA& a, float b0, f
 template <Gate G_, int H>
 __device__ __forceinline__ void stage(const Params& p, long long tok0, int h, int n, multi::Window& win, Smem& sm,
                                       float a_gate) {
-  const int tid = threadIdx.x, hw = tid >> 4, hl = tid & 15;
+  const int tid = threadIdx.x;
   const int sec = tid >> 7, ch = tid & (kDim - 1);
   const bool has_v = tid < kDim;
   const int cqk = multi::chan_qk<H>(h), cv = multi::chan_v<H>(h);
@@ -140,12 +150,12 @@ __device__ __forceinline__ void stage(const Params& p, long long tok0, int h, in
   }
   {  // f_a rows of the chunk: thread tid stages 8 channels of token tid / 16 (any row stride)
     const int t = tid >> 4, c0 = 8 * (tid & 15);
-    float f[8];
-    const __nv_bfloat16* farow = p.fa + (tok0 + t) * p.fa_stride + c0;
+    unsigned f[8];
+    const unsigned short* farow = reinterpret_cast<const unsigned short*>(p.fa) + (tok0 + t) * p.fa_stride + c0;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = t < n ? __bfloat162float(farow[e]) : 0.0f;
-    *reinterpret_cast<float4*>(&sm.fa[t][c0]) = make_float4(f[0], f[1], f[2], f[3]);
-    *reinterpret_cast<float4*>(&sm.fa[t][c0 + 4]) = make_float4(f[4], f[5], f[6], f[7]);
+    for (int e = 0; e < 8; ++e) f[e] = t < n ? farow[e] : 0u;
+    *reinterpret_cast<uint4*>(&sm.fa[t][c0]) =
+        make_uint4(f[0] | f[1] << 16, f[2] | f[3] << 16, f[4] | f[5] << 16, f[6] | f[7] << 16);
   }
   if (tid < kC) sm.beta[tid] = tid < n ? sigmoidf_(__bfloat162float(p.beta[(tok0 + tid) * p.beta_stride + h])) : 0.0f;
   float wqk[4], wv[4];
@@ -168,32 +178,40 @@ __device__ __forceinline__ void stage(const Params& p, long long tok0, int h, in
   }
   mbar_wait(&sm.bar, 0);  // f_b rows (completed once; later chunks pass at once)
   __syncthreads();        // the f_a tile
-  // Gate: half-warp hw computes channels hw + 16 j (as the multi-token engine).
-  constexpr int GR = 4;
-#pragma unroll 1
-  for (int t = 0; t < kC; ++t) {
-    if (t >= n) {
-      if (tid < kDim) sm.g[t][tid] = 0.0f;
-      continue;
+  // Gate pre-activations z[t][c] = f_b[c] . f_a[t] on tensor cores (BF16 m16n8k16): warp w
+  // computes channels 16w .. 16w+15 of the 16 tokens. BF16 products are exact in FP32; each k
+  // step of 16 starts from a zero accumulator and is added in FP32 here, so the rounding matches
+  // the FP32 CUDA-core sum (no long in-mma accumulation).
+  const int warp = tid >> 5, gq = (tid & 31) >> 2, tq = tid & 3;
+  const unsigned* fa32 = reinterpret_cast<const unsigned*>(&sm.fa[0][0]);
+  const unsigned* fb32 = reinterpret_cast<const unsigned*>(sm.fb);
+  constexpr int kFaW = kFaLd / 2, kFbW = kDim / 2;  // 32-bit words per row
+  float z[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) z[nt][e] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < kDim / 16; ++kk) {
+    const int w0 = 8 * kk + tq;  // columns 16 kk + 2 tq, +1
+    const unsigned a[4] = {fa32[gq * kFaW + w0], fa32[(gq + 8) * kFaW + w0], fa32[gq * kFaW + w0 + 4],
+                           fa32[(gq + 8) * kFaW + w0 + 4]};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int c = 16 * warp + 8 * nt + gq;
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_bf16(d, a, fb32[c * kFbW + w0], fb32[c * kFbW + w0 + 4]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) z[nt][e] += d[e];
     }
-    float fa[8];
-    const float4 f0 = *reinterpret_cast<const float4*>(&sm.fa[t][8 * hl]);
-    const float4 f1 = *reinterpret_cast<const float4*>(&sm.fa[t][8 * hl + 4]);
-    fa[0] = f0.x, fa[1] = f0.y, fa[2] = f0.z, fa[3] = f0.w, fa[4] = f1.x, fa[5] = f1.y, fa[6] = f1.z, fa[7] = f1.w;
+  }
 #pragma unroll
-    for (int gg = 0; gg < 2; ++gg) {
-      float zp[GR];
+  for (int nt = 0; nt < 2; ++nt) {
+    const int c = 16 * warp + 8 * nt + 2 * tq;
 #pragma unroll
-      for (int j = 0; j < GR; ++j) {
-        float wf[8];
-        unpack_bf16x8(sm.fb[(hw + 16 * (gg * GR + j)) * kRowVecs + hl], wf);
-        zp[j] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) zp[j] = fmaf(wf[e], fa[e], zp[j]);
-      }
-      half_reduce_scatter<GR>(zp, hl);
-      const int gi = hw + 16 * (gg * GR + (hl >> 2));
-      if ((hl & 3) == 0) sm.g[t][gi] = log_decay<G_>(zp[0] + sm.dtb[gi], a_gate);
+    for (int e = 0; e < 4; ++e) {
+      const int t = gq + 8 * (e >> 1), ce = c + (e & 1);
+      sm.g[t][ce] = t < n ? log_decay<G_>(z[nt][e] + sm.dtb[ce], a_gate) : 0.0f;
     }
   }
 }
