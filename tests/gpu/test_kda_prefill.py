@@ -91,10 +91,10 @@ def run(op, t):
               t["conv_w"], t["fb_w"], t["dt_bias"], t["a_log"], t["norm_w"], t["out"])
 
 
-def check(batch: Batch, gate=GateKind.BOUNDED, algo=PrefillAlgo.CHUNK16):
+def check(batch: Batch, gate=GateKind.BOUNDED, algo=PrefillAlgo.CHUNK16, op=None):
     ssm_e = SsmDtype.FP32 if batch.sdt == torch.float32 else SsmDtype.BF16
     t = batch.gpu()
-    run(op_for(batch.H, ssm_e, gate, algo), t)
+    run(op or op_for(batch.H, ssm_e, gate, algo), t)
     torch.cuda.synchronize()
     long = max(batch.lengths) > 65
     ref_dt = torch.float64 if long else torch.float32
@@ -132,6 +132,18 @@ def check(batch: Batch, gate=GateKind.BOUNDED, algo=PrefillAlgo.CHUNK16):
 @pytest.mark.parametrize("ssm", list(SsmDtype))
 def test_done_when_lengths_one_varlen_batch(ssm, algo):
     check(Batch(12, LENGTHS, ssm, seed=1), algo=algo)
+
+
+@pytest.mark.parametrize("k_split", [False, True])
+@pytest.mark.parametrize("ssm", list(SsmDtype))
+def test_chunkpar_both_state_passes(ssm, k_split):
+    """chunkpar's launcher picks the k-split state pass only while its CTAs fit one per SM; force
+    each on the full length matrix (and on a padded short batch at H = 96)."""
+    from k3gen.runtime.ops.kda_prefill import KdaPrefill
+    for H, lengths, kw in ((12, LENGTHS, {}), (96, [3, 0, 17, 5, 64, 2, 33], {"padded": (3,)})):
+        op = KdaPrefill(KdaPrefillSpec(target=get_target("sm90"), heads=H, ssm=ssm, algo=PrefillAlgo.CHUNKPAR)).load()
+        op.k_split = k_split
+        check(Batch(H, lengths, ssm, seed=H + 11, **kw), op=op)
 
 
 @pytest.mark.parametrize("algo", ALGOS)

@@ -20,8 +20,8 @@ from ..loader import I32, PTR, _check
 from .kda_decode import MAX_GRID_Z, KdaDecode
 
 I64 = ctypes.c_longlong
-STATE_ENTRY, EMIT_ENTRY = "k3gen_kda_prefill_state", "k3gen_kda_prefill_emit"
-STATE_SPLIT = 2  # state CTAs per (sequence, head): par::kStateSplit
+STATE_ENTRY, STATE_KS_ENTRY, EMIT_ENTRY = "k3gen_kda_prefill_state", "k3gen_kda_prefill_state_ks", "k3gen_kda_prefill_emit"
+STATE_THREADS = 128  # par::kStateWarps warps; (H, B, 2) CTAs, or (H, B, 4) with the k range split
 
 
 class KdaPrefill(Launcher):
@@ -29,11 +29,14 @@ class KdaPrefill(Launcher):
         super().__init__(spec)
         self._smem_set: set[int] = set()
         self._par: list = []
+        self.k_split: bool | None = None  # chunkpar state pass: None = by occupancy; tests force both
 
     def load(self):
         super().load()
         if self.spec.algo is PrefillAlgo.CHUNKPAR and not self._par:
-            self._par = [self._kernel, self._kernel.sibling(STATE_ENTRY), self._kernel.sibling(EMIT_ENTRY)]
+            self._par = [self._kernel, self._kernel.sibling(STATE_ENTRY), self._kernel.sibling(EMIT_ENTRY),
+                         self._kernel.sibling(STATE_KS_ENTRY)]
+            self._sms = self.sm_count
         self._allow_smem(self.device_index)
         return self
 
@@ -44,7 +47,7 @@ class KdaPrefill(Launcher):
             return
         from cuda.bindings import driver
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        for k in self._par[:2] or [self._kernel]:
+        for k in ([self._par[0], self._par[1], self._par[3]] if self._par else [self._kernel]):
             _check(driver.cuFuncSetAttribute(k.function(device), attr, self.spec.smem_bytes), "cuFuncSetAttribute")
         self._smem_set.add(device)
 
@@ -112,9 +115,12 @@ class KdaPrefill(Launcher):
         args += (ws.data_ptr(), ws.data_ptr() + o_off, B)
         types += (PTR, PTR, I32)
         items = self.spec.workspace_items(N, B)
-        prep, state, emit = self.load()._par
+        prep, state, emit, state_ks = self.load()._par
+        # The k-split state pass halves each warp's sequential mma chain but needs 4 CTAs per
+        # (sequence, head): taken while those fit one per SM (a persistent pass must not queue).
+        ks = H * B * 4 <= self._sms if self.k_split is None else self.k_split
         prep.launch((H, items, 1), (self.spec.threads, 1, 1), args, types, dev, stream, self.spec.smem_bytes)
-        state.launch((H, B, STATE_SPLIT), (self.spec.threads // STATE_SPLIT, 1, 1), args, types, dev, stream,
-                     self.spec.smem_bytes)
+        (state_ks if ks else state).launch((H, B, 4 if ks else 2), (STATE_THREADS, 1, 1), args, types, dev, stream,
+                                           self.spec.smem_bytes)
         emit.launch((H, items, 1), (self.spec.threads, 1, 1), args, types, dev, stream, 0)
         return out

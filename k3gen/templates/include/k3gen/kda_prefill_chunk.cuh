@@ -310,20 +310,26 @@ __device__ __forceinline__ void prepare(Smem& sm) {
 
 // The tensor-core phase of one chunk on this warp's 16 state rows; writes the first n rows of O
 // (row stride ldo) to o. `sm` holds the prepared tiles q, k, v, g, P, egl (Smem or a saved Tiles).
-// No barrier.
-template <class T>
-__device__ __forceinline__ void chunk_mma(float (&st)[16][4], const T& sm, float* o, long long ldo, int n, int rb) {
+// No barrier. With NT = 8 (k split), the warp holds k tiles 8 kh .. 8 kh + 7 of the rows and its
+// partner warp (warp ^ 1, same rows) the other half: the partial V_new^T / O^T sums meet in xch
+// (one __syncthreads, every thread of the CTA calls this), both warps then hold the same V_new^T
+// (a + b == b + a) for their half of the state update, and the kh = 0 warp finishes O.
+template <class T, int NT = 16>
+__device__ __forceinline__ void chunk_mma(float (&st)[NT][4], const T& sm, float* o, long long ldo, int n, int rb,
+                                          int kh = 0, float* xch = nullptr) {
+  static_assert(NT == 16 || NT == 8, "whole k range or one half");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int v0 = 16 * rb;
+  const int v0 = 16 * rb, kt0 = NT * kh;
   float vn[2][4], oi[2][4], vn2[2][4], oi2[2][4];
   // V_new^T starts as U^T; O^T as zero.
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int r = 8 * j + 2 * t;
-    vn[j][0] = sm.v[r][v0 + g];
-    vn[j][1] = sm.v[r + 1][v0 + g];
-    vn[j][2] = sm.v[r][v0 + g + 8];
-    vn[j][3] = sm.v[r + 1][v0 + g + 8];
+    const bool u = kh == 0;  // U^T enters one partial sum only
+    vn[j][0] = u ? sm.v[r][v0 + g] : 0.0f;
+    vn[j][1] = u ? sm.v[r + 1][v0 + g] : 0.0f;
+    vn[j][2] = u ? sm.v[r][v0 + g + 8] : 0.0f;
+    vn[j][3] = u ? sm.v[r + 1][v0 + g + 8] : 0.0f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) oi[j][e] = vn2[j][e] = oi2[j][e] = 0.0f;
   }
@@ -331,9 +337,9 @@ __device__ __forceinline__ void chunk_mma(float (&st)[16][4], const T& sm, float
   // odd steps go to separate accumulators (summed after): 8 independent chains of 24 dependent
   // mma per warp instead of 4 of 48, so the tensor pipe is not waiting on mma latency.
 #pragma unroll
-  for (int kk = 0; kk < 16; ++kk) {
+  for (int kk = 0; kk < NT; ++kk) {
     const SplitA a(st[kk]);
-    const int kc = 8 * kk + 2 * t;
+    const int kc = 8 * (kt0 + kk) + 2 * t;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float2 w = *reinterpret_cast<const float2*>(&sm.g[8 * j + g][kc]);
@@ -346,26 +352,49 @@ __device__ __forceinline__ void chunk_mma(float (&st)[16][4], const T& sm, float
   for (int j = 0; j < 2; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) vn[j][e] += vn2[j][e], oi[j][e] += oi2[j][e];
+  if constexpr (NT < 16) {
+    float* mine = xch + (threadIdx.x >> 5) * 512;  // [V_new^T | O^T][8 values][32 lanes]
+    const float* other = xch + ((threadIdx.x >> 5) ^ 1) * 512;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        mine[(4 * j + e) * 32 + lane] = vn[j][e];
+        if (kh) mine[256 + (4 * j + e) * 32 + lane] = oi[j][e];
+      }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        vn[j][e] += other[(4 * j + e) * 32 + lane];
+        if (!kh) oi[j][e] += other[256 + (4 * j + e) * 32 + lane];
+      }
+  }
   // O^T += V_new^T P^T (contract over tokens s); the state decays and gains V_new^T Kd.
   const SplitA an0(vn[0]), an1(vn[1]);
+  if (kh == 0) {
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int r = 8 * j + g;
-    mma3(oi[j], an0, sm.P[r][2 * t], sm.P[r][2 * t + 1]);
-    mma3(oi[j], an1, sm.P[r][8 + 2 * t], sm.P[r][8 + 2 * t + 1]);
+    for (int j = 0; j < 2; ++j) {
+      const int r = 8 * j + g;
+      mma3(oi[j], an0, sm.P[r][2 * t], sm.P[r][2 * t + 1]);
+      mma3(oi[j], an1, sm.P[r][8 + 2 * t], sm.P[r][8 + 2 * t + 1]);
+    }
   }
 #pragma unroll
-  for (int kt = 0; kt < 16; ++kt) {
+  for (int i = 0; i < NT; ++i) {
+    const int kt = kt0 + i;
     const int kc = 8 * kt + 2 * t;
     const float e0 = sm.egl[kc], e1 = sm.egl[kc + 1];
-    st[kt][0] *= e0;
-    st[kt][1] *= e1;
-    st[kt][2] *= e0;
-    st[kt][3] *= e1;
+    st[i][0] *= e0;
+    st[i][1] *= e1;
+    st[i][2] *= e0;
+    st[i][3] *= e1;
     const int kn = 8 * kt + g;
-    mma3(st[kt], an0, sm.k[2 * t][kn], sm.k[2 * t + 1][kn]);
-    mma3(st[kt], an1, sm.k[8 + 2 * t][kn], sm.k[8 + 2 * t + 1][kn]);
+    mma3(st[i], an0, sm.k[2 * t][kn], sm.k[2 * t + 1][kn]);
+    mma3(st[i], an1, sm.k[8 + 2 * t][kn], sm.k[8 + 2 * t + 1][kn]);
   }
+  if (kh != 0) return;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int r = 8 * j + 2 * t;
@@ -409,12 +438,12 @@ __device__ __forceinline__ void emit(const Params& p, long long tok0, int h, int
 }
 
 // ---- state I/O in the accumulator layout ------------------------------------------------------
-template <bool kBf16>
-__device__ __forceinline__ void load_state(const void* head, float (&st)[16][4], int rb) {
+template <bool kBf16, int NT = 16>
+__device__ __forceinline__ void load_state(const void* head, float (&st)[NT][4], int rb, int kt0 = 0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * rb + g;
 #pragma unroll
-  for (int kt = 0; kt < 16; ++kt) {
-    const int k = 8 * kt + 2 * t;
+  for (int kt = 0; kt < NT; ++kt) {
+    const int k = 8 * (kt0 + kt) + 2 * t;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const long long off = static_cast<long long>(v + 8 * hr) * kDim + k;
@@ -431,12 +460,12 @@ __device__ __forceinline__ void load_state(const void* head, float (&st)[16][4],
   }
 }
 
-template <bool kBf16>
-__device__ __forceinline__ void store_state(void* head, const float (&st)[16][4], int rb) {
+template <bool kBf16, int NT = 16>
+__device__ __forceinline__ void store_state(void* head, const float (&st)[NT][4], int rb, int kt0 = 0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * rb + g;
 #pragma unroll
-  for (int kt = 0; kt < 16; ++kt) {
-    const int k = 8 * kt + 2 * t;
+  for (int kt = 0; kt < NT; ++kt) {
+    const int k = 8 * (kt0 + kt) + 2 * t;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const long long off = static_cast<long long>(v + 8 * hr) * kDim + k;

@@ -6,10 +6,13 @@
 //    and J bounds them all). It stages and prepares the item's four 16-token sub-chunks exactly as
 //    chunk16 does (conv, norms, gates, A, P, forward substitution) and saves the prepared tiles
 //    (e^G q, K e^(G_C - G), -W, U, P, e^(G_C)) to the workspace. None of this reads the state.
-// 2. state (grid H x B x 2): per (sequence, head, half of the V rows) the FP32 state stays in
-//    registers and runs chunk_mma over the saved tiles (bulk copies, double-buffered), writing the
-//    raw O rows to the workspace, then stores the state; the first half also writes the windows.
-//    The V rows of the state are independent in this recurrence, so the two halves share nothing.
+// 2. state (grid H x B x 2 KS, 128 threads): the FP32 state stays in registers and runs chunk_mma
+//    over the saved tiles (bulk copies, double-buffered), writing the raw O rows to the workspace,
+//    then stores the state; CTA z = 0 also writes the windows. The V rows of the state are
+//    independent in this recurrence, so CTAs of different rows share nothing. KS = 1: a warp per
+//    16 rows (2 CTAs per head); KS = 2: two warps per 16 rows, each half the k range (4 CTAs per
+//    head, half the sequential mma chain per warp; the launcher takes it while the CTAs fit one
+//    per SM).
 // 3. emit  (grid H x J): gated RMSNorm of the item's raw O rows into `out` (zeros for padding).
 #pragma once
 
@@ -24,7 +27,6 @@ using chunk::kLd;
 constexpr int kItem = 64;              // tokens per work item of prep / emit
 constexpr int kSub = kItem / kC;       // 16-token sub-chunks per item
 constexpr int kStateWarps = 4;         // warps per state CTA: one per SM sub-partition
-constexpr int kStateSplit = chunk::kThreads / 32 / kStateWarps;  // CTAs per (sequence, head)
 
 // One prepared sub-chunk: the tiles chunk_mma reads, in the layout of chunk::Smem.
 struct __align__(16) Tiles {
@@ -39,6 +41,7 @@ static_assert(sizeof(Tiles) % 16 == 0, "bulk copy size");
 
 struct __align__(128) StateSmem {
   Tiles t[2];
+  float xch[kStateWarps][512];          // k split: partial V_new^T / O^T sums (chunk::chunk_mma)
   unsigned long long bar[2];
 };
 
@@ -123,13 +126,15 @@ __device__ __forceinline__ void prep(const Params& pp, chunk::Smem& sm) {
   }
 }
 
-template <class C>
+template <class C, int KS>
 __device__ __forceinline__ void state(const Params& pp, StateSmem& sm) {
+  constexpr int NT = 16 / KS, kRowsPerCta = kStateWarps / KS;
   constexpr int H = C::kHeads, D = H * kDim;
   constexpr long long kHead = kDim * kDim;
   constexpr unsigned kTileBytes = sizeof(Tiles);
   const chunk::Params& p = pp.c;
-  const int h = blockIdx.x, b = blockIdx.y, rb = kStateWarps * blockIdx.z + (threadIdx.x >> 5);
+  const int h = blockIdx.x, b = blockIdx.y, w = threadIdx.x >> 5;
+  const int rb = kRowsPerCta * blockIdx.z + w / KS, kh = w % KS;
   const long long tok0 = __ldg(p.cu_seqlens + b);
   const int len = __ldg(p.cu_seqlens + b + 1) - static_cast<int>(tok0);
   const int slot = __ldg(p.slots + b);
@@ -149,12 +154,12 @@ __device__ __forceinline__ void state(const Params& pp, StateSmem& sm) {
   void* head = C::kBf16State
                    ? static_cast<void*>(static_cast<__nv_bfloat16*>(p.ssm) + (static_cast<long long>(slot) * H + h) * kHead)
                    : static_cast<void*>(static_cast<float*>(p.ssm) + (static_cast<long long>(slot) * H + h) * kHead);
-  float st[16][4];
+  float st[NT][4];
   if (resume) {
-    chunk::load_state<C::kBf16State>(head, st, rb);
+    chunk::load_state<C::kBf16State, NT>(head, st, rb, NT * kh);
   } else {
 #pragma unroll
-    for (int kt = 0; kt < 16; ++kt)
+    for (int kt = 0; kt < NT; ++kt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) st[kt][e] = 0.0f;
   }
@@ -164,7 +169,8 @@ __device__ __forceinline__ void state(const Params& pp, StateSmem& sm) {
     const int buf = s & 1;
     mbar_wait(&sm.bar[buf], (s >> 1) & 1);
     const int n = len - s * kC < kC ? len - s * kC : kC;
-    chunk::chunk_mma(st, sm.t[buf], pp.o + ((tok0 + s * kC) * H + h) * kDim, static_cast<long long>(H) * kDim, n, rb);
+    chunk::chunk_mma<Tiles, NT>(st, sm.t[buf], pp.o + ((tok0 + s * kC) * H + h) * kDim,
+                                static_cast<long long>(H) * kDim, n, rb, kh, &sm.xch[0][0]);
     __syncthreads();  // every warp is done with t[buf]
     if (threadIdx.x == 0 && s + 2 < ns) {
       fence_proxy_async_smem();  // generic reads of t[buf] before the async-proxy refill
@@ -172,7 +178,7 @@ __device__ __forceinline__ void state(const Params& pp, StateSmem& sm) {
       bulk_g2s(&sm.t[buf], tiles + static_cast<long long>(s + 2) * H, kTileBytes, &sm.bar[buf]);
     }
   }
-  chunk::store_state<C::kBf16State>(head, st, rb);
+  chunk::store_state<C::kBf16State, NT>(head, st, rb, NT * kh);
   if (blockIdx.z != 0) return;
   // The window after the prompt: the last three of (old window, x_0 .. x_{len-1}); prep has read
   // the old window in an earlier kernel. Raw BF16 bits: exact.
