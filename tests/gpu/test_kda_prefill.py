@@ -1,4 +1,5 @@
-"""kda_prefill kernels (sm90, both algos: chunk16 = chunked WY on tensor cores, the default; token =
+"""kda_prefill kernels (sm90, every algo: chunk16 = chunked WY on tensor cores, the default; chunkpar =
+the same algebra as three kernels (parallel prep / emit, sequential state pass); token =
 token-sequential) vs the token-loop reference (FP32, and FP64 for long prompts).
 
 Outputs: BF16 relative RMS <= 1e-2 and elementwise 2^-6 |ref| + 1e-3 max|ref|. Final states: FP32
@@ -25,7 +26,7 @@ DEV = "cuda"
 TORCH_SSM = {SsmDtype.FP32: torch.float32, SsmDtype.BF16: torch.bfloat16}
 LENGTHS = [1, 15, 16, 17, 63, 64, 65, 1000, 4096]
 ALGOS = list(PrefillAlgo)
-CHUNK = 16  # tokens per chunk of the chunk16 kernel
+CHUNK = 16  # tokens per chunk of the chunk16 and chunkpar kernels (chunkpar: sub-chunks from the sequence start)
 
 
 def prebuild_specs():
@@ -90,10 +91,10 @@ def run(op, t):
               t["conv_w"], t["fb_w"], t["dt_bias"], t["a_log"], t["norm_w"], t["out"])
 
 
-def check(batch: Batch, gate=GateKind.BOUNDED, algo=PrefillAlgo.CHUNK16):
+def check(batch: Batch, gate=GateKind.BOUNDED, algo=PrefillAlgo.CHUNK16, op=None):
     ssm_e = SsmDtype.FP32 if batch.sdt == torch.float32 else SsmDtype.BF16
     t = batch.gpu()
-    run(op_for(batch.H, ssm_e, gate, algo), t)
+    run(op or op_for(batch.H, ssm_e, gate, algo), t)
     torch.cuda.synchronize()
     long = max(batch.lengths) > 65
     ref_dt = torch.float64 if long else torch.float32
@@ -131,6 +132,18 @@ def check(batch: Batch, gate=GateKind.BOUNDED, algo=PrefillAlgo.CHUNK16):
 @pytest.mark.parametrize("ssm", list(SsmDtype))
 def test_done_when_lengths_one_varlen_batch(ssm, algo):
     check(Batch(12, LENGTHS, ssm, seed=1), algo=algo)
+
+
+@pytest.mark.parametrize("k_split", [False, True])
+@pytest.mark.parametrize("ssm", list(SsmDtype))
+def test_chunkpar_both_state_passes(ssm, k_split):
+    """chunkpar's launcher picks the k-split state pass only while its CTAs fit one per SM; force
+    each on the full length matrix (and on a padded short batch at H = 96)."""
+    from k3gen.runtime.ops.kda_prefill import KdaPrefill
+    for H, lengths, kw in ((12, LENGTHS, {}), (96, [3, 0, 17, 5, 64, 2, 33], {"padded": (3,)})):
+        op = KdaPrefill(KdaPrefillSpec(target=get_target("sm90"), heads=H, ssm=ssm, algo=PrefillAlgo.CHUNKPAR)).load()
+        op.k_split = k_split
+        check(Batch(H, lengths, ssm, seed=H + 11, **kw), op=op)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -172,14 +185,15 @@ def test_split_in_two_equals_one_call(split, algo):
 
 
 @pytest.mark.parametrize("ssm", list(SsmDtype))
-def test_chunk_equals_token_kernel(ssm):
-    """The two algorithms on one batch: FP32 states within 1e-5 of each other, outputs within the
-    BF16 output tolerance."""
+@pytest.mark.parametrize("algo", [a for a in ALGOS if a is not PrefillAlgo.TOKEN])
+def test_chunk_equals_token_kernel(ssm, algo):
+    """A chunked algorithm and the token kernel on one batch: FP32 states within 1e-5 of each
+    other, outputs within the BF16 output tolerance."""
     batch = Batch(12, [1, 16, 40, 129, 300], ssm, seed=77, padded=(0,))
     res = []
-    for algo in ALGOS:
+    for al in (algo, PrefillAlgo.TOKEN):
         t = batch.gpu()
-        run(op_for(12, ssm, GateKind.BOUNDED, algo), t)
+        run(op_for(12, ssm, GateKind.BOUNDED, al), t)
         res.append(t)
     torch.cuda.synchronize()
     a, b = res
@@ -201,9 +215,10 @@ def test_chunk_equals_token_kernel(ssm):
         assert not bad.any(), f"{int(bad.sum())} elements differ, max {float(err[bad].max())}"
 
 
-def test_cuda_graph_replay_equals_eager():
+@pytest.mark.parametrize("algo", ALGOS)
+def test_cuda_graph_replay_equals_eager(algo):
     H = 12
-    op = op_for(H)
+    op = op_for(H, algo=algo)
     base = Batch(H, [5, 40, 1, 9], SsmDtype.FP32, seed=21)
     t = base.gpu()
     run(op, t)

@@ -170,7 +170,9 @@ def test_chunk_algebra_equals_token_recurrence(T, gate_scale):
 @pytest.mark.parametrize("ssm,gate,algo", [(SsmDtype.FP32, GateKind.BOUNDED, PrefillAlgo.CHUNK16),
                                            (SsmDtype.BF16, GateKind.BOUNDED, PrefillAlgo.CHUNK16),
                                            (SsmDtype.FP32, GateKind.SOFTPLUS, PrefillAlgo.CHUNK16),
-                                           (SsmDtype.FP32, GateKind.BOUNDED, PrefillAlgo.TOKEN)])
+                                           (SsmDtype.FP32, GateKind.BOUNDED, PrefillAlgo.TOKEN),
+                                           (SsmDtype.FP32, GateKind.BOUNDED, PrefillAlgo.CHUNKPAR),
+                                           (SsmDtype.BF16, GateKind.SOFTPLUS, PrefillAlgo.CHUNKPAR)])
 def test_compiles_without_spills(target, ssm, gate, algo):
     from k3gen.build import build_one
     from k3gen.compile.inspect import cubin_arch
@@ -179,9 +181,16 @@ def test_compiles_without_spills(target, ssm, gate, algo):
     assert cubin_arch(r.cubin) == spec.target.arch
     assert r.resources and all(x["local"] == 0 and x["stack"] == 0 for x in r.resources), r.resources
     assert all(x["registers"] <= 255 and x["shared"] <= 48 * 1024 for x in r.resources), r.resources
-    ops = {k: n for x in r.resources for k, n in x["sass"].items()}
-    if algo is PrefillAlgo.CHUNK16:  # 3xTF32 m16n8k8: 3 x (64 + 4 + 32) mma per warp and chunk
-        assert sum(n for k, n in ops.items() if k.startswith("HMMA")) == 300, ops
+    ops: dict = {}
+    for x in r.resources:  # chunkpar: three kernels in one cubin
+        for k, n in x["sass"].items():
+            ops[k] = ops.get(k, 0) + n
+    if algo is not PrefillAlgo.TOKEN:  # 3xTF32 m16n8k8: 3 x (64 + 4 + 32) mma per warp and chunk,
+        # and the gate's BF16 m16n8k16: 2 channel tiles x 8 k steps per warp
+        hmma = 300 + 16 + (3 * (32 + 4 + 16) if algo is PrefillAlgo.CHUNKPAR else 0)  # + the k-split state pass
+        assert sum(n for k, n in ops.items() if k.startswith("HMMA")) == hmma, ops
+    if algo is PrefillAlgo.CHUNKPAR:  # prep at 2 CTAs per SM (88 KB shared each)
+        assert len(r.resources) == 4 and sorted(x["registers"] for x in r.resources)[1] <= 128, r.resources
 
 
 def test_launcher_checks():
@@ -207,3 +216,27 @@ def test_launcher_checks():
         with pytest.raises(SpecError) as e:
             op(**a)
         assert needle in str(e.value)
+
+
+def test_chunkpar_work_items_and_workspace():
+    """chunkpar's item map (par::item_base: sequence b owns items cu[b] // 64 + b onward) gives
+    every sequence ceil(len / 64) items that overlap no other sequence's and fit the grid the
+    launcher sizes; the workspace holds four tile sets per item and head plus the raw outputs."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        B = int(torch.randint(1, 9, (1,), generator=g))
+        lens = torch.randint(0, 300, (B,), generator=g).tolist()
+        lens = [x if torch.rand(1, generator=g) > 0.3 else x % 3 for x in lens]
+        cu = [0]
+        for x in lens:
+            cu.append(cu[-1] + x)
+        spec = KdaPrefillSpec(target=SM90, heads=6, algo=PrefillAlgo.CHUNKPAR)
+        items, owner = spec.workspace_items(cu[-1], B), {}
+        for b, x in enumerate(lens):
+            base = cu[b] // 64 + b
+            for c in range(-(-x // 64)):
+                assert base + c < items and base + c not in owner
+                owner[base + c] = b
+    spec = KdaPrefillSpec(target=SM90, heads=12, algo=PrefillAlgo.CHUNKPAR)
+    assert spec.workspace_bytes(4096, 1) == 65 * 4 * 12 * 36416 + 4096 * 12 * 128 * 4
+    assert KdaPrefillSpec(target=SM90, heads=12).workspace_bytes(4096, 1) == 0

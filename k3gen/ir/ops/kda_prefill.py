@@ -22,6 +22,14 @@ after the last token: the recurrence never rounds in between), `conv[num_slots, 
 Output: `out[N, H, 128]` BF16 contiguous (8-byte aligned). A sequence of length 0 touches nothing.
 
 Launch: grid (H, B), 256 threads; `chunk16` takes `smem_bytes` of dynamic shared memory.
+
+`chunkpar` (include/k3gen/kda_prefill_par.cuh) runs chunk16's arithmetic as three kernels so that
+long prompts fill the GPU: `prep` (grid (H, N / 64 + B), one 64-token item each: conv, norms,
+gates, A, P and the forward substitution, none of which reads the state) saves the prepared
+16-token tiles to a workspace; `state` (grid (H, B, 2), 128 threads, half of the V rows each: the
+rows of S^T are independent) runs the 3xTF32 recurrence over them and writes raw outputs;
+`emit` (grid (H, N / 64 + B)) applies the gated RMSNorm. The launcher sizes the workspace from N,
+B and H (`workspace_bytes`), so the launches stay graph-safe.
 """
 from __future__ import annotations
 
@@ -37,7 +45,8 @@ from .kda_decode import FbWeight
 
 
 class PrefillAlgo(str, enum.Enum):
-    CHUNK16 = "chunk16"   # chunked WY form, tensor cores (the fast path)
+    CHUNK16 = "chunk16"   # chunked WY form, tensor cores, one CTA per (sequence, head)
+    CHUNKPAR = "chunkpar"  # chunk16's algebra in three kernels: parallel prep / emit, sequential state pass
     TOKEN = "token"       # token-sequential, CUDA cores (first version)
 
     def __str__(self) -> str:
@@ -45,7 +54,11 @@ class PrefillAlgo(str, enum.Enum):
 
 
 # Dynamic shared memory of the chunk kernel (its template static_asserts sizeof(Smem) fits).
-CHUNK_SMEM_BYTES = 80 * 1024
+CHUNK_SMEM_BYTES = 88 * 1024
+# chunkpar: tokens per prep / emit work item, and bytes of one prepared 16-token tile set
+# (par::Tiles: four [16][136] FP32 tiles, P [16][17], e^(G_C) [128]; the template static_asserts it).
+PAR_ITEM = 64
+PAR_TILE_BYTES = (4 * 16 * (KDA_DK + 8) + 16 * 17 + KDA_DK) * 4
 
 
 @register_op("kda_prefill")
@@ -76,7 +89,7 @@ class KdaPrefillSpec(OpSpec):
             raise SpecError("threads", self.threads, [256], "8 state rows per half-warp")
         if self.min_blocks not in (1, 2):
             raise SpecError("min_blocks", self.min_blocks, [1, 2])
-        if self.algo is PrefillAlgo.CHUNK16 and self.min_blocks != 1:
+        if self.algo is not PrefillAlgo.TOKEN and self.min_blocks != 1:
             raise SpecError("min_blocks", self.min_blocks, [1], "the chunk kernel keeps 64 state words and "
                             "the chunk's V_new / O tiles in registers (up to 255)")
 
@@ -94,7 +107,22 @@ class KdaPrefillSpec(OpSpec):
 
     @property
     def smem_bytes(self) -> int:
-        return CHUNK_SMEM_BYTES if self.algo is PrefillAlgo.CHUNK16 else 0
+        return 0 if self.algo is PrefillAlgo.TOKEN else CHUNK_SMEM_BYTES
+
+    par_item = PAR_ITEM
+    par_tile_bytes = PAR_TILE_BYTES
+
+    def workspace_items(self, tokens: int, batch: int) -> int:
+        """Work items of `chunkpar`'s prep / emit grids: sequence b owns items cu[b] // 64 + b onward."""
+        return tokens // PAR_ITEM + batch
+
+    def workspace_bytes(self, tokens: int, batch: int) -> int:
+        """`chunkpar` workspace: prepared tiles of every 16-token sub-chunk slot, then the raw FP32
+        outputs [N, H, 128]; 0 for the single-kernel algos."""
+        if self.algo is not PrefillAlgo.CHUNKPAR:
+            return 0
+        tiles = self.workspace_items(tokens, batch) * (PAR_ITEM // 16) * self.heads * PAR_TILE_BYTES
+        return tiles + tokens * self.heads * KDA_DV * FP32.bytes
 
     def slug(self) -> str:
         s = f"h{self.heads}-{self.gate.value}-{self.ssm.value}"

@@ -1,7 +1,9 @@
 """Launcher of kda_prefill (ABI: templates/kda_prefill.cu.j2; contract: ir/ops/kda_prefill.py).
 
 CUDA-graph safe: metadata checks only; the grid depends on the number of sequences alone (the
-kernel reads cu_seqlens on the device), so one graph serves any lengths with the same B.
+kernel reads cu_seqlens on the device), so one graph serves any lengths with the same B. The
+`chunkpar` algo launches three kernels over a workspace sized from (N, B, H) only, taken from
+torch's caching allocator on the launch stream (inside a capture: the graph's private pool).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import ctypes
 from ...config import settings
 from ...errors import SpecError
 from ...ir.dtypes import SsmDtype
+from ...ir.ops.kda_prefill import PrefillAlgo
 from ...ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
 from ..bind import Launcher
 from ..checks import check_kda_weights, check_one_device, check_tensor
@@ -17,15 +20,23 @@ from ..loader import I32, PTR, _check
 from .kda_decode import MAX_GRID_Z, KdaDecode
 
 I64 = ctypes.c_longlong
+STATE_ENTRY, STATE_KS_ENTRY, EMIT_ENTRY = "k3gen_kda_prefill_state", "k3gen_kda_prefill_state_ks", "k3gen_kda_prefill_emit"
+STATE_THREADS = 128  # par::kStateWarps warps; (H, B, 2) CTAs, or (H, B, 4) with the k range split
 
 
 class KdaPrefill(Launcher):
     def __init__(self, spec):
         super().__init__(spec)
         self._smem_set: set[int] = set()
+        self._par: list = []
+        self.k_split: bool | None = None  # chunkpar state pass: None = by occupancy; tests force both
 
     def load(self):
         super().load()
+        if self.spec.algo is PrefillAlgo.CHUNKPAR and not self._par:
+            self._par = [self._kernel, self._kernel.sibling(STATE_ENTRY), self._kernel.sibling(EMIT_ENTRY),
+                         self._kernel.sibling(STATE_KS_ENTRY)]
+            self._sms = self.sm_count
         self._allow_smem(self.device_index)
         return self
 
@@ -35,9 +46,9 @@ class KdaPrefill(Launcher):
         if device in self._smem_set or not self.spec.smem_bytes:
             return
         from cuda.bindings import driver
-        f = self._kernel.function(device)
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(driver.cuFuncSetAttribute(f, attr, self.spec.smem_bytes), "cuFuncSetAttribute")
+        for k in ([self._par[0], self._par[1], self._par[3]] if self._par else [self._kernel]):
+            _check(driver.cuFuncSetAttribute(k.function(device), attr, self.spec.smem_bytes), "cuFuncSetAttribute")
         self._smem_set.add(device)
 
     def check(self, qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, conv_w, fb_w, dt_bias, a_log,
@@ -68,6 +79,8 @@ class KdaPrefill(Launcher):
             raise SpecError("batch", B, f"<= {MAX_GRID_Z}", "sequences are grid.y")
         if N >= 2**31 or S >= 2**31:
             raise SpecError("tokens", N, "< 2^31 tokens and slots")
+        if self.spec.algo is PrefillAlgo.CHUNKPAR and self.spec.workspace_items(N, B) > MAX_GRID_Z:
+            raise SpecError("tokens", N, f"N / 64 + B <= {MAX_GRID_Z}", "chunkpar work items are grid.y")
         return B, S
 
     def __call__(self, qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, conv_w, fb_w, dt_bias, a_log,
@@ -91,7 +104,23 @@ class KdaPrefill(Launcher):
         types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR)
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        self._allow_smem(dev)
-        self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream,
-                           self.spec.smem_bytes)
+        self.load()._allow_smem(dev)
+        if self.spec.algo is not PrefillAlgo.CHUNKPAR:
+            self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream,
+                               self.spec.smem_bytes)
+            return out
+        N, H = qkvg.shape[0], self.spec.heads
+        ws = torch.empty(self.spec.workspace_bytes(N, B), dtype=torch.uint8, device=out.device)
+        o_off = self.spec.workspace_bytes(N, B) - N * H * KDA_DV * 4
+        args += (ws.data_ptr(), ws.data_ptr() + o_off, B)
+        types += (PTR, PTR, I32)
+        items = self.spec.workspace_items(N, B)
+        prep, state, emit, state_ks = self.load()._par
+        # The k-split state pass halves each warp's sequential mma chain but needs 4 CTAs per
+        # (sequence, head): taken while those fit one per SM (a persistent pass must not queue).
+        ks = H * B * 4 <= self._sms if self.k_split is None else self.k_split
+        prep.launch((H, items, 1), (self.spec.threads, 1, 1), args, types, dev, stream, self.spec.smem_bytes)
+        (state_ks if ks else state).launch((H, B, 4 if ks else 2), (STATE_THREADS, 1, 1), args, types, dev, stream,
+                                           self.spec.smem_bytes)
+        emit.launch((H, items, 1), (self.spec.threads, 1, 1), args, types, dev, stream, 0)
         return out

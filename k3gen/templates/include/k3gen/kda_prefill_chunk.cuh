@@ -30,6 +30,7 @@ constexpr int kThreads = 256;
 constexpr int kC = 16;                  // tokens per chunk
 constexpr int kLd = kDim + 8;           // padded row stride (floats) of the [token][channel] tiles
 constexpr int kRowVecs = kDim * 2 / 16; // uint4 per BF16 f_b row
+constexpr int kFaLd = kDim + 8;         // padded f_a row (BF16): fragment loads hit 32 distinct banks
 
 struct __align__(128) Smem {
   uint4 fb[kDim * kRowVecs];            // f_b rows of this head (32 KB)
@@ -39,6 +40,7 @@ struct __align__(128) Smem {
   float v[kC][kLd];                     // post-conv v -> U
   float g[kC][kLd];                     // log decay -> cumulative G -> -W
   float o[kC][kLd];                     // O of the chunk (before the gated RMSNorm)
+  unsigned short fa[kC][kFaLd];         // f_a rows of the chunk, raw BF16 (gate A operand)
   float A[kC][kC + 1];
   float P[kC][kC + 1];
   float egl[kDim];                      // e^(G_C)
@@ -95,6 +97,15 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// d += A B, BF16 inputs, FP32 accumulate (A: 16 x 16 row-major fragment, B: 16 x 8 column-major).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // d += A B in 3xTF32; A given as the FP32 accumulator tile c (k order permuted, see the top),
 // B as its two FP32 values (k slots t and t+4 of column g).
 struct SplitA {
@@ -120,63 +131,87 @@ __device__ __forceinline__ void mma3(float (&d)[4], const SplitA& a, float b0, f
 
 // ---- one chunk --------------------------------------------------------------------------------
 // Conv + SiLU of q, k, v and the log decays of tokens t0 .. t0+n-1 into the chunk tiles; rows
-// n .. kC-1 are zeros (no contribution: zero k, v, beta and decay).
+// n .. kC-1 are zeros (no contribution: zero k, v, beta and decay). Every global load of the chunk
+// is issued before the first use: a per-token load -> use loop costs one device-memory latency per
+// token (the first chunk16 version spent ~32 such round trips, ~25 us, per 16-token chunk).
 template <Gate G_, int H>
 __device__ __forceinline__ void stage(const Params& p, long long tok0, int h, int n, multi::Window& win, Smem& sm,
                                       float a_gate) {
-  const int tid = threadIdx.x, hw = tid >> 4, hl = tid & 15;
+  const int tid = threadIdx.x;
   const int sec = tid >> 7, ch = tid & (kDim - 1);
   const bool has_v = tid < kDim;
   const int cqk = multi::chan_qk<H>(h), cv = multi::chan_v<H>(h);
+  float xq[kC], xv[kC];
+#pragma unroll
+  for (int t = 0; t < kC; ++t) {
+    const __nv_bfloat16* xrow = p.qkvg + (tok0 + t) * p.qkvg_stride;
+    xq[t] = t < n ? __bfloat162float(xrow[cqk]) : 0.0f;
+    xv[t] = t < n && has_v ? __bfloat162float(xrow[cv]) : 0.0f;
+  }
+  {  // f_a rows of the chunk: thread tid stages 8 channels of token tid / 16 (any row stride)
+    const int t = tid >> 4, c0 = 8 * (tid & 15);
+    unsigned f[8];
+    const unsigned short* farow = reinterpret_cast<const unsigned short*>(p.fa) + (tok0 + t) * p.fa_stride + c0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = t < n ? farow[e] : 0u;
+    *reinterpret_cast<uint4*>(&sm.fa[t][c0]) =
+        make_uint4(f[0] | f[1] << 16, f[2] | f[3] << 16, f[4] | f[5] << 16, f[6] | f[7] << 16);
+  }
+  if (tid < kC) sm.beta[tid] = tid < n ? sigmoidf_(__bfloat162float(p.beta[(tok0 + tid) * p.beta_stride + h])) : 0.0f;
   float wqk[4], wv[4];
   multi::taps_of(p.conv_w, cqk, wqk);
   multi::taps_of(p.conv_w, cv, wv);
   float* qk_tile = sec == 0 ? &sm.q[0][0] : &sm.k[0][0];
-#pragma unroll 1
+#pragma unroll
   for (int t = 0; t < kC; ++t) {
     float yqk = 0.0f, yv = 0.0f;
     if (t < n) {
-      const __nv_bfloat16* xrow = p.qkvg + (tok0 + t) * p.qkvg_stride;
-      const float x = __bfloat162float(xrow[cqk]);
-      yqk = conv_silu(wqk, win.qk[0], win.qk[1], win.qk[2], x);
-      win.qk[0] = win.qk[1], win.qk[1] = win.qk[2], win.qk[2] = x;
+      yqk = conv_silu(wqk, win.qk[0], win.qk[1], win.qk[2], xq[t]);
+      win.qk[0] = win.qk[1], win.qk[1] = win.qk[2], win.qk[2] = xq[t];
       if (has_v) {
-        const float xv = __bfloat162float(xrow[cv]);
-        yv = conv_silu(wv, win.v[0], win.v[1], win.v[2], xv);
-        win.v[0] = win.v[1], win.v[1] = win.v[2], win.v[2] = xv;
+        yv = conv_silu(wv, win.v[0], win.v[1], win.v[2], xv[t]);
+        win.v[0] = win.v[1], win.v[1] = win.v[2], win.v[2] = xv[t];
       }
     }
     qk_tile[t * kLd + ch] = yqk;
     if (has_v) sm.v[t][ch] = yv;
   }
-  if (tid < kC) sm.beta[tid] = tid < n ? sigmoidf_(__bfloat162float(p.beta[(tok0 + tid) * p.beta_stride + h])) : 0.0f;
   mbar_wait(&sm.bar, 0);  // f_b rows (completed once; later chunks pass at once)
-  // Gate: half-warp hw computes channels hw + 16 j (as the multi-token engine).
-  constexpr int GR = 4;
-#pragma unroll 1
-  for (int t = 0; t < kC; ++t) {
-    if (t >= n) {
-      if (tid < kDim) sm.g[t][tid] = 0.0f;
-      continue;
+  __syncthreads();        // the f_a tile
+  // Gate pre-activations z[t][c] = f_b[c] . f_a[t] on tensor cores (BF16 m16n8k16): warp w
+  // computes channels 16w .. 16w+15 of the 16 tokens. BF16 products are exact in FP32; each k
+  // step of 16 starts from a zero accumulator and is added in FP32 here, so the rounding matches
+  // the FP32 CUDA-core sum (no long in-mma accumulation).
+  const int warp = tid >> 5, gq = (tid & 31) >> 2, tq = tid & 3;
+  const unsigned* fa32 = reinterpret_cast<const unsigned*>(&sm.fa[0][0]);
+  const unsigned* fb32 = reinterpret_cast<const unsigned*>(sm.fb);
+  constexpr int kFaW = kFaLd / 2, kFbW = kDim / 2;  // 32-bit words per row
+  float z[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) z[nt][e] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < kDim / 16; ++kk) {
+    const int w0 = 8 * kk + tq;  // columns 16 kk + 2 tq, +1
+    const unsigned a[4] = {fa32[gq * kFaW + w0], fa32[(gq + 8) * kFaW + w0], fa32[gq * kFaW + w0 + 4],
+                           fa32[(gq + 8) * kFaW + w0 + 4]};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int c = 16 * warp + 8 * nt + gq;
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_bf16(d, a, fb32[c * kFbW + w0], fb32[c * kFbW + w0 + 4]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) z[nt][e] += d[e];
     }
-    float fa[8];
-    const __nv_bfloat16* farow = p.fa + (tok0 + t) * p.fa_stride + 8 * hl;
+  }
 #pragma unroll
-    for (int e = 0; e < 8; ++e) fa[e] = __bfloat162float(farow[e]);
+  for (int nt = 0; nt < 2; ++nt) {
+    const int c = 16 * warp + 8 * nt + 2 * tq;
 #pragma unroll
-    for (int gg = 0; gg < 2; ++gg) {
-      float zp[GR];
-#pragma unroll
-      for (int j = 0; j < GR; ++j) {
-        float wf[8];
-        unpack_bf16x8(sm.fb[(hw + 16 * (gg * GR + j)) * kRowVecs + hl], wf);
-        zp[j] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) zp[j] = fmaf(wf[e], fa[e], zp[j]);
-      }
-      half_reduce_scatter<GR>(zp, hl);
-      const int gi = hw + 16 * (gg * GR + (hl >> 2));
-      if ((hl & 3) == 0) sm.g[t][gi] = log_decay<G_>(zp[0] + sm.dtb[gi], a_gate);
+    for (int e = 0; e < 4; ++e) {
+      const int t = gq + 8 * (e >> 1), ce = c + (e & 1);
+      sm.g[t][ce] = t < n ? log_decay<G_>(z[nt][e] + sm.dtb[ce], a_gate) : 0.0f;
     }
   }
 }
@@ -273,68 +308,111 @@ __device__ __forceinline__ void prepare(Smem& sm) {
   __syncthreads();
 }
 
-// The tensor-core phase of one chunk on this warp's 16 state rows; writes O to sm.o. No barrier.
-__device__ __forceinline__ void chunk_mma(float (&st)[16][4], Smem& sm) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int v0 = 16 * warp;
-  float vn[2][4], oi[2][4];
+// The tensor-core phase of one chunk on this warp's 16 state rows; writes the first n rows of O
+// (row stride ldo) to o. `sm` holds the prepared tiles q, k, v, g, P, egl (Smem or a saved Tiles).
+// No barrier. With NT = 8 (k split), the warp holds k tiles 8 kh .. 8 kh + 7 of the rows and its
+// partner warp (warp ^ 1, same rows) the other half: the partial V_new^T / O^T sums meet in xch
+// (one __syncthreads, every thread of the CTA calls this), both warps then hold the same V_new^T
+// (a + b == b + a) for their half of the state update, and the kh = 0 warp finishes O.
+template <class T, int NT = 16>
+__device__ __forceinline__ void chunk_mma(float (&st)[NT][4], const T& sm, float* o, long long ldo, int n, int rb,
+                                          int kh = 0, float* xch = nullptr) {
+  static_assert(NT == 16 || NT == 8, "whole k range or one half");
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int v0 = 16 * rb, kt0 = NT * kh;
+  float vn[2][4], oi[2][4], vn2[2][4], oi2[2][4];
   // V_new^T starts as U^T; O^T as zero.
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int r = 8 * j + 2 * t;
-    vn[j][0] = sm.v[r][v0 + g];
-    vn[j][1] = sm.v[r + 1][v0 + g];
-    vn[j][2] = sm.v[r][v0 + g + 8];
-    vn[j][3] = sm.v[r + 1][v0 + g + 8];
+    const bool u = kh == 0;  // U^T enters one partial sum only
+    vn[j][0] = u ? sm.v[r][v0 + g] : 0.0f;
+    vn[j][1] = u ? sm.v[r + 1][v0 + g] : 0.0f;
+    vn[j][2] = u ? sm.v[r][v0 + g + 8] : 0.0f;
+    vn[j][3] = u ? sm.v[r + 1][v0 + g + 8] : 0.0f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) oi[j][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) oi[j][e] = vn2[j][e] = oi2[j][e] = 0.0f;
   }
-  // V_new^T += S^T (-W)^T ; O^T += S^T (e^G q)^T, contracting over k in 16 steps of 8.
+  // V_new^T += S^T (-W)^T ; O^T += S^T (e^G q)^T, contracting over k in 16 steps of 8. Even and
+  // odd steps go to separate accumulators (summed after): 8 independent chains of 24 dependent
+  // mma per warp instead of 4 of 48, so the tensor pipe is not waiting on mma latency.
 #pragma unroll
-  for (int kk = 0; kk < 16; ++kk) {
+  for (int kk = 0; kk < NT; ++kk) {
     const SplitA a(st[kk]);
-    const int kc = 8 * kk + 2 * t;
+    const int kc = 8 * (kt0 + kk) + 2 * t;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float2 w = *reinterpret_cast<const float2*>(&sm.g[8 * j + g][kc]);
-      mma3(vn[j], a, w.x, w.y);
+      mma3((kk & 1) ? vn2[j] : vn[j], a, w.x, w.y);
       const float2 q = *reinterpret_cast<const float2*>(&sm.q[8 * j + g][kc]);
-      mma3(oi[j], a, q.x, q.y);
+      mma3((kk & 1) ? oi2[j] : oi[j], a, q.x, q.y);
     }
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) vn[j][e] += vn2[j][e], oi[j][e] += oi2[j][e];
+  if constexpr (NT < 16) {
+    float* mine = xch + (threadIdx.x >> 5) * 512;  // [V_new^T | O^T][8 values][32 lanes]
+    const float* other = xch + ((threadIdx.x >> 5) ^ 1) * 512;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        mine[(4 * j + e) * 32 + lane] = vn[j][e];
+        if (kh) mine[256 + (4 * j + e) * 32 + lane] = oi[j][e];
+      }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        vn[j][e] += other[(4 * j + e) * 32 + lane];
+        if (!kh) oi[j][e] += other[256 + (4 * j + e) * 32 + lane];
+      }
   }
   // O^T += V_new^T P^T (contract over tokens s); the state decays and gains V_new^T Kd.
   const SplitA an0(vn[0]), an1(vn[1]);
+  if (kh == 0) {
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int r = 8 * j + g;
-    mma3(oi[j], an0, sm.P[r][2 * t], sm.P[r][2 * t + 1]);
-    mma3(oi[j], an1, sm.P[r][8 + 2 * t], sm.P[r][8 + 2 * t + 1]);
+    for (int j = 0; j < 2; ++j) {
+      const int r = 8 * j + g;
+      mma3(oi[j], an0, sm.P[r][2 * t], sm.P[r][2 * t + 1]);
+      mma3(oi[j], an1, sm.P[r][8 + 2 * t], sm.P[r][8 + 2 * t + 1]);
+    }
   }
 #pragma unroll
-  for (int kt = 0; kt < 16; ++kt) {
+  for (int i = 0; i < NT; ++i) {
+    const int kt = kt0 + i;
     const int kc = 8 * kt + 2 * t;
     const float e0 = sm.egl[kc], e1 = sm.egl[kc + 1];
-    st[kt][0] *= e0;
-    st[kt][1] *= e1;
-    st[kt][2] *= e0;
-    st[kt][3] *= e1;
+    st[i][0] *= e0;
+    st[i][1] *= e1;
+    st[i][2] *= e0;
+    st[i][3] *= e1;
     const int kn = 8 * kt + g;
-    mma3(st[kt], an0, sm.k[2 * t][kn], sm.k[2 * t + 1][kn]);
-    mma3(st[kt], an1, sm.k[8 + 2 * t][kn], sm.k[8 + 2 * t + 1][kn]);
+    mma3(st[i], an0, sm.k[2 * t][kn], sm.k[2 * t + 1][kn]);
+    mma3(st[i], an1, sm.k[8 + 2 * t][kn], sm.k[8 + 2 * t + 1][kn]);
   }
+  if (kh != 0) return;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int r = 8 * j + 2 * t;
-    sm.o[r][v0 + g] = oi[j][0];
-    sm.o[r + 1][v0 + g] = oi[j][1];
-    sm.o[r][v0 + g + 8] = oi[j][2];
-    sm.o[r + 1][v0 + g + 8] = oi[j][3];
+    if (r < n) {
+      o[r * ldo + v0 + g] = oi[j][0];
+      o[r * ldo + v0 + g + 8] = oi[j][2];
+    }
+    if (r + 1 < n) {
+      o[(r + 1) * ldo + v0 + g] = oi[j][1];
+      o[(r + 1) * ldo + v0 + g + 8] = oi[j][3];
+    }
   }
 }
 
-// Gated RMSNorm of the chunk's n tokens (after a barrier): warp w takes tokens w and w + 8.
+// Gated RMSNorm of n tokens whose raw O rows are o (row stride ldo), after a barrier: warp w
+// takes tokens w, w + 8, ...
 template <int H>
-__device__ __forceinline__ void emit(const Params& p, long long tok0, int h, int n, const Smem& sm) {
+__device__ __forceinline__ void emit(const Params& p, long long tok0, int h, int n, const float* o_rows, long long ldo) {
   constexpr int D = H * kDim;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll 1
@@ -343,7 +421,7 @@ __device__ __forceinline__ void emit(const Params& p, long long tok0, int h, int
     float o[4], ssq = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      o[i] = sm.o[t][4 * lane + i];
+      o[i] = o_rows[t * ldo + 4 * lane + i];
       ssq = fmaf(o[i], o[i], ssq);
     }
 #pragma unroll
@@ -360,12 +438,12 @@ __device__ __forceinline__ void emit(const Params& p, long long tok0, int h, int
 }
 
 // ---- state I/O in the accumulator layout ------------------------------------------------------
-template <bool kBf16>
-__device__ __forceinline__ void load_state(const void* head, float (&st)[16][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * (threadIdx.x >> 5) + g;
+template <bool kBf16, int NT = 16>
+__device__ __forceinline__ void load_state(const void* head, float (&st)[NT][4], int rb, int kt0 = 0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * rb + g;
 #pragma unroll
-  for (int kt = 0; kt < 16; ++kt) {
-    const int k = 8 * kt + 2 * t;
+  for (int kt = 0; kt < NT; ++kt) {
+    const int k = 8 * (kt0 + kt) + 2 * t;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const long long off = static_cast<long long>(v + 8 * hr) * kDim + k;
@@ -382,12 +460,12 @@ __device__ __forceinline__ void load_state(const void* head, float (&st)[16][4])
   }
 }
 
-template <bool kBf16>
-__device__ __forceinline__ void store_state(void* head, const float (&st)[16][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * (threadIdx.x >> 5) + g;
+template <bool kBf16, int NT = 16>
+__device__ __forceinline__ void store_state(void* head, const float (&st)[NT][4], int rb, int kt0 = 0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * rb + g;
 #pragma unroll
-  for (int kt = 0; kt < 16; ++kt) {
-    const int k = 8 * kt + 2 * t;
+  for (int kt = 0; kt < NT; ++kt) {
+    const int k = 8 * (kt0 + kt) + 2 * t;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const long long off = static_cast<long long>(v + 8 * hr) * kDim + k;
@@ -441,7 +519,7 @@ __device__ __forceinline__ void run(const Params& p, Smem& sm) {
 #pragma unroll
       for (int i = 0; i < 3; ++i) win.v[i] = bf16_bits_to_float(wbase[cv * 3 + i]);
     }
-    load_state<C::kBf16State>(head, st);
+    load_state<C::kBf16State>(head, st, threadIdx.x >> 5);
   } else {
 #pragma unroll
     for (int kt = 0; kt < 16; ++kt)
@@ -455,12 +533,12 @@ __device__ __forceinline__ void run(const Params& p, Smem& sm) {
     stage<C::kGate, H>(p, tok0 + t0, h, n, win, sm, a_gate);
     __syncthreads();
     prepare(sm);
-    chunk_mma(st, sm);
+    chunk_mma(st, sm, &sm.o[0][0], kLd, kC, threadIdx.x >> 5);
     __syncthreads();
-    emit<H>(p, tok0 + t0, h, n, sm);
+    emit<H>(p, tok0 + t0, h, n, &sm.o[0][0], kLd);
     __syncthreads();  // the next chunk's staging overwrites the tiles emit and the mma phase read
   }
-  store_state<C::kBf16State>(head, st);
+  store_state<C::kBf16State>(head, st, threadIdx.x >> 5);
   // Each channel's window is owned by the one thread that read it; raw BF16 values: exact.
 #pragma unroll
   for (int i = 0; i < 3; ++i) wbase[cqk * 3 + i] = __bfloat16_as_ushort(__float2bfloat16(win.qk[i]));
