@@ -6,7 +6,7 @@
 // kda_prefill h12-bounded-fp32 (chunk16) for sm_107a
 // Algorithm: include/k3gen/kda_prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
 // k3gen/ir/ops/kda_prefill.py. Launch: grid (12, B), 256 threads,
-// 81920 B dynamic shared memory.
+// 90112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
 #include "k3gen/kda_prefill_chunk.cuh"
@@ -20,7 +20,7 @@ struct Config {
 static_assert(Config::kHeads >= 1 && Config::kHeads <= (1 << 20), "heads are grid.x");
 static_assert(static_cast<long long>(Config::kHeads) * k3gen::kda::kDim * 3 * 3 < (1ll << 31),
               "conv window offsets of one slot fit in int");
-static_assert(sizeof(k3gen::kda::chunk::Smem) <= 81920, "dynamic shared memory the launcher passes");
+static_assert(sizeof(k3gen::kda::chunk::Smem) <= 90112, "dynamic shared memory the launcher passes");
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
 #error "kda_prefill (chunk16) uses bulk copies and mbarriers (sm_90+)"
 #endif
