@@ -40,7 +40,7 @@ THREADS = 256                 # 8 warps
 SMEM_LIMIT = 227 * 1024       # opt-in shared memory per block on SM90 / SM100
 MAX_TOKENS = 8
 SOFTMAX_SCALE = 192 ** -0.5
-_PAD = 8                      # BF16 elements of padding per shared row (odd 16-byte strides)
+_PAD = 8                      # BF16 elements of padding per shared probability row
 
 
 @register_op("mla_decode")
@@ -121,7 +121,7 @@ class MlaDecodeSpec(OpSpec):
     def raw_stage_bytes(self) -> int:
         """Bytes one pipeline stage holds before dequantization (codes + scales of 64 tokens)."""
         if self.kv is KvDtype.BF16:
-            return TILE_TOKENS * (MLA_ROW + _PAD) * 2
+            return TILE_TOKENS * MLA_ROW * 2                     # XOR-swizzled rows, no padding
         if self.kv is KvDtype.FP8:
             return TILE_TOKENS * MLA_ROW + TILE_TOKENS * 8 * 4   # 5 scales padded to 8
         return TILE_TOKENS * MLA_ROW // 2 + 9 * 32 * 8             # codes + scale bytes (swizzled half page)
@@ -137,11 +137,13 @@ class MlaDecodeSpec(OpSpec):
 
     def _fixed_smem(self) -> int:
         r = self.rows
-        q = r * (MLA_ROW + _PAD) * 2
+        # One 16-row query tile lives in registers (staged once through the last ring stage);
+        # two tiles are re-read from shared memory per KV tile.
+        q = 0 if self.m_tiles == 1 else r * MLA_ROW * 2
         s = r * (TILE_TOKENS + 4) * 4                 # FP32 scores
         p = r * (TILE_TOKENS + _PAD) * 2              # BF16 probabilities
         stats = r * 4 * 4                             # m, l, alpha, causal limit
-        deq = 0 if self.kv is KvDtype.BF16 else TILE_TOKENS * (MLA_ROW + _PAD) * 2
+        deq = 0 if self.kv is KvDtype.BF16 else TILE_TOKENS * MLA_ROW * 2
         return q + s + p + stats + deq
 
     @property

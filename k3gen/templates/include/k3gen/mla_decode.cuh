@@ -27,8 +27,7 @@ constexpr int kTok = 64;                 // tokens per tile
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kPad = 8;
-constexpr int kRowS = kRow + kPad;       // BF16 per shared KV/Q row: 1168 B = 73 chunks (odd: no
-                                         // ldmatrix bank conflicts across 8 rows)
+constexpr int kChunks = kRow / 8;        // 16-byte chunks per shared KV/Q row (72, unpadded)
 constexpr int kSStride = kTok + 4;       // FP32 per score row
 constexpr int kPStride = kTok + kPad;    // BF16 per probability row (144 B = 9 chunks)
 constexpr int kFp8Scales = 8;            // FP32 slots per token in an FP8 stage (5 used)
@@ -40,18 +39,25 @@ template <class C>
 struct Geo {
   static constexpr int R = 16 * C::kMT;
   static constexpr int HT = C::kHeads * C::kTokens;
-  static constexpr int kTileBytes = kTok * kRowS * 2;
+  static constexpr int kTileBytes = kTok * kRow * 2;
   static constexpr int kRaw = C::kKv == Kv::kBf16 ? kTileBytes
                               : C::kKv == Kv::kFp8 ? kTok * kRow + kTok * kFp8Scales * 4
                                                    : kTok * kRow / 2 + kNvSwzBytes;
-  static constexpr int kQ = R * kRowS * 2;
+  static constexpr int kQ = C::kMT == 1 ? 0 : R * kRow * 2;  // MT = 1: Q lives in registers
   static constexpr int kS = R * kSStride * 4;
   static constexpr int kP = R * kPStride * 2;
   static constexpr int kStats = R * 4 * 4;
   static constexpr int kDeq = C::kKv == Kv::kBf16 ? 0 : kTileBytes;
   static constexpr int kFixed = kQ + kS + kP + kStats + kDeq;
   static constexpr int kSmem = kFixed + C::kStages * kRaw;
+  static_assert(C::kMT != 1 || kRaw >= 16 * kRow * 2, "MT = 1 stages Q through the last ring stage");
 };
+
+// 16-byte chunk index of (row, chunk) in a [rows][576] BF16 shared tile. Rows are 1152 B (a
+// multiple of 128), so the chunk is XORed with row & 7 inside its aligned group of 8: the 8 rows an
+// ldmatrix phase reads at one logical chunk hit 8 different bank groups. 72 % 8 == 0 keeps the
+// result inside the row.
+__device__ __forceinline__ int swz(int row, int chunk) { return row * kChunks + (chunk ^ (row & 7)); }
 
 struct Params {
   const __nv_bfloat16* q;        // [B, T*H, 576]
@@ -167,7 +173,7 @@ __device__ __forceinline__ void load_tile(const Params& p, int b, int len, int t
       const bool ok = pg >= 0 && tile * kTok + t < len;
       const void* src = ok ? kv + ((static_cast<long long>(pg) * C::kPage + slot0 + t) * kRow + c * 8) * 2
                            : static_cast<const void*>(kv);
-      cp_async16(dst0 + (t * kRowS + c * 8) * 2, src, ok ? 16u : 0u);
+      cp_async16(dst0 + swz(t, c) * 16, src, ok ? 16u : 0u);
     }
   } else if constexpr (C::kKv == Kv::kFp8) {
     if (pg < 0) return;  // dequantization writes zeros for the whole tile
@@ -228,7 +234,7 @@ __device__ __forceinline__ void dequant_tile(const Params& p, int b, int len, in
         const float s = C::kFp8PerTensor ? p.scale : sc[t * kFp8Scales + min(c / 16, 4)];
         v = fp8x8_to_bf16(codes, s);
       }
-      dst[(t * kRowS + c * 8) / 8] = v;
+      dst[swz(t, c)] = v;
     }
   } else {
     const unsigned char* sc = stage + kTok * kRow / 2;
@@ -259,8 +265,8 @@ __device__ __forceinline__ void dequant_tile(const Params& p, int b, int len, in
         v0 = e2m1x8_to_bf16(w.x, d);
         v1 = e2m1x8_to_bf16(w.y, d);
       }
-      dst[(t * kRowS + c * 16) / 8] = v0;
-      dst[(t * kRowS + c * 16) / 8 + 1] = v1;
+      dst[swz(t, 2 * c)] = v0;
+      dst[swz(t, 2 * c + 1)] = v1;
     }
   }
 }
@@ -288,12 +294,14 @@ __device__ void decode(const Params& p) {
   const int per = (ntiles + p.splits - 1) / p.splits;
   const int t_begin = min(ntiles, split * per), t_end = min(ntiles, t_begin + per);
 
-  // Query rows (zero past H*T), stats, causal limits.
-  const uint4* qg = reinterpret_cast<const uint4*>(p.q) + (static_cast<long long>(b) * HT + r0) * (kRow / 8);
-  for (int i = tid; i < R * (kRow / 8); i += kThreads) {
-    const int r = i / (kRow / 8), c = i - r * (kRow / 8);
+  // Query rows (zero past H*T), stats, causal limits. MT = 1 stages Q in the last ring stage
+  // (first written after the barrier of iteration 0) and keeps its A fragments in registers.
+  if constexpr (MT == 1) sQ = reinterpret_cast<__nv_bfloat16*>(sRaw + (S - 1) * G::kRaw);
+  const uint4* qg = reinterpret_cast<const uint4*>(p.q) + (static_cast<long long>(b) * HT + r0) * kChunks;
+  for (int i = tid; i < R * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i - r * kChunks;
     const uint4 v = r0 + r < HT ? qg[i] : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(sQ + r * kRowS + c * 8) = v;
+    reinterpret_cast<uint4*>(sQ)[swz(r, c)] = v;
   }
   if (tid < R) {
     sM[tid] = K3GEN_MLA_NEG_INF;
@@ -315,6 +323,16 @@ __device__ void decode(const Params& p) {
 
   const float qk_scale = C::kSoftmaxScale * kLog2e;
   const unsigned aQ = smem_u32(sQ), aP = smem_u32(sP);
+  // Lane constants of the swizzled ldmatrix addresses: a phase's 8 rows are r..r+7 with
+  // row & 7 == lane & 7, and logical chunk 2k + j (2k a multiple of 4, j < 4) maps to 2k ^ (j ^ (lane & 7)).
+  const int yB = (lane >> 3) ^ (lane & 7);         // QK B: 4 matrices = chunks 2k .. 2k+3
+  const int yA = (lane >> 4) ^ (lane & 7);         // A (Q) and PV V: 2 chunks per matrix pair
+  unsigned qf[MT == 1 ? kRow / 16 : 1][4];
+  if constexpr (MT == 1) {
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kRow / 16; ++k) ldsm_x4(aQ + (lane & 15) * (kRow * 2) + ((2 * k) ^ yA) * 16, qf[k]);
+  }
   for (int it = 0; t_begin + it < t_end; ++it) {
     const int tile = t_begin + it;
     cp_async_wait<S - 2>();
@@ -335,19 +353,24 @@ __device__ void decode(const Params& p) {
       float acc[MT][4];
 #pragma unroll
       for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
-      const unsigned bRow = aKV + ((warp * 8 + (lane & 7)) * kRowS + (lane >> 3) * 8) * 2;
-      const unsigned aRow = aQ + ((lane & 15) * kRowS + (lane >> 4) * 8) * 2;
-#pragma unroll 3
+      const unsigned bRow = aKV + (warp * 8 + (lane & 7)) * (kRow * 2);
+      const unsigned aRow = aQ + (lane & 15) * (kRow * 2);
+#pragma unroll
       for (int k = 0; k < kRow / 16; k += 2) {
         unsigned bf[4];
-        ldsm_x4(bRow + k * 32, bf);
+        ldsm_x4(bRow + ((2 * k) ^ yB) * 16, bf);
+        if constexpr (MT == 1) {
+          mma_bf16(acc[0], qf[k], bf[0], bf[1]);
+          mma_bf16(acc[0], qf[k + 1], bf[2], bf[3]);
+        } else {
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          unsigned a[4];
-          ldsm_x4(aRow + (m * 16 * kRowS + k * 16) * 2, a);
-          mma_bf16(acc[m], a, bf[0], bf[1]);
-          ldsm_x4(aRow + (m * 16 * kRowS + k * 16 + 16) * 2, a);
-          mma_bf16(acc[m], a, bf[2], bf[3]);
+          for (int m = 0; m < MT; ++m) {
+            unsigned a[4];
+            ldsm_x4(aRow + m * 16 * (kRow * 2) + ((2 * k) ^ yA) * 16, a);
+            mma_bf16(acc[m], a, bf[0], bf[1]);
+            ldsm_x4(aRow + m * 16 * (kRow * 2) + ((2 * k + 2) ^ yA) * 16, a);
+            mma_bf16(acc[m], a, bf[2], bf[3]);
+          }
         }
       }
       const int col = warp * 8 + (lane & 3) * 2;
@@ -407,7 +430,7 @@ __device__ void decode(const Params& p) {
           o[m][j][2] *= a1; o[m][j][3] *= a1;
         }
       }
-      const unsigned vRow = aKV + (((lane & 7) + ((lane >> 3) & 1) * 8) * kRowS + warp * 64 + (lane >> 4) * 8) * 2;
+      const unsigned vRow = aKV + ((lane & 7) + ((lane >> 3) & 1) * 8) * (kRow * 2) + warp * 128;
       const unsigned pRow = aP + ((lane & 15) * kPStride + (lane >> 4) * 8) * 2;
 #pragma unroll
       for (int k = 0; k < kTok / 16; ++k) {
@@ -417,7 +440,7 @@ __device__ void decode(const Params& p) {
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
           unsigned bv[4];
-          ldsm_x4_t(vRow + (k * 16 * kRowS + jj * 16) * 2, bv);
+          ldsm_x4_t(vRow + k * 16 * (kRow * 2) + ((2 * jj) ^ yA) * 16, bv);
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
             mma_bf16(o[m][2 * jj], a[m], bv[0], bv[1]);
