@@ -123,7 +123,8 @@ class MlaDecodeSpec(OpSpec):
         if self.kv is KvDtype.BF16:
             return TILE_TOKENS * MLA_ROW * 2                     # XOR-swizzled rows, no padding
         if self.kv is KvDtype.FP8:
-            return TILE_TOKENS * MLA_ROW + TILE_TOKENS * 8 * 4   # 5 scales padded to 8
+            # 608-byte code rows (bank-conflict free fragment loads), 5 scales padded to 8
+            return TILE_TOKENS * (MLA_ROW + 32) + TILE_TOKENS * 8 * 4
         return TILE_TOKENS * MLA_ROW // 2 + 9 * 32 * 8             # codes + scale bytes (swizzled half page)
 
     @property
@@ -139,11 +140,12 @@ class MlaDecodeSpec(OpSpec):
         r = self.rows
         # One 16-row query tile lives in registers (staged once through the last ring stage);
         # two tiles are re-read from shared memory per KV tile.
-        q = 0 if self.m_tiles == 1 else r * MLA_ROW * 2
+        q = 0 if self.m_tiles == 1 else r * (MLA_ROW * 2 + (64 if self.kv is KvDtype.FP8 else 0))
         s = r * (TILE_TOKENS + 4) * 4                 # FP32 scores
         p = r * (TILE_TOKENS + _PAD) * 2              # BF16 probabilities
         stats = r * 4 * 4                             # m, l, alpha, causal limit
-        deq = 0 if self.kv is KvDtype.BF16 else TILE_TOKENS * MLA_ROW * 2
+        # NVFP4 tiles are dequantized to BF16 in shared memory; FP8 codes feed the MMAs from registers.
+        deq = TILE_TOKENS * MLA_ROW * 2 if self.kv is KvDtype.NVFP4 else 0
         return q + s + p + stats + deq
 
     @property

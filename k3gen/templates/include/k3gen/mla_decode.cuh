@@ -41,16 +41,16 @@ struct Geo {
   static constexpr int HT = C::kHeads * C::kTokens;
   static constexpr int kTileBytes = kTok * kRow * 2;
   static constexpr int kRaw = C::kKv == Kv::kBf16 ? kTileBytes
-                              : C::kKv == Kv::kFp8 ? kTok * kRow + kTok * kFp8Scales * 4
+                              : C::kKv == Kv::kFp8 ? kTok * (kRow + 32) + kTok * kFp8Scales * 4
                                                    : kTok * kRow / 2 + kNvSwzBytes;
-  static constexpr int kQ = C::kMT == 1 ? 0 : R * kRow * 2;  // MT = 1: Q lives in registers
+  static constexpr int kQ = C::kMT == 1 ? 0 : R * (C::kKv == Kv::kFp8 ? kRow * 2 + 64 : kRow * 2);  // MT = 1: registers
   static constexpr int kS = R * kSStride * 4;
   static constexpr int kP = R * kPStride * 2;
   static constexpr int kStats = R * 4 * 4;
-  static constexpr int kDeq = C::kKv == Kv::kBf16 ? 0 : kTileBytes;
+  static constexpr int kDeq = C::kKv == Kv::kNvfp4 ? kTileBytes : 0;
   static constexpr int kFixed = kQ + kS + kP + kStats + kDeq;
   static constexpr int kSmem = kFixed + C::kStages * kRaw;
-  static_assert(C::kMT != 1 || kRaw >= 16 * kRow * 2, "MT = 1 stages Q through the last ring stage");
+  static_assert(C::kMT != 1 || kRaw >= 16 * (kRow * 2 + 64), "MT = 1 stages Q through the last ring stage");
 };
 
 // 16-byte chunk index of (row, chunk) in a [rows][576] BF16 shared tile. Rows are 1152 B (a
@@ -109,32 +109,13 @@ __device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
-// ---- dequantization (the inverse of kv_write.cuh, as reference.kv_cache_write.gather_rows) -----
-// 4 E4M3 bytes -> 4 floats (exact through f16).
-__device__ __forceinline__ void e4m3x4_to_float(unsigned w, float* x) {
-  unsigned lo, hi;
-  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
-      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
-      : "=r"(lo), "=r"(hi) : "r"(w));
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-  x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
-}
+// ---- NVFP4 dequantization (the inverse of kv_write.cuh, as reference.kv_cache_write.gather_rows) --
 
 // The E2M1 nibble n as the f16 bit pattern of e2m1(n) * 2^-14: magnitude bits go to the f16
 // exponent/mantissa top (code 1 lands on the subnormal 2^-15 = 0.5 * 2^-14), the sign to bit 15.
 // So float(f16) * (d * 2^14) == e2m1(n) * d exactly (both one rounding of the same product).
 __device__ __forceinline__ unsigned e2m1x2_to_h2bits(unsigned byte) {
   return ((byte & 0x7u) << 9) | ((byte & 0x8u) << 12) | ((byte & 0x70u) << 21) | ((byte & 0x80u) << 24);
-}
-
-// 8 E4M3 codes times s -> 8 BF16 (one uint4).
-__device__ __forceinline__ uint4 fp8x8_to_bf16(uint2 codes, float s) {
-  float x[8];
-  e4m3x4_to_float(codes.x, x);
-  e4m3x4_to_float(codes.y, x + 4);
-  return make_uint4(bf16x2(x[0] * s, x[1] * s), bf16x2(x[2] * s, x[3] * s), bf16x2(x[4] * s, x[5] * s),
-                    bf16x2(x[6] * s, x[7] * s));
 }
 
 // 8 E2M1 codes (one 32-bit word, element 0 in the low nibble) times d -> 8 BF16.
@@ -149,6 +130,12 @@ __device__ __forceinline__ uint4 e2m1x8_to_bf16(unsigned w, float d) {
   }
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
+
+}  // namespace mla
+}  // namespace k3gen
+#include "k3gen/mla_decode_fp8.cuh"  // the FP8 register path (uses Params and the helpers above)
+namespace k3gen {
+namespace mla {
 
 // Page id of the tile's tokens, or -1 when the table entry is missing or out of range.
 template <class C>
@@ -180,11 +167,14 @@ __device__ __forceinline__ void load_tile(const Params& p, int b, int len, int t
     const unsigned char* codes = static_cast<const unsigned char*>(p.c[0]) +
                                  (static_cast<long long>(pg) * C::kPage + slot0) * kRow;
     const int n = min(kTok, len - tile * kTok);
-    for (int i = tid; i < n * (kRow / 16); i += kThreads) cp_async16(dst0 + i * 16, codes + i * 16, 16u);
+    for (int i = tid; i < n * (kRow / 16); i += kThreads) {
+      const int t = i / (kRow / 16), c = i - t * (kRow / 16);
+      cp_async16(dst0 + t * f8::kRowB + c * 16, codes + i * 16, 16u);
+    }
     if constexpr (!C::kFp8PerTensor) {
       // [tokens, 5] FP32 rows are 20 B: copy them 4 B at a time into 8-float slots.
       const float* sc = static_cast<const float*>(p.c[1]) + (static_cast<long long>(pg) * C::kPage + slot0) * 5;
-      const unsigned sdst = dst0 + kTok * kRow;
+      const unsigned sdst = dst0 + f8::kScaleOff;
       for (int i = tid; i < n * 5; i += kThreads) {
         const int t = i / 5, g = i - t * 5;
         asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sdst + (t * kFp8Scales + g) * 4),
@@ -224,19 +214,8 @@ __device__ __forceinline__ void dequant_tile(const Params& p, int b, int len, in
   const int pg = tile_page<C>(p, b, tile);
   uint4* dst = reinterpret_cast<uint4*>(deq);
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  if constexpr (C::kKv == Kv::kFp8) {
-    const float* sc = reinterpret_cast<const float*>(stage + kTok * kRow);
-    for (int i = tid; i < kTok * (kRow / 8); i += kThreads) {
-      const int t = i / (kRow / 8), c = i - t * (kRow / 8);
-      uint4 v = zero;
-      if (pg >= 0 && tile * kTok + t < len) {
-        const uint2 codes = *reinterpret_cast<const uint2*>(stage + t * kRow + c * 8);
-        const float s = C::kFp8PerTensor ? p.scale : sc[t * kFp8Scales + min(c / 16, 4)];
-        v = fp8x8_to_bf16(codes, s);
-      }
-      dst[swz(t, c)] = v;
-    }
-  } else {
+  static_assert(C::kKv == Kv::kNvfp4, "FP8 tiles feed the MMAs from registers (mla_decode_fp8.cuh)");
+  {
     const unsigned char* sc = stage + kTok * kRow / 2;
     const int live = len / 16 * 16;   // first position of the live (incomplete) tile
     const uint4* ring = static_cast<const uint4*>(p.c[C::kSwizzle ? 2 : 3]);
@@ -275,6 +254,7 @@ template <class C>
 __device__ void decode(const Params& p) {
   using G = Geo<C>;
   constexpr int R = G::R, HT = G::HT, MT = C::kMT, S = C::kStages;
+  constexpr bool kF8 = C::kKv == Kv::kFp8;
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem);
   float* sS = reinterpret_cast<float*>(smem + G::kQ);
@@ -294,14 +274,24 @@ __device__ void decode(const Params& p) {
   const int per = (ntiles + p.splits - 1) / p.splits;
   const int t_begin = min(ntiles, split * per), t_end = min(ntiles, t_begin + per);
 
+  for (int s = 0; s < S - 1; ++s) {
+    if (t_begin + s < t_end) load_tile<C>(p, b, len, t_begin + s, sRaw + s * G::kRaw);
+    cp_async_commit();
+  }
+
   // Query rows (zero past H*T), stats, causal limits. MT = 1 stages Q in the last ring stage
   // (first written after the barrier of iteration 0) and keeps its A fragments in registers.
   if constexpr (MT == 1) sQ = reinterpret_cast<__nv_bfloat16*>(sRaw + (S - 1) * G::kRaw);
-  const uint4* qg = reinterpret_cast<const uint4*>(p.q) + (static_cast<long long>(b) * HT + r0) * kChunks;
-  for (int i = tid; i < R * kChunks; i += kThreads) {
-    const int r = i / kChunks, c = i - r * kChunks;
-    const uint4 v = r0 + r < HT ? qg[i] : make_uint4(0, 0, 0, 0);
-    reinterpret_cast<uint4*>(sQ)[swz(r, c)] = v;
+  float qmul = 1.f;   // FP8: 2^-E of the f16 query
+  if constexpr (kF8) {
+    qmul = f8::stage_q<C>(p, b, r0, reinterpret_cast<unsigned char*>(sQ), sS);
+  } else {
+    const uint4* qg = reinterpret_cast<const uint4*>(p.q) + (static_cast<long long>(b) * HT + r0) * kChunks;
+    for (int i = tid; i < R * kChunks; i += kThreads) {
+      const int r = i / kChunks, c = i - r * kChunks;
+      const uint4 v = r0 + r < HT ? qg[i] : make_uint4(0, 0, 0, 0);
+      reinterpret_cast<uint4*>(sQ)[swz(r, c)] = v;
+    }
   }
   if (tid < R) {
     sM[tid] = K3GEN_MLA_NEG_INF;
@@ -310,25 +300,30 @@ __device__ void decode(const Params& p) {
     sLim[tid] = len - C::kTokens + t;
   }
 
-  for (int s = 0; s < S - 1; ++s) {
-    if (t_begin + s < t_end) load_tile<C>(p, b, len, t_begin + s, sRaw + s * G::kRaw);
-    cp_async_commit();
-  }
-
   float o[MT][8][4];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[m][j][0] = o[m][j][1] = o[m][j][2] = o[m][j][3] = 0.f;
 
-  const float qk_scale = C::kSoftmaxScale * kLog2e;
+  float qk_scale = C::kSoftmaxScale * kLog2e * qmul;
+  if constexpr (kF8 && C::kFp8PerTensor) qk_scale *= p.scale;
   const unsigned aQ = smem_u32(sQ), aP = smem_u32(sP);
   // Lane constants of the swizzled ldmatrix addresses: a phase's 8 rows are r..r+7 with
   // row & 7 == lane & 7, and logical chunk 2k + j (2k a multiple of 4, j < 4) maps to 2k ^ (j ^ (lane & 7)).
   const int yB = (lane >> 3) ^ (lane & 7);         // QK B: 4 matrices = chunks 2k .. 2k+3
   const int yA = (lane >> 4) ^ (lane & 7);         // A (Q) and PV V: 2 chunks per matrix pair
-  unsigned qf[MT == 1 ? kRow / 16 : 1][4];
-  if constexpr (MT == 1) {
+  unsigned qf[MT == 1 && !kF8 ? kRow / 16 : 1][4];
+  uint4 qh[MT == 1 && kF8 ? kRow / 32 : 1][2];   // FP8: f16 query rows g, g + 8, natural order
+  int fexp = 0;                                   // FP8: the running output is in units of 2^fexp
+  if constexpr (MT == 1 && kF8) {
+    const unsigned char* sq = reinterpret_cast<const unsigned char*>(sQ) + (lane >> 2) * f8::kQRowB + (lane & 3) * 16;
+#pragma unroll
+    for (int k = 0; k < kRow / 32; ++k) {
+      qh[k][0] = *reinterpret_cast<const uint4*>(sq + k * 64);
+      qh[k][1] = *reinterpret_cast<const uint4*>(sq + 8 * f8::kQRowB + k * 64);
+    }
+  } else if constexpr (MT == 1) {
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < kRow / 16; ++k) ldsm_x4(aQ + (lane & 15) * (kRow * 2) + ((2 * k) ^ yA) * 16, qf[k]);
@@ -341,7 +336,13 @@ __device__ void decode(const Params& p) {
     cp_async_commit();
     const unsigned char* stage = sRaw + (it % S) * G::kRaw;
     const __nv_bfloat16* kv = reinterpret_cast<const __nv_bfloat16*>(stage);
-    if constexpr (C::kKv != Kv::kBf16) {
+    if constexpr (kF8) {
+      const int nv = tile_page<C>(p, b, tile) < 0 ? 0 : min(kTok, len - tile * kTok);
+      if (nv < kTok) {
+        f8::zero_rows(const_cast<unsigned char*>(stage), nv);
+        __syncthreads();
+      }
+    } else if constexpr (C::kKv != Kv::kBf16) {
       dequant_tile<C>(p, b, len, tile, stage, sDeq);
       kv = sDeq;
       __syncthreads();
@@ -355,8 +356,9 @@ __device__ void decode(const Params& p) {
       for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
       const unsigned bRow = aKV + (warp * 8 + (lane & 7)) * (kRow * 2);
       const unsigned aRow = aQ + (lane & 15) * (kRow * 2);
+      if constexpr (kF8) f8::qk<C>(acc, stage, qh, reinterpret_cast<const unsigned char*>(sQ), warp, lane);
 #pragma unroll
-      for (int k = 0; k < kRow / 16; k += 2) {
+      for (int k = 0; k < (kF8 ? 0 : kRow / 16); k += 2) {
         unsigned bf[4];
         ldsm_x4(bRow + ((2 * k) ^ yB) * 16, bf);
         if constexpr (MT == 1) {
@@ -406,10 +408,12 @@ __device__ void decode(const Params& p) {
         p1 = exp2f(s2.y - m_new);
       }
       const unsigned pb = bf16x2(p0, p1);
-      float sum = bf16_lo(pb) + bf16_hi(pb);  // the denominator sums what the MMA sums
+      // The denominator sums what the MMA sums (FP8 scales p per token and group in PV: FP32 p).
+      float sum = kF8 ? p0 + p1 : bf16_lo(pb) + bf16_hi(pb);
 #pragma unroll
       for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      *reinterpret_cast<unsigned*>(sP + row * kPStride + 2 * lane) = pb;
+      if constexpr (kF8) *reinterpret_cast<float2*>(sS + row * kSStride + 2 * lane) = make_float2(p0, p1);
+      else *reinterpret_cast<unsigned*>(sP + row * kPStride + 2 * lane) = pb;
       __syncwarp();
       if (lane == 0) {
         sL[row] = sL[row] * alpha + sum;
@@ -420,7 +424,9 @@ __device__ void decode(const Params& p) {
     __syncthreads();
 
     // PV: warp w -> output columns 64w..64w+63.
-    {
+    if constexpr (kF8) {
+      f8::pv<C>(o, stage, sS, sAlpha, warp, lane, fexp);
+    } else {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         const float a0 = sAlpha[m * 16 + (lane >> 2)], a1 = sAlpha[m * 16 + (lane >> 2) + 8];
@@ -461,8 +467,32 @@ __device__ void decode(const Params& p) {
       const int row = m * 16 + (lane >> 2) + 8 * h;
       if (r0 + row >= HT) continue;
       const float l = sL[row];
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float inv = l > 0.f ? 1.f / l : 0.f;
       const long long orow = static_cast<long long>(b) * HT + r0 + row;
+      const long long prow = (static_cast<long long>(b) * p.splits + split) * HT + r0 + row;
+      if constexpr (kF8) {
+        // Tile 4 bp + j, column 2c + e holds dim 32 bp + 8c + 4e + j of the warp's 64.
+        inv *= f8::pow2(fexp) * (C::kFp8PerTensor ? p.scale : 1.f);
+#pragma unroll
+        for (int bp = 0; bp < 2; ++bp) {
+          float x[8];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            x[j] = o[m][4 * bp + j][2 * h] * inv;
+            x[4 + j] = o[m][4 * bp + j][2 * h + 1] * inv;
+          }
+          const int col = warp * 64 + 32 * bp + 8 * (lane & 3);
+          if (p.splits == 1) {
+            *reinterpret_cast<uint4*>(p.out + orow * kLat + col) =
+                make_uint4(bf16x2(x[0], x[1]), bf16x2(x[2], x[3]), bf16x2(x[4], x[5]), bf16x2(x[6], x[7]));
+          } else {
+            float4* d = reinterpret_cast<float4*>(p.part_o + prow * kLat + col);
+            d[0] = make_float4(x[0], x[1], x[2], x[3]);
+            d[1] = make_float4(x[4], x[5], x[6], x[7]);
+          }
+        }
+        continue;
+      }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int col = warp * 64 + j * 8 + (lane & 3) * 2;
@@ -470,7 +500,6 @@ __device__ void decode(const Params& p) {
         if (p.splits == 1) {
           *reinterpret_cast<unsigned*>(p.out + orow * kLat + col) = bf16x2(x, y);
         } else {
-          const long long prow = (static_cast<long long>(b) * p.splits + split) * HT + r0 + row;
           *reinterpret_cast<float2*>(p.part_o + prow * kLat + col) = make_float2(x, y);
         }
       }
