@@ -15,8 +15,11 @@ Kernel contract (shared by the template, the reference and the launcher):
 
 Lowering (SM90 and, same source, the SM100 family): a CTA handles `16 * m_tiles` query rows of one
 sequence over one split of its KV tiles (64 tokens each). KV tiles stream through a cp.async ring
-in shared memory; FP8/NVFP4 tiles are dequantized in shared memory to BF16 (rounded once, RNE)
-before mma.sync m16n8k16 (QK over 576, PV over 512); online softmax in FP32. With more than one
+in shared memory and feed mma.sync m16n8k16 (QK over 576, PV over 512); online softmax in FP32.
+With one 16-row query tile its A fragments stay in registers. NVFP4 tiles are dequantized in
+shared memory to BF16 (rounded once, RNE); FP8 codes go from the stage straight into f16
+fragments (exact), the per-token scales applied to FP32 partials (QK) or folded into the
+probabilities (PV): see templates/include/k3gen/mla_decode_fp8.cuh. With more than one
 split the CTAs write FP32 partial outputs + log-sum-exp into a workspace and a second entry
 (`k3gen_mla_decode_combine`) merges them. The split count is chosen on the host (`plan_splits`)
 from the batch shape only, so a captured graph stays valid when lengths change; each CTA derives
