@@ -128,7 +128,8 @@ class MlaDecodeSpec(OpSpec):
         if self.kv is KvDtype.FP8:
             # 608-byte code rows (bank-conflict free fragment loads), 5 scales padded to 8
             return TILE_TOKENS * (MLA_ROW + 32) + TILE_TOKENS * 8 * 4
-        return TILE_TOKENS * MLA_ROW // 2 + 9 * 32 * 8             # codes + scale bytes (swizzled half page)
+        # 304-byte code rows (288 + 16: conflict-free fragment loads) + scale bytes (swizzled half page)
+        return TILE_TOKENS * (MLA_ROW // 2 + 16) + 9 * 32 * 8
 
     @property
     def stages(self) -> int:
@@ -143,13 +144,11 @@ class MlaDecodeSpec(OpSpec):
         r = self.rows
         # One 16-row query tile lives in registers (staged once through the last ring stage);
         # two tiles are re-read from shared memory per KV tile.
-        q = 0 if self.m_tiles == 1 else r * (MLA_ROW * 2 + (64 if self.kv is KvDtype.FP8 else 0))
+        q = 0 if self.m_tiles == 1 else r * (MLA_ROW * 2 + (0 if self.kv is KvDtype.BF16 else 64))
         s = r * (TILE_TOKENS + 4) * 4                 # FP32 scores
         p = r * (TILE_TOKENS + _PAD) * 2              # BF16 probabilities
         stats = r * 4 * 4                             # m, l, alpha, causal limit
-        # NVFP4 tiles are dequantized to BF16 in shared memory; FP8 codes feed the MMAs from registers.
-        deq = TILE_TOKENS * MLA_ROW * 2 if self.kv is KvDtype.NVFP4 else 0
-        return q + s + p + stats + deq
+        return q + s + p + stats
 
     @property
     def smem_bytes(self) -> int:

@@ -42,13 +42,13 @@ struct Geo {
   static constexpr int kTileBytes = kTok * kRow * 2;
   static constexpr int kRaw = C::kKv == Kv::kBf16 ? kTileBytes
                               : C::kKv == Kv::kFp8 ? kTok * (kRow + 32) + kTok * kFp8Scales * 4
-                                                   : kTok * kRow / 2 + kNvSwzBytes;
-  static constexpr int kQ = C::kMT == 1 ? 0 : R * (C::kKv == Kv::kFp8 ? kRow * 2 + 64 : kRow * 2);  // MT = 1: registers
+                                                   : kTok * (kRow / 2 + 16) + kNvSwzBytes;
+  // MT = 1: Q lives in registers. FP8/NVFP4 keep f16 query rows of 1216 B.
+  static constexpr int kQ = C::kMT == 1 ? 0 : R * (C::kKv == Kv::kBf16 ? kRow * 2 : kRow * 2 + 64);
   static constexpr int kS = R * kSStride * 4;
   static constexpr int kP = R * kPStride * 2;
   static constexpr int kStats = R * 4 * 4;
-  static constexpr int kDeq = C::kKv == Kv::kNvfp4 ? kTileBytes : 0;
-  static constexpr int kFixed = kQ + kS + kP + kStats + kDeq;
+  static constexpr int kFixed = kQ + kS + kP + kStats;
   static constexpr int kSmem = kFixed + C::kStages * kRaw;
   static_assert(C::kMT != 1 || kRaw >= 16 * (kRow * 2 + 64), "MT = 1 stages Q through the last ring stage");
 };
@@ -109,31 +109,10 @@ __device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
-// ---- NVFP4 dequantization (the inverse of kv_write.cuh, as reference.kv_cache_write.gather_rows) --
-
-// The E2M1 nibble n as the f16 bit pattern of e2m1(n) * 2^-14: magnitude bits go to the f16
-// exponent/mantissa top (code 1 lands on the subnormal 2^-15 = 0.5 * 2^-14), the sign to bit 15.
-// So float(f16) * (d * 2^14) == e2m1(n) * d exactly (both one rounding of the same product).
-__device__ __forceinline__ unsigned e2m1x2_to_h2bits(unsigned byte) {
-  return ((byte & 0x7u) << 9) | ((byte & 0x8u) << 12) | ((byte & 0x70u) << 21) | ((byte & 0x80u) << 24);
-}
-
-// 8 E2M1 codes (one 32-bit word, element 0 in the low nibble) times d -> 8 BF16.
-__device__ __forceinline__ uint4 e2m1x8_to_bf16(unsigned w, float d) {
-  const float d14 = d * 16384.0f;
-  unsigned o[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const unsigned h = e2m1x2_to_h2bits((w >> (8 * i)) & 0xffu);
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-    o[i] = bf16x2(f.x * d14, f.y * d14);
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
 }  // namespace mla
 }  // namespace k3gen
-#include "k3gen/mla_decode_fp8.cuh"  // the FP8 register path (uses Params and the helpers above)
+#include "k3gen/mla_decode_fp8.cuh"    // the FP8 register path (uses Params and the helpers above)
+#include "k3gen/mla_decode_nvfp4.cuh"  // the NVFP4 register path
 namespace k3gen {
 namespace mla {
 
@@ -186,8 +165,11 @@ __device__ __forceinline__ void load_tile(const Params& p, int b, int len, int t
     const unsigned char* codes = static_cast<const unsigned char*>(p.c[0]) +
                                  (static_cast<long long>(pg) * C::kPage + slot0) * (kRow / 2);
     const int n = min(kTok, len - tile * kTok);
-    for (int i = tid; i < n * (kRow / 32); i += kThreads) cp_async16(dst0 + i * 16, codes + i * 16, 16u);
-    const unsigned sdst = dst0 + kTok * kRow / 2;
+    for (int i = tid; i < n * (kRow / 32); i += kThreads) {
+      const int t = i / (kRow / 32), c = i - t * (kRow / 32);
+      cp_async16(dst0 + t * nv::kRowB + c * 16, codes + i * 16, 16u);
+    }
+    const unsigned sdst = dst0 + nv::kScaleOff;
     if constexpr (C::kSwizzle) {
       // Rows slot0..slot0+63 of the [128, 36] matrix: 8 bytes of every 16-byte chunk.
       const unsigned char* sc = static_cast<const unsigned char*>(p.c[1]) +
@@ -205,56 +187,12 @@ __device__ __forceinline__ void load_tile(const Params& p, int b, int len, int t
   }
 }
 
-// Raw FP8/NVFP4 stage -> BF16 tile. Positions >= len and bad pages become zeros; NVFP4 positions
-// of the live 16-token tile come from the HP tail ring.
-template <class C>
-__device__ __forceinline__ void dequant_tile(const Params& p, int b, int len, int tile, const unsigned char* stage,
-                                             __nv_bfloat16* deq) {
-  const int tid = threadIdx.x;
-  const int pg = tile_page<C>(p, b, tile);
-  uint4* dst = reinterpret_cast<uint4*>(deq);
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  static_assert(C::kKv == Kv::kNvfp4, "FP8 tiles feed the MMAs from registers (mla_decode_fp8.cuh)");
-  {
-    const unsigned char* sc = stage + kTok * kRow / 2;
-    const int live = len / 16 * 16;   // first position of the live (incomplete) tile
-    const uint4* ring = static_cast<const uint4*>(p.c[C::kSwizzle ? 2 : 3]);
-    const int slot = p.ring_slot[b];
-    const bool ring_ok = slot >= 0 && slot < p.num_slots;   // else the live rows read as zeros
-    const long long ring_row0 = static_cast<long long>(ring_ok ? slot : 0) * C::kRing;
-    for (int i = tid; i < kTok * 36; i += kThreads) {
-      const int t = i / 36, c = i - t * 36;
-      const int pos = tile * kTok + t;
-      uint4 v0 = zero, v1 = zero;
-      if (pos < len && pos >= live) {
-        if (ring_ok) {
-          const uint4* src = ring + (ring_row0 + pos % C::kRing) * (kRow / 8) + c * 2;
-          v0 = src[0];
-          v1 = src[1];
-        }
-      } else if (pos < len && pg >= 0) {
-        unsigned code;
-        if constexpr (C::kSwizzle) {
-          code = sc[((c >> 2) * 32 + (t & 31)) * 8 + (t >> 5) * 4 + (c & 3)];
-        } else {
-          code = c < 32 ? sc[(t >> 4) * 32 + c] : sc[128 + t * 4 + (c - 32)];
-        }
-        const float d = __fdiv_rn(e4m3_to_float(code), p.scale);
-        const uint2 w = *reinterpret_cast<const uint2*>(stage + t * (kRow / 2) + c * 8);
-        v0 = e2m1x8_to_bf16(w.x, d);
-        v1 = e2m1x8_to_bf16(w.y, d);
-      }
-      dst[swz(t, 2 * c)] = v0;
-      dst[swz(t, 2 * c + 1)] = v1;
-    }
-  }
-}
-
 template <class C>
 __device__ void decode(const Params& p) {
   using G = Geo<C>;
   constexpr int R = G::R, HT = G::HT, MT = C::kMT, S = C::kStages;
-  constexpr bool kF8 = C::kKv == Kv::kFp8;
+  constexpr bool kF8 = C::kKv == Kv::kFp8, kNv = C::kKv == Kv::kNvfp4;
+  constexpr bool kF16 = kF8 || kNv;   // f16 fragments from the raw codes; FP32 p in sS; permuted columns
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem);
   float* sS = reinterpret_cast<float*>(smem + G::kQ);
@@ -263,7 +201,6 @@ __device__ void decode(const Params& p) {
   float* sL = sM + R;
   float* sAlpha = sL + R;
   int* sLim = reinterpret_cast<int*>(sAlpha + R);
-  __nv_bfloat16* sDeq = reinterpret_cast<__nv_bfloat16*>(smem + G::kQ + G::kS + G::kP + G::kStats);
   unsigned char* sRaw = smem + G::kFixed;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -273,6 +210,7 @@ __device__ void decode(const Params& p) {
   const int ntiles = (len + kTok - 1) / kTok;
   const int per = (ntiles + p.splits - 1) / p.splits;
   const int t_begin = min(ntiles, split * per), t_end = min(ntiles, t_begin + per);
+  const int live = len / 16 * 16;   // NVFP4: first position of the live (incomplete) 16-token tile
 
   for (int s = 0; s < S - 1; ++s) {
     if (t_begin + s < t_end) load_tile<C>(p, b, len, t_begin + s, sRaw + s * G::kRaw);
@@ -282,8 +220,8 @@ __device__ void decode(const Params& p) {
   // Query rows (zero past H*T), stats, causal limits. MT = 1 stages Q in the last ring stage
   // (first written after the barrier of iteration 0) and keeps its A fragments in registers.
   if constexpr (MT == 1) sQ = reinterpret_cast<__nv_bfloat16*>(sRaw + (S - 1) * G::kRaw);
-  float qmul = 1.f;   // FP8: 2^-E of the f16 query
-  if constexpr (kF8) {
+  float qmul = 1.f;   // FP8/NVFP4: 2^-E of the f16 query
+  if constexpr (kF16) {
     qmul = f8::stage_q<C>(p, b, r0, reinterpret_cast<unsigned char*>(sQ), sS);
   } else {
     const uint4* qg = reinterpret_cast<const uint4*>(p.q) + (static_cast<long long>(b) * HT + r0) * kChunks;
@@ -308,12 +246,13 @@ __device__ void decode(const Params& p) {
 
   float qk_scale = C::kSoftmaxScale * kLog2e * qmul;
   if constexpr (kF8 && C::kFp8PerTensor) qk_scale *= p.scale;
+  if constexpr (kNv) qk_scale = __fdiv_rn(qk_scale, p.scale);   // codes times scale codes are G * KV
   const unsigned aQ = smem_u32(sQ), aP = smem_u32(sP);
   // Lane constants of the swizzled ldmatrix addresses: a phase's 8 rows are r..r+7 with
   // row & 7 == lane & 7, and logical chunk 2k + j (2k a multiple of 4, j < 4) maps to 2k ^ (j ^ (lane & 7)).
   const int yB = (lane >> 3) ^ (lane & 7);         // QK B: 4 matrices = chunks 2k .. 2k+3
   const int yA = (lane >> 4) ^ (lane & 7);         // A (Q) and PV V: 2 chunks per matrix pair
-  unsigned qf[MT == 1 && !kF8 ? kRow / 16 : 1][4];
+  unsigned qf[MT == 1 && !kF8 ? kRow / 16 : 1][4];   // BF16: ldmatrix A fragments; NVFP4: f16 per group
   uint4 qh[MT == 1 && kF8 ? kRow / 32 : 1][2];   // FP8: f16 query rows g, g + 8, natural order
   int fexp = 0;                                   // FP8: the running output is in units of 2^fexp
   if constexpr (MT == 1 && kF8) {
@@ -323,11 +262,52 @@ __device__ void decode(const Params& p) {
       qh[k][0] = *reinterpret_cast<const uint4*>(sq + k * 64);
       qh[k][1] = *reinterpret_cast<const uint4*>(sq + 8 * f8::kQRowB + k * 64);
     }
+  } else if constexpr (MT == 1 && kNv) {
+    const unsigned char* sq = reinterpret_cast<const unsigned char*>(sQ) + (lane >> 2) * f8::kQRowB + (lane & 3) * 8;
+#pragma unroll
+    for (int k = 0; k < kRow / 16; ++k) {
+      const uint2 qa = *reinterpret_cast<const uint2*>(sq + k * 32);
+      const uint2 qb = *reinterpret_cast<const uint2*>(sq + 8 * f8::kQRowB + k * 32);
+      qf[k][0] = qa.x; qf[k][1] = qb.x; qf[k][2] = qa.y; qf[k][3] = qb.y;
+    }
   } else if constexpr (MT == 1) {
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < kRow / 16; ++k) ldsm_x4(aQ + (lane & 15) * (kRow * 2) + ((2 * k) ^ yA) * 16, qf[k]);
   }
+  // Online softmax of the scores in sS: warp w -> rows w, w + 8, ...; lane -> columns 2l, 2l + 1.
+  auto softmax = [&]() {
+#pragma unroll
+    for (int row = warp; row < R; row += kWarps) {
+      const float2 s2 = *reinterpret_cast<const float2*>(sS + row * kSStride + 2 * lane);
+      float mx = fmaxf(s2.x, s2.y);
+#pragma unroll
+      for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_old = sM[row];
+      const float m_new = fmaxf(m_old, mx);
+      float alpha = 1.f, p0 = 0.f, p1 = 0.f;
+      if (m_new != K3GEN_MLA_NEG_INF) {
+        alpha = exp2f(m_old - m_new);
+        p0 = exp2f(s2.x - m_new);
+        p1 = exp2f(s2.y - m_new);
+      }
+      const unsigned pb = bf16x2(p0, p1);
+      // The denominator sums what the MMA sums; FP8/NVFP4 keep FP32 p (the PV A fragments are
+    // f16 of p, for FP8 times the per-token scales).
+      float sum = kF16 ? p0 + p1 : bf16_lo(pb) + bf16_hi(pb);
+#pragma unroll
+      for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if constexpr (kF16) *reinterpret_cast<float2*>(sS + row * kSStride + 2 * lane) = make_float2(p0, p1);
+      else *reinterpret_cast<unsigned*>(sP + row * kPStride + 2 * lane) = pb;
+      __syncwarp();
+      if (lane == 0) {
+        sL[row] = sL[row] * alpha + sum;
+        sM[row] = m_new;
+        sAlpha[row] = alpha;
+      }
+    }
+  };
+
   for (int it = 0; t_begin + it < t_end; ++it) {
     const int tile = t_begin + it;
     cp_async_wait<S - 2>();
@@ -336,16 +316,15 @@ __device__ void decode(const Params& p) {
     cp_async_commit();
     const unsigned char* stage = sRaw + (it % S) * G::kRaw;
     const __nv_bfloat16* kv = reinterpret_cast<const __nv_bfloat16*>(stage);
-    if constexpr (kF8) {
-      const int nv = tile_page<C>(p, b, tile) < 0 ? 0 : min(kTok, len - tile * kTok);
+    if constexpr (kF16) {
+      // Rows not copied (past the end, bad page) or (NVFP4) of the live tile become zeros.
+      const int end = kNv ? live : len;
+      const int nv = tile_page<C>(p, b, tile) < 0 ? 0 : max(0, min(kTok, end - tile * kTok));
       if (nv < kTok) {
-        f8::zero_rows(const_cast<unsigned char*>(stage), nv);
+        if constexpr (kF8) f8::zero_rows(const_cast<unsigned char*>(stage), nv);
+        else nv::zero_rows<C>(const_cast<unsigned char*>(stage), nv);
         __syncthreads();
       }
-    } else if constexpr (C::kKv != Kv::kBf16) {
-      dequant_tile<C>(p, b, len, tile, stage, sDeq);
-      kv = sDeq;
-      __syncthreads();
     }
     const unsigned aKV = smem_u32(kv);
 
@@ -357,8 +336,9 @@ __device__ void decode(const Params& p) {
       const unsigned bRow = aKV + (warp * 8 + (lane & 7)) * (kRow * 2);
       const unsigned aRow = aQ + (lane & 15) * (kRow * 2);
       if constexpr (kF8) f8::qk<C>(acc, stage, qh, reinterpret_cast<const unsigned char*>(sQ), warp, lane);
+      if constexpr (kNv) nv::qk<C>(acc, stage, qf, reinterpret_cast<const unsigned char*>(sQ), warp, lane);
 #pragma unroll
-      for (int k = 0; k < (kF8 ? 0 : kRow / 16); k += 2) {
+      for (int k = 0; k < (kF16 ? 0 : kRow / 16); k += 2) {
         unsigned bf[4];
         ldsm_x4(bRow + ((2 * k) ^ yB) * 16, bf);
         if constexpr (MT == 1) {
@@ -382,7 +362,7 @@ __device__ void decode(const Params& p) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = m * 16 + (lane >> 2) + 8 * h;
-          const int lim = sLim[row];
+          const int lim = kNv ? min(sLim[row], live - 1) : sLim[row];   // NVFP4: live rows come later
           float2 v;
           v.x = pos <= lim ? acc[m][2 * h] * qk_scale : K3GEN_MLA_NEG_INF;
           v.y = pos + 1 <= lim ? acc[m][2 * h + 1] * qk_scale : K3GEN_MLA_NEG_INF;
@@ -392,40 +372,14 @@ __device__ void decode(const Params& p) {
     }
     __syncthreads();
 
-    // Online softmax: warp w -> rows w, w + 8, ...; lane -> columns 2l, 2l + 1.
-#pragma unroll
-    for (int row = warp; row < R; row += kWarps) {
-      const float2 s2 = *reinterpret_cast<const float2*>(sS + row * kSStride + 2 * lane);
-      float mx = fmaxf(s2.x, s2.y);
-#pragma unroll
-      for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      const float m_old = sM[row];
-      const float m_new = fmaxf(m_old, mx);
-      float alpha = 1.f, p0 = 0.f, p1 = 0.f;
-      if (m_new != K3GEN_MLA_NEG_INF) {
-        alpha = exp2f(m_old - m_new);
-        p0 = exp2f(s2.x - m_new);
-        p1 = exp2f(s2.y - m_new);
-      }
-      const unsigned pb = bf16x2(p0, p1);
-      // The denominator sums what the MMA sums (FP8 scales p per token and group in PV: FP32 p).
-      float sum = kF8 ? p0 + p1 : bf16_lo(pb) + bf16_hi(pb);
-#pragma unroll
-      for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      if constexpr (kF8) *reinterpret_cast<float2*>(sS + row * kSStride + 2 * lane) = make_float2(p0, p1);
-      else *reinterpret_cast<unsigned*>(sP + row * kPStride + 2 * lane) = pb;
-      __syncwarp();
-      if (lane == 0) {
-        sL[row] = sL[row] * alpha + sum;
-        sM[row] = m_new;
-        sAlpha[row] = alpha;
-      }
-    }
+    softmax();
     __syncthreads();
 
     // PV: warp w -> output columns 64w..64w+63.
     if constexpr (kF8) {
       f8::pv<C>(o, stage, sS, sAlpha, warp, lane, fexp);
+    } else if constexpr (kNv) {
+      nv::pv<C>(o, stage, sS, sAlpha, warp, lane);
     } else {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
@@ -458,6 +412,16 @@ __device__ void decode(const Params& p) {
   }
   cp_async_wait<0>();
   __syncthreads();
+  if constexpr (kNv) {
+    // The live positions, by the CTA of the sequence's last tile (uniform condition).
+    if (t_begin < t_end && t_end == ntiles && live < len) {
+      nv::live_scores<C>(p, b, len, live, r0, sRaw, sS, sLim, C::kSoftmaxScale * kLog2e);
+      __syncthreads();
+      softmax();
+      __syncthreads();
+      nv::live_pv<C>(o, sRaw, len - live, sS, sAlpha, p.scale, warp, lane);
+    }
+  }
 
   // Epilogue: normalized rows; one split writes BF16 directly, several write FP32 partials.
 #pragma unroll
@@ -470,9 +434,10 @@ __device__ void decode(const Params& p) {
       float inv = l > 0.f ? 1.f / l : 0.f;
       const long long orow = static_cast<long long>(b) * HT + r0 + row;
       const long long prow = (static_cast<long long>(b) * p.splits + split) * HT + r0 + row;
-      if constexpr (kF8) {
+      if constexpr (kF16) {
         // Tile 4 bp + j, column 2c + e holds dim 32 bp + 8c + 4e + j of the warp's 64.
-        inv *= f8::pow2(fexp) * (C::kFp8PerTensor ? p.scale : 1.f);
+        if constexpr (kF8) inv *= f8::pow2(fexp) * (C::kFp8PerTensor ? p.scale : 1.f);
+        else inv = __fdiv_rn(inv, p.scale);   // NVFP4: the output is in units of 1/G
 #pragma unroll
         for (int bp = 0; bp < 2; ++bp) {
           float x[8];
