@@ -26,8 +26,8 @@ constexpr unsigned kLut0 = 0x3e3c3800u, kLut1 = 0x46444240u;   // f16 high bytes
 __device__ __forceinline__ void e2m1x4_to_h2(unsigned u, unsigned& lo, unsigned& hi) {
   const unsigned mag = f8::prmt(kLut0, kLut1, u & 0x7777u);
   const unsigned y = u << 4;
-  lo = f8::prmt(mag, 0u, 0x1404u) | (f8::prmt(u, y, 0x8c88u) & 0x80008000u);
-  hi = f8::prmt(mag, 0u, 0x3424u) | (f8::prmt(u, y, 0x9d88u) & 0x80008000u);
+  lo = f8::prmt(mag, 0u, 0x1404u) | (f8::prmt(u, y, 0x88c8u) & 0x80008000u);
+  hi = f8::prmt(mag, 0u, 0x3424u) | (f8::prmt(u, y, 0x98d8u) & 0x80008000u);
 }
 __device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) {
   unsigned d;
