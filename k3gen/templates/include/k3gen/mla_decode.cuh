@@ -293,7 +293,7 @@ __device__ void decode(const Params& p) {
       }
       const unsigned pb = bf16x2(p0, p1);
       // The denominator sums what the MMA sums; FP8/NVFP4 keep FP32 p (the PV A fragments are
-    // f16 of p, for FP8 times the per-token scales).
+      // f16 of p, for FP8 times the per-token scales).
       float sum = kF16 ? p0 + p1 : bf16_lo(pb) + bf16_hi(pb);
 #pragma unroll
       for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
@@ -319,10 +319,10 @@ __device__ void decode(const Params& p) {
     if constexpr (kF16) {
       // Rows not copied (past the end, bad page) or (NVFP4) of the live tile become zeros.
       const int end = kNv ? live : len;
-      const int nv = tile_page<C>(p, b, tile) < 0 ? 0 : max(0, min(kTok, end - tile * kTok));
-      if (nv < kTok) {
-        if constexpr (kF8) f8::zero_rows(const_cast<unsigned char*>(stage), nv);
-        else nv::zero_rows<C>(const_cast<unsigned char*>(stage), nv);
+      const int valid = tile_page<C>(p, b, tile) < 0 ? 0 : max(0, min(kTok, end - tile * kTok));
+      if (valid < kTok) {
+        if constexpr (kF8) f8::zero_rows(const_cast<unsigned char*>(stage), valid);
+        else nv::zero_rows<C>(const_cast<unsigned char*>(stage), valid);
         __syncthreads();
       }
     }
