@@ -15,8 +15,11 @@ Kernel contract (shared by the template, the reference and the launcher):
 
 Lowering (SM90 and, same source, the SM100 family): a CTA handles `16 * m_tiles` query rows of one
 sequence over one split of its KV tiles (64 tokens each). KV tiles stream through a cp.async ring
-in shared memory; FP8/NVFP4 tiles are dequantized in shared memory to BF16 (rounded once, RNE)
-before mma.sync m16n8k16 (QK over 576, PV over 512); online softmax in FP32. With more than one
+in shared memory and feed mma.sync m16n8k16 (QK over 576, PV over 512); online softmax in FP32.
+With one 16-row query tile its A fragments stay in registers. NVFP4 tiles are dequantized in
+shared memory to BF16 (rounded once, RNE); FP8 codes go from the stage straight into f16
+fragments (exact), the per-token scales applied to FP32 partials (QK) or folded into the
+probabilities (PV): see templates/include/k3gen/mla_decode_fp8.cuh. With more than one
 split the CTAs write FP32 partial outputs + log-sum-exp into a workspace and a second entry
 (`k3gen_mla_decode_combine`) merges them. The split count is chosen on the host (`plan_splits`)
 from the batch shape only, so a captured graph stays valid when lengths change; each CTA derives
@@ -40,7 +43,7 @@ THREADS = 256                 # 8 warps
 SMEM_LIMIT = 227 * 1024       # opt-in shared memory per block on SM90 / SM100
 MAX_TOKENS = 8
 SOFTMAX_SCALE = 192 ** -0.5
-_PAD = 8                      # BF16 elements of padding per shared row (odd 16-byte strides)
+_PAD = 8                      # BF16 elements of padding per shared probability row
 
 
 @register_op("mla_decode")
@@ -121,10 +124,12 @@ class MlaDecodeSpec(OpSpec):
     def raw_stage_bytes(self) -> int:
         """Bytes one pipeline stage holds before dequantization (codes + scales of 64 tokens)."""
         if self.kv is KvDtype.BF16:
-            return TILE_TOKENS * (MLA_ROW + _PAD) * 2
+            return TILE_TOKENS * MLA_ROW * 2                     # XOR-swizzled rows, no padding
         if self.kv is KvDtype.FP8:
-            return TILE_TOKENS * MLA_ROW + TILE_TOKENS * 8 * 4   # 5 scales padded to 8
-        return TILE_TOKENS * MLA_ROW // 2 + 9 * 32 * 8             # codes + scale bytes (swizzled half page)
+            # 608-byte code rows (bank-conflict free fragment loads), 5 scales padded to 8
+            return TILE_TOKENS * (MLA_ROW + 32) + TILE_TOKENS * 8 * 4
+        # 304-byte code rows (288 + 16: conflict-free fragment loads) + scale bytes (swizzled half page)
+        return TILE_TOKENS * (MLA_ROW // 2 + 16) + 9 * 32 * 8
 
     @property
     def stages(self) -> int:
@@ -137,12 +142,13 @@ class MlaDecodeSpec(OpSpec):
 
     def _fixed_smem(self) -> int:
         r = self.rows
-        q = r * (MLA_ROW + _PAD) * 2
+        # One 16-row query tile lives in registers (staged once through the last ring stage);
+        # two tiles are re-read from shared memory per KV tile.
+        q = 0 if self.m_tiles == 1 else r * (MLA_ROW * 2 + (0 if self.kv is KvDtype.BF16 else 64))
         s = r * (TILE_TOKENS + 4) * 4                 # FP32 scores
         p = r * (TILE_TOKENS + _PAD) * 2              # BF16 probabilities
         stats = r * 4 * 4                             # m, l, alpha, causal limit
-        deq = 0 if self.kv is KvDtype.BF16 else TILE_TOKENS * (MLA_ROW + _PAD) * 2
-        return q + s + p + stats + deq
+        return q + s + p + stats
 
     @property
     def smem_bytes(self) -> int:

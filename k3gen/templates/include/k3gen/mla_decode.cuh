@@ -27,8 +27,7 @@ constexpr int kTok = 64;                 // tokens per tile
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kPad = 8;
-constexpr int kRowS = kRow + kPad;       // BF16 per shared KV/Q row: 1168 B = 73 chunks (odd: no
-                                         // ldmatrix bank conflicts across 8 rows)
+constexpr int kChunks = kRow / 8;        // 16-byte chunks per shared KV/Q row (72, unpadded)
 constexpr int kSStride = kTok + 4;       // FP32 per score row
 constexpr int kPStride = kTok + kPad;    // BF16 per probability row (144 B = 9 chunks)
 constexpr int kFp8Scales = 8;            // FP32 slots per token in an FP8 stage (5 used)
@@ -40,18 +39,25 @@ template <class C>
 struct Geo {
   static constexpr int R = 16 * C::kMT;
   static constexpr int HT = C::kHeads * C::kTokens;
-  static constexpr int kTileBytes = kTok * kRowS * 2;
+  static constexpr int kTileBytes = kTok * kRow * 2;
   static constexpr int kRaw = C::kKv == Kv::kBf16 ? kTileBytes
-                              : C::kKv == Kv::kFp8 ? kTok * kRow + kTok * kFp8Scales * 4
-                                                   : kTok * kRow / 2 + kNvSwzBytes;
-  static constexpr int kQ = R * kRowS * 2;
+                              : C::kKv == Kv::kFp8 ? kTok * (kRow + 32) + kTok * kFp8Scales * 4
+                                                   : kTok * (kRow / 2 + 16) + kNvSwzBytes;
+  // MT = 1: Q lives in registers. FP8/NVFP4 keep f16 query rows of 1216 B.
+  static constexpr int kQ = C::kMT == 1 ? 0 : R * (C::kKv == Kv::kBf16 ? kRow * 2 : kRow * 2 + 64);
   static constexpr int kS = R * kSStride * 4;
   static constexpr int kP = R * kPStride * 2;
   static constexpr int kStats = R * 4 * 4;
-  static constexpr int kDeq = C::kKv == Kv::kBf16 ? 0 : kTileBytes;
-  static constexpr int kFixed = kQ + kS + kP + kStats + kDeq;
+  static constexpr int kFixed = kQ + kS + kP + kStats;
   static constexpr int kSmem = kFixed + C::kStages * kRaw;
+  static_assert(C::kMT != 1 || kRaw >= 16 * (kRow * 2 + 64), "MT = 1 stages Q through the last ring stage");
 };
+
+// 16-byte chunk index of (row, chunk) in a [rows][576] BF16 shared tile. Rows are 1152 B (a
+// multiple of 128), so the chunk is XORed with row & 7 inside its aligned group of 8: the 8 rows an
+// ldmatrix phase reads at one logical chunk hit 8 different bank groups. 72 % 8 == 0 keeps the
+// result inside the row.
+__device__ __forceinline__ int swz(int row, int chunk) { return row * kChunks + (chunk ^ (row & 7)); }
 
 struct Params {
   const __nv_bfloat16* q;        // [B, T*H, 576]
@@ -103,46 +109,12 @@ __device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
-// ---- dequantization (the inverse of kv_write.cuh, as reference.kv_cache_write.gather_rows) -----
-// 4 E4M3 bytes -> 4 floats (exact through f16).
-__device__ __forceinline__ void e4m3x4_to_float(unsigned w, float* x) {
-  unsigned lo, hi;
-  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
-      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
-      : "=r"(lo), "=r"(hi) : "r"(w));
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-  x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
-}
-
-// The E2M1 nibble n as the f16 bit pattern of e2m1(n) * 2^-14: magnitude bits go to the f16
-// exponent/mantissa top (code 1 lands on the subnormal 2^-15 = 0.5 * 2^-14), the sign to bit 15.
-// So float(f16) * (d * 2^14) == e2m1(n) * d exactly (both one rounding of the same product).
-__device__ __forceinline__ unsigned e2m1x2_to_h2bits(unsigned byte) {
-  return ((byte & 0x7u) << 9) | ((byte & 0x8u) << 12) | ((byte & 0x70u) << 21) | ((byte & 0x80u) << 24);
-}
-
-// 8 E4M3 codes times s -> 8 BF16 (one uint4).
-__device__ __forceinline__ uint4 fp8x8_to_bf16(uint2 codes, float s) {
-  float x[8];
-  e4m3x4_to_float(codes.x, x);
-  e4m3x4_to_float(codes.y, x + 4);
-  return make_uint4(bf16x2(x[0] * s, x[1] * s), bf16x2(x[2] * s, x[3] * s), bf16x2(x[4] * s, x[5] * s),
-                    bf16x2(x[6] * s, x[7] * s));
-}
-
-// 8 E2M1 codes (one 32-bit word, element 0 in the low nibble) times d -> 8 BF16.
-__device__ __forceinline__ uint4 e2m1x8_to_bf16(unsigned w, float d) {
-  const float d14 = d * 16384.0f;
-  unsigned o[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const unsigned h = e2m1x2_to_h2bits((w >> (8 * i)) & 0xffu);
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-    o[i] = bf16x2(f.x * d14, f.y * d14);
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
+}  // namespace mla
+}  // namespace k3gen
+#include "k3gen/mla_decode_fp8.cuh"    // the FP8 register path (uses Params and the helpers above)
+#include "k3gen/mla_decode_nvfp4.cuh"  // the NVFP4 register path
+namespace k3gen {
+namespace mla {
 
 // Page id of the tile's tokens, or -1 when the table entry is missing or out of range.
 template <class C>
@@ -167,18 +139,21 @@ __device__ __forceinline__ void load_tile(const Params& p, int b, int len, int t
       const bool ok = pg >= 0 && tile * kTok + t < len;
       const void* src = ok ? kv + ((static_cast<long long>(pg) * C::kPage + slot0 + t) * kRow + c * 8) * 2
                            : static_cast<const void*>(kv);
-      cp_async16(dst0 + (t * kRowS + c * 8) * 2, src, ok ? 16u : 0u);
+      cp_async16(dst0 + swz(t, c) * 16, src, ok ? 16u : 0u);
     }
   } else if constexpr (C::kKv == Kv::kFp8) {
     if (pg < 0) return;  // dequantization writes zeros for the whole tile
     const unsigned char* codes = static_cast<const unsigned char*>(p.c[0]) +
                                  (static_cast<long long>(pg) * C::kPage + slot0) * kRow;
     const int n = min(kTok, len - tile * kTok);
-    for (int i = tid; i < n * (kRow / 16); i += kThreads) cp_async16(dst0 + i * 16, codes + i * 16, 16u);
+    for (int i = tid; i < n * (kRow / 16); i += kThreads) {
+      const int t = i / (kRow / 16), c = i - t * (kRow / 16);
+      cp_async16(dst0 + t * f8::kRowB + c * 16, codes + i * 16, 16u);
+    }
     if constexpr (!C::kFp8PerTensor) {
       // [tokens, 5] FP32 rows are 20 B: copy them 4 B at a time into 8-float slots.
       const float* sc = static_cast<const float*>(p.c[1]) + (static_cast<long long>(pg) * C::kPage + slot0) * 5;
-      const unsigned sdst = dst0 + kTok * kRow;
+      const unsigned sdst = dst0 + f8::kScaleOff;
       for (int i = tid; i < n * 5; i += kThreads) {
         const int t = i / 5, g = i - t * 5;
         asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sdst + (t * kFp8Scales + g) * 4),
@@ -190,8 +165,11 @@ __device__ __forceinline__ void load_tile(const Params& p, int b, int len, int t
     const unsigned char* codes = static_cast<const unsigned char*>(p.c[0]) +
                                  (static_cast<long long>(pg) * C::kPage + slot0) * (kRow / 2);
     const int n = min(kTok, len - tile * kTok);
-    for (int i = tid; i < n * (kRow / 32); i += kThreads) cp_async16(dst0 + i * 16, codes + i * 16, 16u);
-    const unsigned sdst = dst0 + kTok * kRow / 2;
+    for (int i = tid; i < n * (kRow / 32); i += kThreads) {
+      const int t = i / (kRow / 32), c = i - t * (kRow / 32);
+      cp_async16(dst0 + t * nv::kRowB + c * 16, codes + i * 16, 16u);
+    }
+    const unsigned sdst = dst0 + nv::kScaleOff;
     if constexpr (C::kSwizzle) {
       // Rows slot0..slot0+63 of the [128, 36] matrix: 8 bytes of every 16-byte chunk.
       const unsigned char* sc = static_cast<const unsigned char*>(p.c[1]) +
@@ -209,66 +187,12 @@ __device__ __forceinline__ void load_tile(const Params& p, int b, int len, int t
   }
 }
 
-// Raw FP8/NVFP4 stage -> BF16 tile. Positions >= len and bad pages become zeros; NVFP4 positions
-// of the live 16-token tile come from the HP tail ring.
-template <class C>
-__device__ __forceinline__ void dequant_tile(const Params& p, int b, int len, int tile, const unsigned char* stage,
-                                             __nv_bfloat16* deq) {
-  const int tid = threadIdx.x;
-  const int pg = tile_page<C>(p, b, tile);
-  uint4* dst = reinterpret_cast<uint4*>(deq);
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  if constexpr (C::kKv == Kv::kFp8) {
-    const float* sc = reinterpret_cast<const float*>(stage + kTok * kRow);
-    for (int i = tid; i < kTok * (kRow / 8); i += kThreads) {
-      const int t = i / (kRow / 8), c = i - t * (kRow / 8);
-      uint4 v = zero;
-      if (pg >= 0 && tile * kTok + t < len) {
-        const uint2 codes = *reinterpret_cast<const uint2*>(stage + t * kRow + c * 8);
-        const float s = C::kFp8PerTensor ? p.scale : sc[t * kFp8Scales + min(c / 16, 4)];
-        v = fp8x8_to_bf16(codes, s);
-      }
-      dst[(t * kRowS + c * 8) / 8] = v;
-    }
-  } else {
-    const unsigned char* sc = stage + kTok * kRow / 2;
-    const int live = len / 16 * 16;   // first position of the live (incomplete) tile
-    const uint4* ring = static_cast<const uint4*>(p.c[C::kSwizzle ? 2 : 3]);
-    const int slot = p.ring_slot[b];
-    const bool ring_ok = slot >= 0 && slot < p.num_slots;   // else the live rows read as zeros
-    const long long ring_row0 = static_cast<long long>(ring_ok ? slot : 0) * C::kRing;
-    for (int i = tid; i < kTok * 36; i += kThreads) {
-      const int t = i / 36, c = i - t * 36;
-      const int pos = tile * kTok + t;
-      uint4 v0 = zero, v1 = zero;
-      if (pos < len && pos >= live) {
-        if (ring_ok) {
-          const uint4* src = ring + (ring_row0 + pos % C::kRing) * (kRow / 8) + c * 2;
-          v0 = src[0];
-          v1 = src[1];
-        }
-      } else if (pos < len && pg >= 0) {
-        unsigned code;
-        if constexpr (C::kSwizzle) {
-          code = sc[((c >> 2) * 32 + (t & 31)) * 8 + (t >> 5) * 4 + (c & 3)];
-        } else {
-          code = c < 32 ? sc[(t >> 4) * 32 + c] : sc[128 + t * 4 + (c - 32)];
-        }
-        const float d = __fdiv_rn(e4m3_to_float(code), p.scale);
-        const uint2 w = *reinterpret_cast<const uint2*>(stage + t * (kRow / 2) + c * 8);
-        v0 = e2m1x8_to_bf16(w.x, d);
-        v1 = e2m1x8_to_bf16(w.y, d);
-      }
-      dst[(t * kRowS + c * 16) / 8] = v0;
-      dst[(t * kRowS + c * 16) / 8 + 1] = v1;
-    }
-  }
-}
-
 template <class C>
 __device__ void decode(const Params& p) {
   using G = Geo<C>;
   constexpr int R = G::R, HT = G::HT, MT = C::kMT, S = C::kStages;
+  constexpr bool kF8 = C::kKv == Kv::kFp8, kNv = C::kKv == Kv::kNvfp4;
+  constexpr bool kF16 = kF8 || kNv;   // f16 fragments from the raw codes; FP32 p in sS; permuted columns
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem);
   float* sS = reinterpret_cast<float*>(smem + G::kQ);
@@ -277,7 +201,6 @@ __device__ void decode(const Params& p) {
   float* sL = sM + R;
   float* sAlpha = sL + R;
   int* sLim = reinterpret_cast<int*>(sAlpha + R);
-  __nv_bfloat16* sDeq = reinterpret_cast<__nv_bfloat16*>(smem + G::kQ + G::kS + G::kP + G::kStats);
   unsigned char* sRaw = smem + G::kFixed;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -287,13 +210,26 @@ __device__ void decode(const Params& p) {
   const int ntiles = (len + kTok - 1) / kTok;
   const int per = (ntiles + p.splits - 1) / p.splits;
   const int t_begin = min(ntiles, split * per), t_end = min(ntiles, t_begin + per);
+  const int live = len / 16 * 16;   // NVFP4: first position of the live (incomplete) 16-token tile
 
-  // Query rows (zero past H*T), stats, causal limits.
-  const uint4* qg = reinterpret_cast<const uint4*>(p.q) + (static_cast<long long>(b) * HT + r0) * (kRow / 8);
-  for (int i = tid; i < R * (kRow / 8); i += kThreads) {
-    const int r = i / (kRow / 8), c = i - r * (kRow / 8);
-    const uint4 v = r0 + r < HT ? qg[i] : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(sQ + r * kRowS + c * 8) = v;
+  for (int s = 0; s < S - 1; ++s) {
+    if (t_begin + s < t_end) load_tile<C>(p, b, len, t_begin + s, sRaw + s * G::kRaw);
+    cp_async_commit();
+  }
+
+  // Query rows (zero past H*T), stats, causal limits. MT = 1 stages Q in the last ring stage
+  // (first written after the barrier of iteration 0) and keeps its A fragments in registers.
+  if constexpr (MT == 1) sQ = reinterpret_cast<__nv_bfloat16*>(sRaw + (S - 1) * G::kRaw);
+  float qmul = 1.f;   // FP8/NVFP4: 2^-E of the f16 query
+  if constexpr (kF16) {
+    qmul = f8::stage_q<C>(p, b, r0, reinterpret_cast<unsigned char*>(sQ), sS);
+  } else {
+    const uint4* qg = reinterpret_cast<const uint4*>(p.q) + (static_cast<long long>(b) * HT + r0) * kChunks;
+    for (int i = tid; i < R * kChunks; i += kThreads) {
+      const int r = i / kChunks, c = i - r * kChunks;
+      const uint4 v = r0 + r < HT ? qg[i] : make_uint4(0, 0, 0, 0);
+      reinterpret_cast<uint4*>(sQ)[swz(r, c)] = v;
+    }
   }
   if (tid < R) {
     sM[tid] = K3GEN_MLA_NEG_INF;
@@ -302,72 +238,45 @@ __device__ void decode(const Params& p) {
     sLim[tid] = len - C::kTokens + t;
   }
 
-  for (int s = 0; s < S - 1; ++s) {
-    if (t_begin + s < t_end) load_tile<C>(p, b, len, t_begin + s, sRaw + s * G::kRaw);
-    cp_async_commit();
-  }
-
   float o[MT][8][4];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[m][j][0] = o[m][j][1] = o[m][j][2] = o[m][j][3] = 0.f;
 
-  const float qk_scale = C::kSoftmaxScale * kLog2e;
+  float qk_scale = C::kSoftmaxScale * kLog2e * qmul;
+  if constexpr (kF8 && C::kFp8PerTensor) qk_scale *= p.scale;
+  if constexpr (kNv) qk_scale = __fdiv_rn(qk_scale, p.scale);   // codes times scale codes are G * KV
   const unsigned aQ = smem_u32(sQ), aP = smem_u32(sP);
-  for (int it = 0; t_begin + it < t_end; ++it) {
-    const int tile = t_begin + it;
-    cp_async_wait<S - 2>();
-    __syncthreads();
-    if (tile + S - 1 < t_end) load_tile<C>(p, b, len, tile + S - 1, sRaw + ((it + S - 1) % S) * G::kRaw);
-    cp_async_commit();
-    const unsigned char* stage = sRaw + (it % S) * G::kRaw;
-    const __nv_bfloat16* kv = reinterpret_cast<const __nv_bfloat16*>(stage);
-    if constexpr (C::kKv != Kv::kBf16) {
-      dequant_tile<C>(p, b, len, tile, stage, sDeq);
-      kv = sDeq;
-      __syncthreads();
+  // Lane constants of the swizzled ldmatrix addresses: a phase's 8 rows are r..r+7 with
+  // row & 7 == lane & 7, and logical chunk 2k + j (2k a multiple of 4, j < 4) maps to 2k ^ (j ^ (lane & 7)).
+  const int yB = (lane >> 3) ^ (lane & 7);         // QK B: 4 matrices = chunks 2k .. 2k+3
+  const int yA = (lane >> 4) ^ (lane & 7);         // A (Q) and PV V: 2 chunks per matrix pair
+  unsigned qf[MT == 1 && !kF8 ? kRow / 16 : 1][4];   // BF16: ldmatrix A fragments; NVFP4: f16 per group
+  uint4 qh[MT == 1 && kF8 ? kRow / 32 : 1][2];   // FP8: f16 query rows g, g + 8, natural order
+  int fexp = 0;                                   // FP8: the running output is in units of 2^fexp
+  if constexpr (MT == 1 && kF8) {
+    const unsigned char* sq = reinterpret_cast<const unsigned char*>(sQ) + (lane >> 2) * f8::kQRowB + (lane & 3) * 16;
+#pragma unroll
+    for (int k = 0; k < kRow / 32; ++k) {
+      qh[k][0] = *reinterpret_cast<const uint4*>(sq + k * 64);
+      qh[k][1] = *reinterpret_cast<const uint4*>(sq + 8 * f8::kQRowB + k * 64);
     }
-    const unsigned aKV = smem_u32(kv);
-
-    // QK: warp w -> tokens 8w..8w+7 of every row.
-    {
-      float acc[MT][4];
+  } else if constexpr (MT == 1 && kNv) {
+    const unsigned char* sq = reinterpret_cast<const unsigned char*>(sQ) + (lane >> 2) * f8::kQRowB + (lane & 3) * 8;
 #pragma unroll
-      for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
-      const unsigned bRow = aKV + ((warp * 8 + (lane & 7)) * kRowS + (lane >> 3) * 8) * 2;
-      const unsigned aRow = aQ + ((lane & 15) * kRowS + (lane >> 4) * 8) * 2;
-#pragma unroll 3
-      for (int k = 0; k < kRow / 16; k += 2) {
-        unsigned bf[4];
-        ldsm_x4(bRow + k * 32, bf);
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          unsigned a[4];
-          ldsm_x4(aRow + (m * 16 * kRowS + k * 16) * 2, a);
-          mma_bf16(acc[m], a, bf[0], bf[1]);
-          ldsm_x4(aRow + (m * 16 * kRowS + k * 16 + 16) * 2, a);
-          mma_bf16(acc[m], a, bf[2], bf[3]);
-        }
-      }
-      const int col = warp * 8 + (lane & 3) * 2;
-      const int pos = tile * kTok + col;
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = m * 16 + (lane >> 2) + 8 * h;
-          const int lim = sLim[row];
-          float2 v;
-          v.x = pos <= lim ? acc[m][2 * h] * qk_scale : K3GEN_MLA_NEG_INF;
-          v.y = pos + 1 <= lim ? acc[m][2 * h + 1] * qk_scale : K3GEN_MLA_NEG_INF;
-          *reinterpret_cast<float2*>(sS + row * kSStride + col) = v;
-        }
-      }
+    for (int k = 0; k < kRow / 16; ++k) {
+      const uint2 qa = *reinterpret_cast<const uint2*>(sq + k * 32);
+      const uint2 qb = *reinterpret_cast<const uint2*>(sq + 8 * f8::kQRowB + k * 32);
+      qf[k][0] = qa.x; qf[k][1] = qb.x; qf[k][2] = qa.y; qf[k][3] = qb.y;
     }
+  } else if constexpr (MT == 1) {
     __syncthreads();
-
-    // Online softmax: warp w -> rows w, w + 8, ...; lane -> columns 2l, 2l + 1.
+#pragma unroll
+    for (int k = 0; k < kRow / 16; ++k) ldsm_x4(aQ + (lane & 15) * (kRow * 2) + ((2 * k) ^ yA) * 16, qf[k]);
+  }
+  // Online softmax of the scores in sS: warp w -> rows w, w + 8, ...; lane -> columns 2l, 2l + 1.
+  auto softmax = [&]() {
 #pragma unroll
     for (int row = warp; row < R; row += kWarps) {
       const float2 s2 = *reinterpret_cast<const float2*>(sS + row * kSStride + 2 * lane);
@@ -383,10 +292,13 @@ __device__ void decode(const Params& p) {
         p1 = exp2f(s2.y - m_new);
       }
       const unsigned pb = bf16x2(p0, p1);
-      float sum = bf16_lo(pb) + bf16_hi(pb);  // the denominator sums what the MMA sums
+      // The denominator sums what the MMA sums; FP8/NVFP4 keep FP32 p (the PV A fragments are
+      // f16 of p, for FP8 times the per-token scales).
+      float sum = kF16 ? p0 + p1 : bf16_lo(pb) + bf16_hi(pb);
 #pragma unroll
       for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      *reinterpret_cast<unsigned*>(sP + row * kPStride + 2 * lane) = pb;
+      if constexpr (kF16) *reinterpret_cast<float2*>(sS + row * kSStride + 2 * lane) = make_float2(p0, p1);
+      else *reinterpret_cast<unsigned*>(sP + row * kPStride + 2 * lane) = pb;
       __syncwarp();
       if (lane == 0) {
         sL[row] = sL[row] * alpha + sum;
@@ -394,10 +306,81 @@ __device__ void decode(const Params& p) {
         sAlpha[row] = alpha;
       }
     }
+  };
+
+  for (int it = 0; t_begin + it < t_end; ++it) {
+    const int tile = t_begin + it;
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    if (tile + S - 1 < t_end) load_tile<C>(p, b, len, tile + S - 1, sRaw + ((it + S - 1) % S) * G::kRaw);
+    cp_async_commit();
+    const unsigned char* stage = sRaw + (it % S) * G::kRaw;
+    const __nv_bfloat16* kv = reinterpret_cast<const __nv_bfloat16*>(stage);
+    if constexpr (kF16) {
+      // Rows not copied (past the end, bad page) or (NVFP4) of the live tile become zeros.
+      const int end = kNv ? live : len;
+      const int valid = tile_page<C>(p, b, tile) < 0 ? 0 : max(0, min(kTok, end - tile * kTok));
+      if (valid < kTok) {
+        if constexpr (kF8) f8::zero_rows(const_cast<unsigned char*>(stage), valid);
+        else nv::zero_rows<C>(const_cast<unsigned char*>(stage), valid);
+        __syncthreads();
+      }
+    }
+    const unsigned aKV = smem_u32(kv);
+
+    // QK: warp w -> tokens 8w..8w+7 of every row.
+    {
+      float acc[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+      const unsigned bRow = aKV + (warp * 8 + (lane & 7)) * (kRow * 2);
+      const unsigned aRow = aQ + (lane & 15) * (kRow * 2);
+      if constexpr (kF8) f8::qk<C>(acc, stage, qh, reinterpret_cast<const unsigned char*>(sQ), warp, lane);
+      if constexpr (kNv) nv::qk<C>(acc, stage, qf, reinterpret_cast<const unsigned char*>(sQ), warp, lane);
+#pragma unroll
+      for (int k = 0; k < (kF16 ? 0 : kRow / 16); k += 2) {
+        unsigned bf[4];
+        ldsm_x4(bRow + ((2 * k) ^ yB) * 16, bf);
+        if constexpr (MT == 1) {
+          mma_bf16(acc[0], qf[k], bf[0], bf[1]);
+          mma_bf16(acc[0], qf[k + 1], bf[2], bf[3]);
+        } else {
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            unsigned a[4];
+            ldsm_x4(aRow + m * 16 * (kRow * 2) + ((2 * k) ^ yA) * 16, a);
+            mma_bf16(acc[m], a, bf[0], bf[1]);
+            ldsm_x4(aRow + m * 16 * (kRow * 2) + ((2 * k + 2) ^ yA) * 16, a);
+            mma_bf16(acc[m], a, bf[2], bf[3]);
+          }
+        }
+      }
+      const int col = warp * 8 + (lane & 3) * 2;
+      const int pos = tile * kTok + col;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m * 16 + (lane >> 2) + 8 * h;
+          const int lim = kNv ? min(sLim[row], live - 1) : sLim[row];   // NVFP4: live rows come later
+          float2 v;
+          v.x = pos <= lim ? acc[m][2 * h] * qk_scale : K3GEN_MLA_NEG_INF;
+          v.y = pos + 1 <= lim ? acc[m][2 * h + 1] * qk_scale : K3GEN_MLA_NEG_INF;
+          *reinterpret_cast<float2*>(sS + row * kSStride + col) = v;
+        }
+      }
+    }
+    __syncthreads();
+
+    softmax();
     __syncthreads();
 
     // PV: warp w -> output columns 64w..64w+63.
-    {
+    if constexpr (kF8) {
+      f8::pv<C>(o, stage, sS, sAlpha, warp, lane, fexp);
+    } else if constexpr (kNv) {
+      nv::pv<C>(o, stage, sS, sAlpha, warp, lane);
+    } else {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         const float a0 = sAlpha[m * 16 + (lane >> 2)], a1 = sAlpha[m * 16 + (lane >> 2) + 8];
@@ -407,7 +390,7 @@ __device__ void decode(const Params& p) {
           o[m][j][2] *= a1; o[m][j][3] *= a1;
         }
       }
-      const unsigned vRow = aKV + (((lane & 7) + ((lane >> 3) & 1) * 8) * kRowS + warp * 64 + (lane >> 4) * 8) * 2;
+      const unsigned vRow = aKV + ((lane & 7) + ((lane >> 3) & 1) * 8) * (kRow * 2) + warp * 128;
       const unsigned pRow = aP + ((lane & 15) * kPStride + (lane >> 4) * 8) * 2;
 #pragma unroll
       for (int k = 0; k < kTok / 16; ++k) {
@@ -417,7 +400,7 @@ __device__ void decode(const Params& p) {
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
           unsigned bv[4];
-          ldsm_x4_t(vRow + (k * 16 * kRowS + jj * 16) * 2, bv);
+          ldsm_x4_t(vRow + k * 16 * (kRow * 2) + ((2 * jj) ^ yA) * 16, bv);
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
             mma_bf16(o[m][2 * jj], a[m], bv[0], bv[1]);
@@ -429,6 +412,16 @@ __device__ void decode(const Params& p) {
   }
   cp_async_wait<0>();
   __syncthreads();
+  if constexpr (kNv) {
+    // The live positions, by the CTA of the sequence's last tile (uniform condition).
+    if (t_begin < t_end && t_end == ntiles && live < len) {
+      nv::live_scores<C>(p, b, len, live, r0, sRaw, sS, sLim, C::kSoftmaxScale * kLog2e);
+      __syncthreads();
+      softmax();
+      __syncthreads();
+      nv::live_pv<C>(o, sRaw, len - live, sS, sAlpha, p.scale, warp, lane);
+    }
+  }
 
   // Epilogue: normalized rows; one split writes BF16 directly, several write FP32 partials.
 #pragma unroll
@@ -438,8 +431,33 @@ __device__ void decode(const Params& p) {
       const int row = m * 16 + (lane >> 2) + 8 * h;
       if (r0 + row >= HT) continue;
       const float l = sL[row];
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float inv = l > 0.f ? 1.f / l : 0.f;
       const long long orow = static_cast<long long>(b) * HT + r0 + row;
+      const long long prow = (static_cast<long long>(b) * p.splits + split) * HT + r0 + row;
+      if constexpr (kF16) {
+        // Tile 4 bp + j, column 2c + e holds dim 32 bp + 8c + 4e + j of the warp's 64.
+        if constexpr (kF8) inv *= f8::pow2(fexp) * (C::kFp8PerTensor ? p.scale : 1.f);
+        else inv = __fdiv_rn(inv, p.scale);   // NVFP4: the output is in units of 1/G
+#pragma unroll
+        for (int bp = 0; bp < 2; ++bp) {
+          float x[8];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            x[j] = o[m][4 * bp + j][2 * h] * inv;
+            x[4 + j] = o[m][4 * bp + j][2 * h + 1] * inv;
+          }
+          const int col = warp * 64 + 32 * bp + 8 * (lane & 3);
+          if (p.splits == 1) {
+            *reinterpret_cast<uint4*>(p.out + orow * kLat + col) =
+                make_uint4(bf16x2(x[0], x[1]), bf16x2(x[2], x[3]), bf16x2(x[4], x[5]), bf16x2(x[6], x[7]));
+          } else {
+            float4* d = reinterpret_cast<float4*>(p.part_o + prow * kLat + col);
+            d[0] = make_float4(x[0], x[1], x[2], x[3]);
+            d[1] = make_float4(x[4], x[5], x[6], x[7]);
+          }
+        }
+        continue;
+      }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int col = warp * 64 + j * 8 + (lane & 3) * 2;
@@ -447,7 +465,6 @@ __device__ void decode(const Params& p) {
         if (p.splits == 1) {
           *reinterpret_cast<unsigned*>(p.out + orow * kLat + col) = bf16x2(x, y);
         } else {
-          const long long prow = (static_cast<long long>(b) * p.splits + split) * HT + r0 + row;
           *reinterpret_cast<float2*>(p.part_o + prow * kLat + col) = make_float2(x, y);
         }
       }
