@@ -6,7 +6,7 @@
 // mla_decode h96-t1-nvfp4-linear-m3 for sm_90a
 // Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
-//   k3gen_mla_decode          grid (3, splits, B), 256 threads, 208896 B dynamic smem
+//   k3gen_mla_decode          grid (3, splits, B), 256 threads, 139776 B dynamic smem
 //   k3gen_mla_decode_combine  grid (96, B), 128 threads (only when splits > 1)
 // Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv_codes  e4m3[num_pages, 128, 288]
@@ -32,8 +32,8 @@ struct Config {
 };
 
 using Geo = k3gen::mla::Geo<Config>;
-static_assert(Geo::kSmem == 208896, "shared memory plan differs from MlaDecodeSpec.smem_bytes");
-static_assert(Geo::kRaw == 20736, "stage size differs from MlaDecodeSpec.raw_stage_bytes");
+static_assert(Geo::kSmem == 139776, "shared memory plan differs from MlaDecodeSpec.smem_bytes");
+static_assert(Geo::kRaw == 21760, "stage size differs from MlaDecodeSpec.raw_stage_bytes");
 static_assert(Config::kStages >= 2 && Config::kStages <= 4, "cp.async ring depth");
 static_assert(Config::kMT == 1 || Config::kMT == 2, "query rows per CTA: 16 or 32");
 static_assert(Config::kPage % k3gen::mla::kTok == 0, "tiles never straddle pages");

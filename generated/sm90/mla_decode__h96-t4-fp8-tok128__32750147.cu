@@ -6,7 +6,7 @@
 // mla_decode h96-t4-fp8-tok128 for sm_90a
 // Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
-//   k3gen_mla_decode          grid (12, splits, B), 256 threads, 203776 B dynamic smem
+//   k3gen_mla_decode          grid (12, splits, B), 256 threads, 216576 B dynamic smem
 //   k3gen_mla_decode_combine  grid (384, B), 128 threads (only when splits > 1)
 // Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv_codes  e4m3[num_pages, 64, 576]
@@ -21,7 +21,7 @@ struct Config {
   static constexpr int kMT = 2;
   static constexpr k3gen::mla::Kv kKv = k3gen::mla::Kv::kFp8;
   static constexpr int kPage = 64;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 4;
   static constexpr bool kFp8PerTensor = false;
   static constexpr bool kSwizzle = false;
   static constexpr int kRing = 16;
@@ -30,8 +30,8 @@ struct Config {
 };
 
 using Geo = k3gen::mla::Geo<Config>;
-static_assert(Geo::kSmem == 203776, "shared memory plan differs from MlaDecodeSpec.smem_bytes");
-static_assert(Geo::kRaw == 38912, "stage size differs from MlaDecodeSpec.raw_stage_bytes");
+static_assert(Geo::kSmem == 216576, "shared memory plan differs from MlaDecodeSpec.smem_bytes");
+static_assert(Geo::kRaw == 40960, "stage size differs from MlaDecodeSpec.raw_stage_bytes");
 static_assert(Config::kStages >= 2 && Config::kStages <= 4, "cp.async ring depth");
 static_assert(Config::kMT == 1 || Config::kMT == 2, "query rows per CTA: 16 or 32");
 static_assert(Config::kPage % k3gen::mla::kTok == 0, "tiles never straddle pages");
