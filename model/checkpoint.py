@@ -211,7 +211,39 @@ def _random_plain(name: str, info: TensorInfo, cfg: ModelConfig, g: torch.Genera
     if name.endswith("embed_tokens.weight"):
         return torch.randn(shape, generator=g).to(info.dtype)
     fan_in = shape[-1]
-    return (torch.randn(shape, generator=g) * fan_in ** -0.5).to(info.dtype)
+    return (torch.randn(shape, generator=g) * fan_in ** -0.5 * _init_gain(name)).to(info.dtype)
+
+
+# A random model is only a meaningful test of numerics if it is not chaotic. With unit-gain
+# projections every layer adds as much as the residual stream holds, so a 1e-3 relative
+# difference in one GEMM (the wgmma FP8 accumulation) grows through FP8 activation re-quantization
+# (a tiny input change flips E4M3 codes: sqrt(delta * ulp) ~ 1e-2) and MoE top-k flips into ~15%
+# of the logits by layer 8, and unit-RMS logits over the vocabulary have top-2 margins of ~0.14
+# (top-1 is then a coin toss). Trained models write small updates into the residual stream and
+# have confident logits: the residual-writing projections get the 1/sqrt(2 * layers)-style gain of
+# GPT-2's init. Top-1 agreement is scale-free, so the LM head also needs the shape of a trained
+# one: a bigram part (row pi(t) = the embedding of token t, so the next-token logit of pi(current)
+# stands out by a few logit RMS and p(top-1) is ~0.5, as in a trained LM on predictable text)
+# plus a random part, with a gain giving logits of RMS ~4. The layers still move that margin: the
+# residual stream carries the embedding plus 8 updates of ~1/4 of it.
+RESIDUAL_GAIN = 0.25
+LOGIT_GAIN = 4.0
+BIGRAM = 0.15
+_RESIDUAL_WRITERS = ("o_proj.weight", "down_proj.weight", "latent_up.weight")
+
+
+def _init_gain(name: str) -> float:
+    return RESIDUAL_GAIN if name.endswith(_RESIDUAL_WRITERS) else 1.0
+
+
+def _random_lm_head(embed: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """[vocab, hidden] BF16: LOGIT_GAIN * (BIGRAM * embed[pi^-1] + N(0, 1)) / sqrt(hidden)."""
+    v, hid = embed.shape
+    perm = torch.randperm(v, generator=g)
+    w = torch.empty(v, hid)
+    w[perm] = embed.float() * BIGRAM
+    w += torch.randn(v, hid, generator=g)
+    return (w * LOGIT_GAIN * hid ** -0.5).to(embed.dtype).contiguous()
 
 
 def random_nvfp4_codes(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -236,11 +268,13 @@ def random_tensors(cfg: ModelConfig, seed: int = 0, truth: bool = True, fp4: str
     info = expected_tensors(cfg)
     stored, truth_d = {}, {}
     for name, ti in info.items():
-        if ti.kind == "plain":
+        if name == LM_HEAD:
+            stored[name] = _random_lm_head(stored[PREFIX + "embed_tokens.weight"], g)
+        elif ti.kind == "plain":
             stored[name] = _random_plain(name, ti, cfg, g).contiguous()
         elif ti.kind == "fp8_weight":
             base = name[: -len(".weight")]
-            w = torch.randn(ti.shape, generator=g) * ti.shape[1] ** -0.5
+            w = torch.randn(ti.shape, generator=g) * ti.shape[1] ** -0.5 * _init_gain(name)
             stored[name], stored[base + ".weight_scale"] = quantize_fp8_pb(w)
             if truth:
                 truth_d[base] = decode_fp8_pb(stored[name], stored[base + ".weight_scale"])
