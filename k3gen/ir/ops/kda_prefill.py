@@ -122,7 +122,7 @@ class KdaPrefillSpec(OpSpec):
         if self.algo is not PrefillAlgo.CHUNKPAR:
             return 0
         tiles = self.workspace_items(tokens, batch) * (PAR_ITEM // 16) * self.heads * PAR_TILE_BYTES
-        return tiles + tokens * self.heads * KDA_DV * FP32.bytes
+        return tiles + tokens * self.heads * KDA_DV * int(FP32.bytes)  # dtype sizes are floats (FP4: 0.5)
 
     def slug(self) -> str:
         s = f"h{self.heads}-{self.gate.value}-{self.ssm.value}"
