@@ -68,6 +68,87 @@ __device__ __forceinline__ void conv_weights(uint2 cw, float (&w)[4]) {
   w[3] = bf16_bits_to_float(cw.y >> 16);
 }
 
+// The update of the rows a half-warp owns, shared by the row and stream schedules so both do the
+// same arithmetic: q, k (post-conv, before the L2 norm) and exp(g) of all 128 channels, and v and o
+// by local row, in shared memory; the rows' old values in `frag`, new values stored to
+// rows + local_row * kDim. Returns o of the row this lane reports (where o_lane).
+template <class Row, int RP>
+__device__ __forceinline__ float head_update(const typename Row::Frag (&frag)[RP], const float* sq, const float* sk,
+                                             const float* seg, const float* sv, float* so, float beta,
+                                             typename Row::Elem* rows, int row_base, int half, int hl,
+                                             bool& o_lane) {
+  // ---- per-lane K slice of q, k, exp(g); head-wide norms from half-warp sums ------------------
+  float qv[8], kv[8], ev[8];
+  {
+    const int i0 = Row::k0(hl), i1 = Row::k1(hl);
+    const float* src[3] = {sq, sk, seg};
+    float* dst[3] = {qv, kv, ev};
+#pragma unroll
+    for (int t = 0; t < 3; ++t) {
+      const float4 lo = *reinterpret_cast<const float4*>(src[t] + i0);
+      const float4 hi = *reinterpret_cast<const float4*>(src[t] + i1);
+      dst[t][0] = lo.x, dst[t][1] = lo.y, dst[t][2] = lo.z, dst[t][3] = lo.w;
+      dst[t][4] = hi.x, dst[t][5] = hi.y, dst[t][6] = hi.z, dst[t][7] = hi.w;
+    }
+  }
+  float ssq_q = 0.0f, ssq_k = 0.0f, qk = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    ssq_q = fmaf(qv[e], qv[e], ssq_q);
+    ssq_k = fmaf(kv[e], kv[e], ssq_k);
+    qk = fmaf(qv[e], kv[e], qk);
+  }
+  ssq_q = half_sum(ssq_q);
+  ssq_k = half_sum(ssq_k);
+  qk = half_sum(qk);
+  const float iq = rsqrtf(ssq_q + kL2Eps) * 0.08838834764831845f;  // 128^-0.5
+  const float ik = rsqrtf(ssq_k + kL2Eps);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    qv[e] *= iq;
+    kv[e] *= ik;
+  }
+  qk *= iq * ik;
+
+  // ---- the recurrence, one row per half-warp per pair -----------------------------------------
+  // All rows' dot products first, then one reduce-scatter of the 2 RP sums over the half-warp
+  // (NV - 1 + 4 - log2(NV) shuffles instead of 4 NV); u of row j returns by one broadcast each.
+  constexpr int NV = 2 * RP;        // a_j = d_j.k (index j), c_j = d_j.q (index RP + j)
+  constexpr int GROUP = 16 / NV;    // lanes of the half holding each reduced value
+  float d[RP][8];
+  float red[NV];
+#pragma unroll
+  for (int j = 0; j < RP; ++j) {
+    Row::unpack(frag[j], d[j]);
+    red[j] = 0.0f;
+    red[RP + j] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      d[j][e] *= ev[e];
+      red[j] = fmaf(d[j][e], kv[e], red[j]);
+      red[RP + j] = fmaf(d[j][e], qv[e], red[RP + j]);
+    }
+  }
+  half_reduce_scatter<NV>(red, hl);
+  const int idx = hl / GROUP;               // which sum this lane holds
+  const bool a_lane = idx < RP;
+  const int jr = a_lane ? idx : idx - RP;   // its row pair
+  const float u_own = beta * (sv[row_base + 2 * jr] - red[0]);  // valid in a-lanes
+  const float u_c = __shfl_sync(0xffffffffu, u_own, half * 16 + jr * GROUP);
+  const float o = fmaf(qk, u_c, red[0]);    // valid in c-lanes
+  o_lane = !a_lane && (hl % GROUP) == 0;
+  if (o_lane) so[row_base + 2 * jr] = o;
+#pragma unroll
+  for (int j = 0; j < RP; ++j) {
+    const float u = __shfl_sync(0xffffffffu, u_own, half * 16 + j * GROUP);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) d[j][e] = fmaf(kv[e], u, d[j][e]);
+    Row::store(rows + (row_base + 2 * j) * kDim, hl, d[j]);
+  }
+
+  return o;
+}
+
 template <class C, int S>
 __device__ __forceinline__ void step(const Params& p, Smem& sm) {
   using Row = StateRow<C::kBf16State>;
@@ -208,76 +289,11 @@ __device__ __forceinline__ void step(const Params& p, Smem& sm) {
     wd[2] = __bfloat16_as_ushort(x_v);
   }
 
-  // ---- per-lane K slice of q, k, exp(g); head-wide norms from half-warp sums ------------------
-  float qv[8], kv[8], ev[8];
-  {
-    const int i0 = Row::k0(hl), i1 = Row::k1(hl);
-    const float* src[3] = {sm.q, sm.k, sm.eg};
-    float* dst[3] = {qv, kv, ev};
-#pragma unroll
-    for (int t = 0; t < 3; ++t) {
-      const float4 lo = *reinterpret_cast<const float4*>(src[t] + i0);
-      const float4 hi = *reinterpret_cast<const float4*>(src[t] + i1);
-      dst[t][0] = lo.x, dst[t][1] = lo.y, dst[t][2] = lo.z, dst[t][3] = lo.w;
-      dst[t][4] = hi.x, dst[t][5] = hi.y, dst[t][6] = hi.z, dst[t][7] = hi.w;
-    }
-  }
-  float ssq_q = 0.0f, ssq_k = 0.0f, qk = 0.0f;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    ssq_q = fmaf(qv[e], qv[e], ssq_q);
-    ssq_k = fmaf(kv[e], kv[e], ssq_k);
-    qk = fmaf(qv[e], kv[e], qk);
-  }
-  ssq_q = half_sum(ssq_q);
-  ssq_k = half_sum(ssq_k);
-  qk = half_sum(qk);
-  const float iq = rsqrtf(ssq_q + kL2Eps) * 0.08838834764831845f;  // 128^-0.5
-  const float ik = rsqrtf(ssq_k + kL2Eps);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    qv[e] *= iq;
-    kv[e] *= ik;
-  }
-  qk *= iq * ik;
   const float beta = sigmoidf_(beta_logit);
   const float out_scale = nw * sigmoidf_(__bfloat162float(x_go));  // norm weight x output gate
-
-  // ---- the recurrence, one row per half-warp per pair -----------------------------------------
-  // All rows' dot products first, then one reduce-scatter of the 2 RP sums over the half-warp
-  // (NV - 1 + 4 - log2(NV) shuffles instead of 4 NV); u of row j returns by one broadcast each.
-  constexpr int NV = 2 * RP;        // a_j = d_j.k (index j), c_j = d_j.q (index RP + j)
-  constexpr int GROUP = 16 / NV;    // lanes of the half holding each reduced value
-  float d[RP][8];
-  float red[NV];
-#pragma unroll
-  for (int j = 0; j < RP; ++j) {
-    Row::unpack(frag[j], d[j]);
-    red[j] = 0.0f;
-    red[RP + j] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      d[j][e] *= ev[e];
-      red[j] = fmaf(d[j][e], kv[e], red[j]);
-      red[RP + j] = fmaf(d[j][e], qv[e], red[RP + j]);
-    }
-  }
-  half_reduce_scatter<NV>(red, hl);
-  const int idx = hl / GROUP;               // which sum this lane holds
-  const bool a_lane = idx < RP;
-  const int jr = a_lane ? idx : idx - RP;   // its row pair
-  const float u_own = beta * (sm.v[row_base + 2 * jr] - red[0]);  // valid in a-lanes
-  const float u_c = __shfl_sync(0xffffffffu, u_own, half * 16 + jr * GROUP);
-  const float o = fmaf(qk, u_c, red[0]);    // valid in c-lanes
-  const bool o_lane = !a_lane && (hl % GROUP) == 0;
-  if (o_lane) sm.o[row_base + 2 * jr] = o;
-#pragma unroll
-  for (int j = 0; j < RP; ++j) {
-    const float u = __shfl_sync(0xffffffffu, u_own, half * 16 + j * GROUP);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) d[j][e] = fmaf(kv[e], u, d[j][e]);
-    Row::store(head + (v0 + row_base + 2 * j) * kDim, hl, d[j]);
-  }
+  bool o_lane;
+  const float o = head_update<Row, RP>(frag, sm.q, sm.k, sm.eg, sm.v, sm.o, beta, head + v0 * kDim, row_base, half,
+                                       hl, o_lane);
 
   // ---- gated RMSNorm over the 128 outputs of the head -----------------------------------------
   float ssq_o = o_lane ? o * o : 0.0f;

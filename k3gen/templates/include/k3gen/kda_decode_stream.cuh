@@ -116,8 +116,6 @@ __device__ __forceinline__ void decode_stream(const StreamParams& sp) {
   constexpr int H = C::kHeads;
   constexpr int D = H * kDim;
   constexpr int RP = kDim / (2 * kWarps);  // 8 row pairs per warp
-  constexpr int NV = 2 * RP;
-  constexpr int GROUP = 16 / NV;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<StreamSmem<Elem, NS>*>(smem_raw);
   const Params& p = sp.p;
@@ -227,71 +225,12 @@ __device__ __forceinline__ void decode_stream(const StreamParams& sp) {
     }
     __syncthreads();
     if (valid) {
-      float qv[8], kv[8], ev[8];
-      {
-        const int i0 = Row::k0(hl), i1 = Row::k1(hl);
-        const float* src[3] = {sm.q, sm.k, sm.eg};
-        float* dst[3] = {qv, kv, ev};
-#pragma unroll
-        for (int t = 0; t < 3; ++t) {
-          const float4 lo = *reinterpret_cast<const float4*>(src[t] + i0);
-          const float4 hi = *reinterpret_cast<const float4*>(src[t] + i1);
-          dst[t][0] = lo.x, dst[t][1] = lo.y, dst[t][2] = lo.z, dst[t][3] = lo.w;
-          dst[t][4] = hi.x, dst[t][5] = hi.y, dst[t][6] = hi.z, dst[t][7] = hi.w;
-        }
-      }
-      float ssq_q = 0.0f, ssq_k = 0.0f, qk = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        ssq_q = fmaf(qv[e], qv[e], ssq_q);
-        ssq_k = fmaf(kv[e], kv[e], ssq_k);
-        qk = fmaf(qv[e], kv[e], qk);
-      }
-      ssq_q = half_sum(ssq_q);
-      ssq_k = half_sum(ssq_k);
-      qk = half_sum(qk);
-      const float iq = rsqrtf(ssq_q + kL2Eps) * 0.08838834764831845f;  // 128^-0.5
-      const float ik = rsqrtf(ssq_k + kL2Eps);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        qv[e] *= iq;
-        kv[e] *= ik;
-      }
-      qk *= iq * ik;
       const float beta = sigmoidf_(beta_logit);
-
-      // ---- the recurrence: rows from the ring, new rows straight to the pool ----------------
       Elem* head = static_cast<Elem*>(p.ssm) + (static_cast<long long>(meta.slot) * H + h) * (kDim * kDim);
-      float d[RP][8];
-      float red[NV];
+      typename Row::Frag frag[RP];
 #pragma unroll
-      for (int j = 0; j < RP; ++j) {
-        Row::unpack(Row::load_shared(st.state + (row_base + 2 * j) * kDim, hl), d[j]);
-        red[j] = 0.0f;
-        red[RP + j] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          d[j][e] *= ev[e];
-          red[j] = fmaf(d[j][e], kv[e], red[j]);
-          red[RP + j] = fmaf(d[j][e], qv[e], red[RP + j]);
-        }
-      }
-      half_reduce_scatter<NV>(red, hl);
-      const int idx = hl / GROUP;
-      const bool a_lane = idx < RP;
-      const int jr = a_lane ? idx : idx - RP;
-      const float u_own = beta * (sm.v[row_base + 2 * jr] - red[0]);
-      const float u_c = __shfl_sync(0xffffffffu, u_own, half * 16 + jr * GROUP);
-      o = fmaf(qk, u_c, red[0]);
-      o_lane = !a_lane && (hl % GROUP) == 0;
-      if (o_lane) sm.o[row_base + 2 * jr] = o;
-#pragma unroll
-      for (int j = 0; j < RP; ++j) {
-        const float u = __shfl_sync(0xffffffffu, u_own, half * 16 + j * GROUP);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) d[j][e] = fmaf(kv[e], u, d[j][e]);
-        Row::store(head + (row_base + 2 * j) * kDim, hl, d[j]);
-      }
+      for (int j = 0; j < RP; ++j) frag[j] = Row::load_shared(st.state + (row_base + 2 * j) * kDim, hl);
+      o = head_update<Row, RP>(frag, sm.q, sm.k, sm.eg, sm.v, sm.o, beta, head, row_base, half, hl, o_lane);
     }
     float ssq_o = o_lane ? o * o : 0.0f;
 #pragma unroll
