@@ -97,8 +97,9 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned (&r)[4]) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 // D += A (16x16 BF16, row) * B (16x8 BF16, col), FP32 accumulate.
+// Not volatile: the MMA is pure, so the scheduler may interleave independent accumulator chains.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -330,9 +331,14 @@ __device__ void decode(const Params& p) {
 
     // QK: warp w -> tokens 8w..8w+7 of every row.
     {
-      float acc[MT][4];
+      // Two accumulator chains (even/odd k16 step): one chain of 36 dependent MMAs per tile was
+      // the latency floor of the QK phase.
+      float acc[MT][4], acc2[MT][4];
 #pragma unroll
-      for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+      for (int m = 0; m < MT; ++m) {
+        acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+        acc2[m][0] = acc2[m][1] = acc2[m][2] = acc2[m][3] = 0.f;
+      }
       const unsigned bRow = aKV + (warp * 8 + (lane & 7)) * (kRow * 2);
       const unsigned aRow = aQ + (lane & 15) * (kRow * 2);
       if constexpr (kF8) f8::qk<C>(acc, stage, qh, reinterpret_cast<const unsigned char*>(sQ), warp, lane);
@@ -343,7 +349,7 @@ __device__ void decode(const Params& p) {
         ldsm_x4(bRow + ((2 * k) ^ yB) * 16, bf);
         if constexpr (MT == 1) {
           mma_bf16(acc[0], qf[k], bf[0], bf[1]);
-          mma_bf16(acc[0], qf[k + 1], bf[2], bf[3]);
+          mma_bf16(acc2[0], qf[k + 1], bf[2], bf[3]);
         } else {
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
@@ -351,10 +357,14 @@ __device__ void decode(const Params& p) {
             ldsm_x4(aRow + m * 16 * (kRow * 2) + ((2 * k) ^ yA) * 16, a);
             mma_bf16(acc[m], a, bf[0], bf[1]);
             ldsm_x4(aRow + m * 16 * (kRow * 2) + ((2 * k + 2) ^ yA) * 16, a);
-            mma_bf16(acc[m], a, bf[2], bf[3]);
+            mma_bf16(acc2[m], a, bf[2], bf[3]);
           }
         }
       }
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][i] += acc2[m][i];
       const int col = warp * 8 + (lane & 3) * 2;
       const int pos = tile * kTok + col;
 #pragma unroll

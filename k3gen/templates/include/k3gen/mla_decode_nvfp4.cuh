@@ -73,10 +73,15 @@ __device__ __forceinline__ void qk(float (&acc)[C::kMT][4], const unsigned char*
   constexpr int MT = C::kMT;
   const int g = lane >> 2, c = lane & 3, t = warp * 8 + g;
   const unsigned char* krow = stage + t * kRowB + 2 * c;
+  float acc2[MT][4];   // odd groups: two independent MMA chains instead of one of 36
 #pragma unroll
-  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+  for (int m = 0; m < MT; ++m) {
+    acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+    acc2[m][0] = acc2[m][1] = acc2[m][2] = acc2[m][3] = 0.f;
+  }
 #pragma unroll
   for (int G = 0; G < kRow / 16; ++G) {
+    float (&d)[MT][4] = (G & 1) ? acc2 : acc;
     const unsigned u = *reinterpret_cast<const unsigned short*>(krow + 8 * G);
     const unsigned s = scale_code<C>(stage, t, G);
     const unsigned s2 = e4m3x2_to_h2(s, s);
@@ -87,14 +92,18 @@ __device__ __forceinline__ void qk(float (&acc)[C::kMT][4], const unsigned char*
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       if constexpr (MT == 1) {
-        f8::mma_f16(acc[m], qn[G][0], qn[G][1], qn[G][2], qn[G][3], b0, b1);
+        f8::mma_f16(d[m], qn[G][0], qn[G][1], qn[G][2], qn[G][3], b0, b1);
       } else {
         const uint2 qa = *reinterpret_cast<const uint2*>(sq + (m * 16 + g) * f8::kQRowB + G * 32 + c * 8);
         const uint2 qb = *reinterpret_cast<const uint2*>(sq + (m * 16 + g + 8) * f8::kQRowB + G * 32 + c * 8);
-        f8::mma_f16(acc[m], qa.x, qb.x, qa.y, qb.y, b0, b1);
+        f8::mma_f16(d[m], qa.x, qb.x, qa.y, qb.y, b0, b1);
       }
     }
   }
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[m][i] += acc2[m][i];
 }
 
 // o (permuted columns) = o * alpha + f16(p) . (code * scale_code) over the tile.

@@ -1,0 +1,57 @@
+"""Launch one op on a bench shape a few times for `ncu` (ncu measures; nothing is timed here).
+
+Usage: python scripts/profile_ops.py mla-bf16|mla-fp8|mla-nvfp4|mla-h128|gemm-m1|gemm-m128|gemm-qkvg-m8
+"""
+import sys
+
+import torch
+
+from k3gen.bench_cases_mla import _random_cache
+from k3gen.ir.dtypes import KvDtype, ScaleRecipe
+from k3gen.targets import get_target
+
+
+def mla(kv: KvDtype, H=12, B=128, L=8192, T=1):
+    from k3gen.ir.ops.mla_decode import MlaDecodeSpec
+    from k3gen.runtime.ops.mla_decode import MlaDecode
+    kw = {"max_drafts": 3} if kv is KvDtype.NVFP4 else {}
+    spec = MlaDecodeSpec(target=get_target("sm90"), heads=H, tokens=T, kv=kv, **kw)
+    op = MlaDecode(spec).load()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pages = -(-L // spec.page)
+    cache = _random_cache(spec, B * pages, B, gen)
+    bt = torch.randperm(B * pages, device="cuda", generator=gen).to(torch.int32).view(B, pages)
+    lengths = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    ring = torch.arange(B, dtype=torch.int32, device="cuda")
+    q = (torch.randn(B, T, H, 576, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    out = torch.empty(B, T, H, 512, dtype=torch.bfloat16, device="cuda")
+    plan = op.plan(B, L)
+    print(f"mla {kv.value} H{H} B{B} L{L}: splits {plan.splits}", flush=True)
+    for _ in range(3):
+        op(q, cache, bt, lengths, out, ring_slot=ring, scale=1.0, plan=plan)
+
+
+def gemm(n, k, m):
+    from k3gen.ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
+    from k3gen.runtime.ops.fp8_block_gemm import Fp8BlockGemm
+    op = Fp8BlockGemm(Fp8BlockGemmSpec(target=get_target("sm90"), n=n, k=k, recipe=ScaleRecipe.FP32)).load()
+    s = op.spec
+    wc = torch.randint(0, 0x7E, (n, k), device="cuda", dtype=torch.uint8)
+    ws = torch.rand(s.n_blocks, s.k_blocks, device="cuda") * 1e-2
+    xc = torch.randint(0, 0x7E, (m, k), device="cuda", dtype=torch.uint8)
+    xs = torch.rand(m, s.k_blocks, device="cuda") * 1e-2
+    y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    print(f"gemm N{n} K{k} M{m}: split {op.split_for(m)}", flush=True)
+    for _ in range(3):
+        op(xc, xs, wc, ws, y)
+
+
+CASES = {
+    "mla-bf16": lambda: mla(KvDtype.BF16), "mla-fp8": lambda: mla(KvDtype.FP8),
+    "mla-nvfp4": lambda: mla(KvDtype.NVFP4), "mla-h128": lambda: mla(KvDtype.BF16, H=128, B=32, L=8192),
+    "gemm-m1": lambda: gemm(7168, 12288, 1), "gemm-m128": lambda: gemm(7168, 12288, 128),
+    "gemm-qkvg-m8": lambda: gemm(6144, 7168, 8),
+}
+for name in sys.argv[1:]:
+    CASES[name]()
+torch.cuda.synchronize()
