@@ -46,7 +46,28 @@ def gemm(n, k, m):
         op(xc, xs, wc, ws, y)
 
 
+def verify(H=12, B=128, M=3):
+    from k3gen.ir.dtypes import SsmDtype
+    from k3gen.ir.ops.kda_verify import KdaVerifySpec
+    from k3gen.reference.kda_decode import random_weights
+    from k3gen.runtime.ops.kda_verify import KdaVerify
+    K, T, D = 128, 1 + M, H * 128
+    op = KdaVerify(KdaVerifySpec(target=get_target("sm90"), heads=H, drafts=M, ssm=SsmDtype.FP32)).load()
+    w = random_weights(H, generator=torch.Generator().manual_seed(H)).to("cuda")
+    fab = torch.randn(B * T, K + H, device="cuda").to(torch.bfloat16)
+    args = (torch.randn(B * T, 4 * D, device="cuda").to(torch.bfloat16), fab[:, :K], fab[:, K:],
+            torch.randn(B, H, K, K, device="cuda") * 0.05, torch.randn(B, M, H, K, K, device="cuda") * 0.05,
+            torch.randn(B, 3 * D, 3 + M, device="cuda"),
+            torch.randint(0, M + 1, (B,), device="cuda", dtype=torch.int32),
+            torch.randperm(B, device="cuda").to(torch.int32), w.conv_w, w.fb_w, w.dt_bias, w.a_log, w.norm_w,
+            torch.empty(B, T, H, K, device="cuda", dtype=torch.bfloat16))
+    print(f"verify H{H} B{B}: schedule {op.schedule_for(B)}", flush=True)
+    for _ in range(3):
+        op(*args)
+
+
 CASES = {
+    "verify-b128": lambda: verify(), "verify-b32": lambda: verify(B=32),
     "mla-bf16": lambda: mla(KvDtype.BF16), "mla-fp8": lambda: mla(KvDtype.FP8),
     "mla-nvfp4": lambda: mla(KvDtype.NVFP4), "mla-h128": lambda: mla(KvDtype.BF16, H=128, B=32, L=8192),
     "gemm-m1": lambda: gemm(7168, 12288, 1), "gemm-m128": lambda: gemm(7168, 12288, 128),

@@ -276,32 +276,39 @@ __device__ void decode(const Params& p) {
 #pragma unroll
     for (int k = 0; k < kRow / 16; ++k) ldsm_x4(aQ + (lane & 15) * (kRow * 2) + ((2 * k) ^ yA) * 16, qf[k]);
   }
-  // Online softmax of the scores in sS: warp w -> rows w, w + 8, ...; lane -> columns 2l, 2l + 1.
+  // Online softmax of the scores in sS: each half-warp owns a row (rows w + 8 (2i + half)) and
+  // each of its lanes 4 columns, so a warp reduces two rows in the same 4 shuffle steps (the
+  // row-per-warp form spent 20 dependent shuffles on its two rows).
+  static_assert(kTok == 64 && R % (2 * kWarps) == 0, "softmax lane map");
   auto softmax = [&]() {
+    const int hl = lane & 15;
 #pragma unroll
-    for (int row = warp; row < R; row += kWarps) {
-      const float2 s2 = *reinterpret_cast<const float2*>(sS + row * kSStride + 2 * lane);
-      float mx = fmaxf(s2.x, s2.y);
+    for (int row = warp + kWarps * (lane >> 4); row < R; row += 2 * kWarps) {
+      const float4 s4 = *reinterpret_cast<const float4*>(sS + row * kSStride + 4 * hl);
+      float mx = fmaxf(fmaxf(s4.x, s4.y), fmaxf(s4.z, s4.w));
 #pragma unroll
-      for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      for (int off = 8; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       const float m_old = sM[row];
       const float m_new = fmaxf(m_old, mx);
-      float alpha = 1.f, p0 = 0.f, p1 = 0.f;
+      float alpha = 1.f, p0 = 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
       if (m_new != K3GEN_MLA_NEG_INF) {
         alpha = exp2f(m_old - m_new);
-        p0 = exp2f(s2.x - m_new);
-        p1 = exp2f(s2.y - m_new);
+        p0 = exp2f(s4.x - m_new);
+        p1 = exp2f(s4.y - m_new);
+        p2 = exp2f(s4.z - m_new);
+        p3 = exp2f(s4.w - m_new);
       }
-      const unsigned pb = bf16x2(p0, p1);
+      const unsigned pb0 = bf16x2(p0, p1), pb1 = bf16x2(p2, p3);
       // The denominator sums what the MMA sums; FP8/NVFP4 keep FP32 p (the PV A fragments are
       // f16 of p, for FP8 times the per-token scales).
-      float sum = kF16 ? p0 + p1 : bf16_lo(pb) + bf16_hi(pb);
+      float sum = kF16 ? (p0 + p1) + (p2 + p3)
+                       : (bf16_lo(pb0) + bf16_hi(pb0)) + (bf16_lo(pb1) + bf16_hi(pb1));
 #pragma unroll
-      for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      if constexpr (kF16) *reinterpret_cast<float2*>(sS + row * kSStride + 2 * lane) = make_float2(p0, p1);
-      else *reinterpret_cast<unsigned*>(sP + row * kPStride + 2 * lane) = pb;
+      for (int off = 8; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if constexpr (kF16) *reinterpret_cast<float4*>(sS + row * kSStride + 4 * hl) = make_float4(p0, p1, p2, p3);
+      else *reinterpret_cast<uint2*>(sP + row * kPStride + 4 * hl) = make_uint2(pb0, pb1);
       __syncwarp();
-      if (lane == 0) {
+      if (hl == 0) {
         sL[row] = sL[row] * alpha + sum;
         sM[row] = m_new;
         sAlpha[row] = alpha;
@@ -331,9 +338,11 @@ __device__ void decode(const Params& p) {
 
     // QK: warp w -> tokens 8w..8w+7 of every row.
     {
-      // Two accumulator chains (even/odd k16 step): one chain of 36 dependent MMAs per tile was
-      // the latency floor of the QK phase.
-      float acc[MT][4], acc2[MT][4];
+      // Independent accumulator chains (even/odd k16 step, and for MT = 1 pairs of steps): one
+      // chain of 36 dependent MMAs per tile was the latency floor of the QK phase.
+      float acc[MT][4], acc2[MT][4], acc3[1][4], acc4[1][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc3[0][i] = acc4[0][i] = 0.f;
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
@@ -348,8 +357,11 @@ __device__ void decode(const Params& p) {
         unsigned bf[4];
         ldsm_x4(bRow + ((2 * k) ^ yB) * 16, bf);
         if constexpr (MT == 1) {
-          mma_bf16(acc[0], qf[k], bf[0], bf[1]);
-          mma_bf16(acc2[0], qf[k + 1], bf[2], bf[3]);
+          // MT = 1 has only this chain per warp: four accumulators (pairs of k steps alternate).
+          float (&a0)[4] = (k & 2) ? acc3[0] : acc[0];
+          float (&a1)[4] = (k & 2) ? acc4[0] : acc2[0];
+          mma_bf16(a0, qf[k], bf[0], bf[1]);
+          mma_bf16(a1, qf[k + 1], bf[2], bf[3]);
         } else {
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
@@ -365,6 +377,9 @@ __device__ void decode(const Params& p) {
       for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][i] += acc2[m][i];
+      if constexpr (MT == 1 && !kF16)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[0][i] += acc3[0][i] + acc4[0][i];
       const int col = warp * 8 + (lane & 3) * 2;
       const int pos = tile * kTok + col;
 #pragma unroll
