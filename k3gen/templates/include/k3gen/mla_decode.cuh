@@ -126,11 +126,10 @@ __device__ __forceinline__ int tile_page(const Params& p, int b, int tile) {
   return (pg < 0 || pg >= p.num_pages) ? -1 : pg;
 }
 
-// Issue the copies of one tile into a raw stage (no commit).
+// Issue the copies of one tile (page pg from tile_page) into a raw stage (no commit).
 template <class C>
-__device__ __forceinline__ void load_tile(const Params& p, int b, int len, int tile, unsigned char* stage) {
+__device__ __forceinline__ void load_tile(const Params& p, int b, int len, int tile, int pg, unsigned char* stage) {
   const int tid = threadIdx.x;
-  const int pg = tile_page<C>(p, b, tile);
   const int slot0 = (tile * kTok) % C::kPage;
   const unsigned dst0 = smem_u32(stage);
   if constexpr (C::kKv == Kv::kBf16) {
@@ -213,10 +212,19 @@ __device__ void decode(const Params& p) {
   const int t_begin = min(ntiles, split * per), t_end = min(ntiles, t_begin + per);
   const int live = len / 16 * 16;   // NVFP4: first position of the live (incomplete) 16-token tile
 
+  // Page ids are read one iteration before their tile is issued (a block-table load followed
+  // at once by its use stalled every thread on an L2 round trip per tile). bad: bit s marks
+  // ring stage s as holding a missing page, so FP8/NVFP4 zero it instead of decoding stale bytes.
+  unsigned bad = 0;
   for (int s = 0; s < S - 1; ++s) {
-    if (t_begin + s < t_end) load_tile<C>(p, b, len, t_begin + s, sRaw + s * G::kRaw);
+    if (t_begin + s < t_end) {
+      const int pg = tile_page<C>(p, b, t_begin + s);
+      bad |= static_cast<unsigned>(pg < 0) << s;
+      load_tile<C>(p, b, len, t_begin + s, pg, sRaw + s * G::kRaw);
+    }
     cp_async_commit();
   }
+  int pg_next = t_begin + S - 1 < t_end ? tile_page<C>(p, b, t_begin + S - 1) : -1;
 
   // Query rows (zero past H*T), stats, causal limits. MT = 1 stages Q in the last ring stage
   // (first written after the barrier of iteration 0) and keeps its A fragments in registers.
@@ -320,14 +328,19 @@ __device__ void decode(const Params& p) {
     const int tile = t_begin + it;
     cp_async_wait<S - 2>();
     __syncthreads();
-    if (tile + S - 1 < t_end) load_tile<C>(p, b, len, tile + S - 1, sRaw + ((it + S - 1) % S) * G::kRaw);
+    if (tile + S - 1 < t_end) {
+      const int slot = (it + S - 1) % S;
+      bad = (bad & ~(1u << slot)) | (static_cast<unsigned>(pg_next < 0) << slot);
+      load_tile<C>(p, b, len, tile + S - 1, pg_next, sRaw + slot * G::kRaw);
+      pg_next = tile + S < t_end ? tile_page<C>(p, b, tile + S) : -1;
+    }
     cp_async_commit();
     const unsigned char* stage = sRaw + (it % S) * G::kRaw;
     const __nv_bfloat16* kv = reinterpret_cast<const __nv_bfloat16*>(stage);
     if constexpr (kF16) {
       // Rows not copied (past the end, bad page) or (NVFP4) of the live tile become zeros.
       const int end = kNv ? live : len;
-      const int valid = tile_page<C>(p, b, tile) < 0 ? 0 : max(0, min(kTok, end - tile * kTok));
+      const int valid = (bad >> (it % S)) & 1u ? 0 : max(0, min(kTok, end - tile * kTok));
       if (valid < kTok) {
         if constexpr (kF8) f8::zero_rows(const_cast<unsigned char*>(stage), valid);
         else nv::zero_rows<C>(const_cast<unsigned char*>(stage), valid);

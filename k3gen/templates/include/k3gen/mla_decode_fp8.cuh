@@ -164,14 +164,14 @@ __device__ __forceinline__ void pv(float (&o)[C::kMT][8][4], const unsigned char
     for (int kk = 0; kk < 4; ++kk) w[kk][0] = w[kk][1] = w[kk][2] = w[kk][3] = 1.f;
   } else {
     const float* sc = reinterpret_cast<const float*>(stage + kScaleOff) + (warp >> 1);
-    float mx = 0.f;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        w[kk][i] = sc[(16 * kk + c + 4 * i) * kFp8Scales];
-        mx = fmaxf(mx, w[kk][i]);
-      }
+      for (int i = 0; i < 4; ++i) w[kk][i] = sc[(16 * kk + c + 4 * i) * kFp8Scales];
+    float mk[4];   // a tree, not a chain of 16 dependent max operations
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) mk[kk] = fmaxf(fmaxf(w[kk][0], w[kk][1]), fmaxf(w[kk][2], w[kk][3]));
+    float mx = fmaxf(fmaxf(mk[0], mk[1]), fmaxf(mk[2], mk[3]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     f = ((__float_as_int(mx) + 0x7fffff) >> 23) - 127;   // 2^f >= mx
