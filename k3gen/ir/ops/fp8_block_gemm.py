@@ -27,7 +27,12 @@ NVRTC targets: two flavours, picked by the target's MMA unit (`spec.mma`):
 producer warpgroup), a CTA owns BN90 = 128 weight rows and `nt` tokens, nt in NT_CHOICES chosen per
 launch from M (`nt_for`); grid = (split, ceil(M / nt), ceil(N / 128)), clusters (split, 1, 1).
 Kernel arguments: the W and x TMA tensor maps (by value; `tma_boxes` gives their geometry), x/w
-scales, out, M, nt. `plan` computes everything on the host (graph-safe). `bm` and `stages` are
+scales, out, M, nt, then the streaming workspace (FP32 partials, int32 counters; null in the
+cluster mode). Streaming mode (`Plan.ctas` > 0, picked when the work list has >= STREAM_MIN_BLOCKS
+weight blocks per SM): grid (ctas, 1, 1), no cluster; CTA c owns items [c L / G, (c + 1) L / G) of
+the (token tile, weight tile, K block) list (`stream_segments` replays the walk), split tiles are
+summed from workspace slots in CTA order by the last arriver. `plan` computes everything on the
+host (graph-safe). `bm` and `stages` are
 fields of the mma.sync flavour only.
 
 "mma_sync" (no target selects it any more: the fallback until the wgmma kernel has passed on the

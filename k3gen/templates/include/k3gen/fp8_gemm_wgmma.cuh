@@ -20,6 +20,10 @@
 // - Split-K over a thread-block cluster (gridDim.x CTAs share a tile's K range in whole 128-column
 //   blocks) reduces through distributed shared memory in rank order: deterministic, no workspace,
 //   graph-safe (the split is planned on the host from M and the SM count).
+// - Streaming mode (a workspace is passed; gemm_stream below): one persistent CTA per SM walks a
+//   contiguous, balanced range of the (token tile, weight tile, K block) list with one ring that
+//   runs on across tiles, and split tiles are reduced from FP32 partials in L2 in CTA order. The
+//   host picks it when every SM gets several weight blocks (Plan.ctas, STREAM_MIN_BLOCKS).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -365,25 +369,41 @@ __device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90
       sm90::barrier_sync_divergent(2, kConsumerWarps * 32);
       if (last_flag) {
         __threadfence();   // acquire: the other segments' partials
+        // This usually runs at the end of the CTA's range (the tile's first CTA arrives last), so
+        // it is the kernel's tail: every thread keeps all its output chunks in registers and loads
+        // them slot by slot, so each slot costs one L2 round trip, not one per chunk.
+        constexpr int kChunks = (NT * (kBn / 8) + kConsumerWarps * 32 - 1) / (kConsumerWarps * 32);
         const int mt = mrem < NT ? mrem : NT;
-        for (int it = tid; it < mt * (kBn / 8); it += kConsumerWarps * 32) {
-          const int mm = it / (kBn / 8), c8 = it % (kBn / 8), gn = n0 + c8 * 8;
-          if (gn >= N) continue;
-          float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-          for (int q = first; q < first + nseg; ++q) {   // CTA order: the same sum on every run
-            const int slot = 2 * q + (range_start(q, g, l) >= tile * KB ? 0 : 1);
-            const float4* src =
-                reinterpret_cast<const float4*>(p.part + static_cast<long long>(slot) * (NT * kBn) + mm * kBn + c8 * 8);
-            const float4 lo = __ldcg(src), hi = __ldcg(src + 1);
-            v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
-            v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+        float v[kChunks][8];
+#pragma unroll
+        for (int u = 0; u < kChunks; ++u)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[u][e] = 0.f;
+        for (int q = first; q < first + nseg; ++q) {   // CTA order: the same sum on every run
+          const int slot = 2 * q + (range_start(q, g, l) >= tile * KB ? 0 : 1);
+          const float* src = p.part + static_cast<long long>(slot) * (NT * kBn);
+#pragma unroll
+          for (int u = 0; u < kChunks; ++u) {
+            const int it = tid + u * kConsumerWarps * 32, mm = it / (kBn / 8), c8 = it % (kBn / 8);
+            if (mm < mt && n0 + c8 * 8 < N) {
+              const float4* f = reinterpret_cast<const float4*>(src + mm * kBn + c8 * 8);
+              const float4 lo = __ldcg(f), hi = __ldcg(f + 1);
+              v[u][0] += lo.x; v[u][1] += lo.y; v[u][2] += lo.z; v[u][3] += lo.w;
+              v[u][4] += hi.x; v[u][5] += hi.y; v[u][6] += hi.z; v[u][7] += hi.w;
+            }
           }
-          uint4 o;
-          o.x = fp8gemm::pack_bf16x2(v[0], v[1]);
-          o.y = fp8gemm::pack_bf16x2(v[2], v[3]);
-          o.z = fp8gemm::pack_bf16x2(v[4], v[5]);
-          o.w = fp8gemm::pack_bf16x2(v[6], v[7]);
-          *reinterpret_cast<uint4*>(p.out + static_cast<long long>(m0 + mm) * N + gn) = o;
+        }
+#pragma unroll
+        for (int u = 0; u < kChunks; ++u) {
+          const int it = tid + u * kConsumerWarps * 32, mm = it / (kBn / 8), c8 = it % (kBn / 8), gn = n0 + c8 * 8;
+          if (mm < mt && gn < N) {
+            uint4 o;
+            o.x = fp8gemm::pack_bf16x2(v[u][0], v[u][1]);
+            o.y = fp8gemm::pack_bf16x2(v[u][2], v[u][3]);
+            o.z = fp8gemm::pack_bf16x2(v[u][4], v[u][5]);
+            o.w = fp8gemm::pack_bf16x2(v[u][6], v[u][7]);
+            *reinterpret_cast<uint4*>(p.out + static_cast<long long>(m0 + mm) * N + gn) = o;
+          }
         }
         if (tid == 0) p.cnt[first] = 0;   // every segment of this tile has arrived: none reads it again
       }
