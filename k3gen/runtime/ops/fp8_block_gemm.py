@@ -158,14 +158,14 @@ class Fp8BlockGemm(Launcher):
         if ctas is not None and self.spec.mma == "wgmma":
             if not 0 <= ctas <= self.sm_count:
                 raise SpecError("ctas", ctas, f"0..{self.sm_count}", "one streaming CTA per SM at most")
-            if work_items(self.spec.n, self.spec.k, m) >= 2 ** 31:
-                raise SpecError("M", m, "fewer than 2^31 work items", "32-bit work index")
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         self.load()._allow_smem(dev)  # a launcher called before load() loads itself (never in capture)
         stream = torch.cuda.current_stream(out.device).cuda_stream
         if self.spec.mma == "wgmma":
             plan = self.spec.plan(m, self.sm_count, split, ctas)
             boxes = self.spec.tma_boxes(m, plan.nt)
+            if plan.ctas and work_items(self.spec.n, self.spec.k, m) >= 2 ** 31:
+                raise SpecError("M", m, "fewer than 2^31 work items", "32-bit work index of the streaming mode")
             part, cnt = self._workspace(dev) if plan.ctas else (None, None)
             args = (ArgPack().add(self._tma_map(w_codes, boxes["w"])).add(self._tma_map(x_codes, boxes["x"]))
                     .add(PTR(x_scales.data_ptr())).add(PTR(w_scales.data_ptr())).add(PTR(out.data_ptr()))
