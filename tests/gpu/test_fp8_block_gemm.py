@@ -103,6 +103,28 @@ def test_ring_wraps_many_times(m, recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+@pytest.mark.parametrize("n,k", (RING, (7168, 1536), (200, 272)), ids=str)
+@pytest.mark.parametrize("m", (1, 8, 37, 128, 200))
+def test_streaming_mode_every_cta_count(m, n, k, recipe):
+    """Streaming (persistent) mode forced at CTA counts that put range boundaries everywhere: one
+    CTA walking every tile (ring wraps across tiles), a few CTAs (tiles split 2-3 ways, segments of
+    uneven length), one per SM (segments of 1-5 blocks); M > 128 walks two token tiles. The result
+    is bitwise the same on a second launch (fixed-order reduction, counters reset by the kernel)."""
+    op = _op(n, k, recipe)
+    xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=300 + m + n)
+    for ctas in (1, 3, 7, 50, op.sm_count):
+        out = _poisoned(m, n)
+        op(xc, xs, wc, ws, out, ctas=ctas)
+        torch.cuda.synchronize()
+        _check(out, xc, xs, wc, ws, recipe)
+        again = _poisoned(m, n)
+        op(xc, xs, wc, ws, again, ctas=ctas)
+        torch.cuda.synchronize()
+        assert torch.equal(out, again), ctas
+    assert int(op._workspace(out.device.index)[1].abs().sum()) == 0   # every counter back at zero
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
 @pytest.mark.parametrize("n,k", TINY, ids=str)
 def test_tiny_shapes_smaller_than_one_tile(n, k, recipe):
     for m in (1, 3, 20):
@@ -150,10 +172,12 @@ def test_every_split_and_small_tile_agree(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
-@pytest.mark.parametrize("n,k,m", [(2304, 1536, 8), (200, 272, 1), (7168, 1536, 128)], ids=str)
+@pytest.mark.parametrize("n,k,m", [(2304, 1536, 8), (200, 272, 1), (7168, 1536, 128), (1536, 7168, 1)], ids=str)
 def test_graph_replay(n, k, m, recipe):
-    """Cluster split-K (q_b), one K block per CTA ragged (M = 1), and nt = 128 (o_proj)."""
+    """Cluster split-K (q_b), one K block per CTA ragged (M = 1), and the streaming mode at nt = 128
+    (o_proj TP8) and nt = 8 (q_a: 12 tiles split over 132 CTAs, every tile reduced by counters)."""
     op = _op(n, k, recipe)
+    assert (op.plan_for(m).ctas > 0) == (max(n, k) == 7168)   # the default plan picks the mode
     xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=11)
     out = _poisoned(m, n)
     op(xc, xs, wc, ws, out)
@@ -190,6 +214,10 @@ def test_recipe_mismatch_and_shape_checks():
         op(xc, xs, wc, ws, out[:, :2296])
     with pytest.raises(SpecError, match="split"):
         op(xc, xs, wc, ws, out, split=9)
+    with pytest.raises(SpecError, match="ctas"):
+        op(xc, xs, wc, ws, out, ctas=op.sm_count + 1)
+    with pytest.raises(SpecError, match="ctas"):
+        op(xc, xs, wc, ws, out, split=2, ctas=4)
     with pytest.raises(SpecError, match="x_codes"):
         buf = torch.zeros(4 * 1536 + 16, dtype=torch.uint8, device="cuda")
         op(buf[1:1 + 4 * 1536].view(4, 1536), xs, wc, ws, out)   # TMA needs 16-byte-aligned rows
@@ -216,4 +244,5 @@ def test_sanitize_small_ragged_case():
 
 
 def prebuild_specs():
-    return list(SPECS.values())
+    from k3gen.bench_cases_fp8_gemm import sweep_specs   # scripts/sweep_gemm.py's cubins
+    return list(SPECS.values()) + sweep_specs()

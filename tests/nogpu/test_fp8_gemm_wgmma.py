@@ -10,8 +10,9 @@ import pytest
 
 from k3gen.build import build_one, lower
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ir.ops.fp8_block_gemm import (ALIGN90, BLOCK, BN90, MAX_SPLIT, NT_CHOICES, THREADS90, Fp8BlockGemmSpec,
-                                         choose_split90, nt_for)
+from k3gen.ir.ops.fp8_block_gemm import (ALIGN90, BLOCK, BN90, MAX_SPLIT, NT_CHOICES, STREAM_MIN_BLOCKS, THREADS90,
+                                         Fp8BlockGemmSpec, choose_split90, nt_for, stream_owner, stream_ranges,
+                                         stream_segments, work_items)
 from k3gen.ir.sm90_tiles import SW128_KMAJOR, decode_desc, encode_desc, wgmma_read_addr
 from k3gen.targets import FP8_GEMM_TP1, FP8_GEMM_TP8, TARGETS
 
@@ -150,10 +151,10 @@ def test_split_plan_for_the_k3_shapes():
     for n, k in FP8_GEMM_TP8 + FP8_GEMM_TP1:
         for m in (1, 8, 32, 128):
             s = Fp8BlockGemmSpec(target=SM90, n=n, k=k)
-            p = s.plan(m, SMS)
-            assert 1 <= p.split <= min(MAX_SPLIT, s.k_blocks)
+            p = s.plan(m, SMS, ctas=0)
+            assert 1 <= p.split <= min(MAX_SPLIT, s.k_blocks) and p.ctas == 0
             assert p.grid == (p.split, -(-m // p.nt), -(-n // BN90)) and p.smem == s.smem_bytes_nt(p.nt)
-            assert s.plan(m, SMS, split=3).split == 3
+            assert s.plan(m, SMS, split=3).split == 3 and s.plan(m, SMS, split=3).ctas == 0
     # Small grids split to fill the GPU; the fused KDA projection at TP1 (384 tiles) does not.
     assert choose_split90(1536, 7168, 1, SMS) == 8          # q_a: 12 tiles x 8
     assert choose_split90(2304, 1536, 1, SMS) == 6          # q_b TP8: 18 tiles x 6, 2 K blocks each
@@ -171,9 +172,11 @@ def test_compiles_to_fp8_wgmma_and_tma_without_spills(recipe):
     assert res["local"] == 0 and res["stack"] == 0, res
     assert res["registers"] <= 168, res                  # 384 threads, one CTA per SM
     sass = res["sass"]
-    # Four k32 steps per K block for each of the five token-tile variants, E4M3 in FP32 out.
-    assert sass.get("QGMMA", 0) == 4 * len(NT_CHOICES), sass
-    assert sass.get("UTMALDG", 0) >= 2 * len(NT_CHOICES), sass
+    # Four k32 steps per K block for each of the five token-tile variants of both modes (cluster
+    # split-K and streaming), E4M3 in FP32 out; the streaming mode's arrival counter is one atomic.
+    assert sass.get("QGMMA", 0) == 2 * 4 * len(NT_CHOICES), sass
+    assert sass.get("UTMALDG", 0) >= 2 * 2 * len(NT_CHOICES), sass
+    assert sass.get("ATOMG", 0) == len(NT_CHOICES), sass
     assert "HMMA" not in sass and "LDGSTS" not in sass, sass
     from k3gen.compile.inspect import sass_text
     text = sass_text(r.cubin)
@@ -191,3 +194,68 @@ def test_flavours_by_target():
     assert fallback.mma == "mma_sync" and fallback.threads == 128
     src = lower(fallback).source
     assert '#include "k3gen/fp8_gemm.cuh"' in src and "fp8_gemm_wgmma.cuh" not in src
+
+
+def test_streaming_plan_for_the_k3_shapes():
+    # Streaming when every SM gets >= STREAM_MIN_BLOCKS weight blocks: the >= 32 MB weights always.
+    for n, k in FP8_GEMM_TP8 + FP8_GEMM_TP1:
+        for m in (1, 8, 32, 128, 200):
+            s = Fp8BlockGemmSpec(target=SM90, n=n, k=k)
+            p = s.plan(m, SMS)
+            items = work_items(n, k, m)
+            assert items == -(-m // nt_for(m)) * -(-n // BN90) * -(-k // 128)
+            if items >= STREAM_MIN_BLOCKS * SMS:
+                assert p.ctas == min(SMS, items) and p.grid == (p.ctas, 1, 1) and p.split == 1
+            else:
+                assert p.ctas == 0 and p.grid[0] == p.split
+            assert p.smem == s.smem_bytes_nt(p.nt)
+            assert s.plan(m, SMS, ctas=7).grid == (7, 1, 1)
+    assert Fp8BlockGemmSpec(target=SM90, n=7168, k=12288).plan(1, SMS).ctas == SMS      # o_proj TP1
+    assert Fp8BlockGemmSpec(target=SM90, n=6144, k=7168).plan(8, SMS).ctas == SMS       # kda_qkvg TP8
+    assert Fp8BlockGemmSpec(target=SM90, n=2304, k=1536).plan(1, SMS).ctas == 0         # q_b TP8: 216 blocks
+    assert Fp8BlockGemmSpec(target=SM90, n=64, k=16).plan(1, SMS, ctas=SMS).ctas == 1   # capped at the items
+
+
+@pytest.mark.parametrize("items,ctas,kb", [(5376, 132, 96), (672, 132, 12), (216, 132, 12), (7, 7, 7),
+                                           (13, 5, 1), (96 * 3, 2, 96), (1000, 1, 10), (56 * 164, 131, 56)])
+def test_stream_segments_cover_every_block_once(items, ctas, kb):
+    segs = stream_segments(items, ctas, kb)
+    # Every (tile, K block) exactly once, and the walk order is the work-list order.
+    flat = [s["tile"] * kb + s["kb0"] + j for s in segs for j in range(s["nk"])]
+    assert flat == list(range(items))
+    # Ranges are balanced to one block and contiguous.
+    sizes = [b - a for a, b in stream_ranges(items, ctas)]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == items
+    for x in range(items):
+        c = stream_owner(x, items, ctas)
+        a, b = stream_ranges(items, ctas)[c]
+        assert a <= x < b
+    by_tile: dict = {}
+    for s in segs:
+        by_tile.setdefault(s["tile"], []).append(s)
+    used_slots, used_counters = set(), {}
+    for tile, ss in by_tile.items():
+        assert [s["cta"] for s in ss] == sorted(s["cta"] for s in ss)   # k order = CTA order
+        assert sum(s["nk"] for s in ss) == kb
+        for s in ss:
+            assert s["nseg"] == len(ss)
+        if len(ss) == 1:
+            assert ss[0]["slot"] is None and ss[0]["nk"] == kb   # stored straight from registers
+            continue
+        # The kernel's reader derives each CTA's slot from its range start alone.
+        for s in ss:
+            q = s["cta"]
+            assert s["slot"] == 2 * q + (0 if stream_ranges(items, ctas)[q][0] >= tile * kb else 1)
+            assert s["slot"] not in used_slots and 0 <= s["slot"] < 2 * ctas
+            used_slots.add(s["slot"])
+            assert s["counter"] == ss[0]["cta"]
+        # One counter per split tile: two tiles in flight never share one.
+        assert ss[0]["counter"] not in used_counters
+        used_counters[ss[0]["counter"]] = tile
+    assert len(used_counters) <= ctas
+
+
+def test_stream_workspace_covers_the_largest_plan():
+    s = Fp8BlockGemmSpec(target=SM90, n=7168, k=12288)
+    assert s.workspace_floats(SMS) == 2 * SMS * 128 * BN90
+    assert s.workspace_counters(SMS) == SMS

@@ -27,7 +27,12 @@ NVRTC targets: two flavours, picked by the target's MMA unit (`spec.mma`):
 producer warpgroup), a CTA owns BN90 = 128 weight rows and `nt` tokens, nt in NT_CHOICES chosen per
 launch from M (`nt_for`); grid = (split, ceil(M / nt), ceil(N / 128)), clusters (split, 1, 1).
 Kernel arguments: the W and x TMA tensor maps (by value; `tma_boxes` gives their geometry), x/w
-scales, out, M, nt. `plan` computes everything on the host (graph-safe). `bm` and `stages` are
+scales, out, M, nt, then the streaming workspace (FP32 partials, int32 counters; null in the
+cluster mode). Streaming mode (`Plan.ctas` > 0, picked when the work list has >= STREAM_MIN_BLOCKS
+weight blocks per SM): grid (ctas, 1, 1), no cluster; CTA c owns items [c L / G, (c + 1) L / G) of
+the (token tile, weight tile, K block) list (`stream_segments` replays the walk), split tiles are
+summed from workspace slots in CTA order by the last arriver. `plan` computes everything on the
+host (graph-safe). `bm` and `stages` are
 fields of the mma.sync flavour only.
 
 "mma_sync" (no target selects it any more: the fallback until the wgmma kernel has passed on the
@@ -67,6 +72,10 @@ RING_BYTES = 192 * 1024             # TMA ring budget (one CTA per SM; 227 KB is
 MAX_STAGES90 = 8
 ALIGN90 = 1024
 SPLIT_OVERHEAD_BLOCKS = 2           # pipeline fill + epilogue, in 128-column K blocks of streaming
+# Streaming mode (one persistent CTA per SM walking a contiguous range of the (tile, K block) list):
+# used when every CTA gets at least this many 128 x 128 weight blocks; below it the work is too
+# small to amortise the partial-tile round trip through L2 and the cluster split-K mode launches.
+STREAM_MIN_BLOCKS = 4
 
 
 def cdiv(a: int, b: int) -> int:
@@ -106,13 +115,57 @@ def choose_split90(n: int, k: int, m: int, sms: int, max_split: int = MAX_SPLIT)
     return best
 
 
+def work_items(n: int, k: int, m: int) -> int:
+    """Length of the streaming mode's work list: (token tile, weight tile, K block), K fastest."""
+    return max(1, cdiv(m, nt_for(max(m, 1)))) * cdiv(n, BN90) * cdiv(k, BLOCK)
+
+
+def choose_ctas(n: int, k: int, m: int, sms: int, min_blocks: int = STREAM_MIN_BLOCKS) -> int:
+    """Persistent CTAs of the streaming mode (0: use the cluster split-K mode). One CTA per SM
+    (the ring takes most of the shared memory), never more CTAs than work items."""
+    items = work_items(n, k, m)
+    return min(sms, items) if items >= min_blocks * sms else 0
+
+
+def stream_ranges(items: int, ctas: int) -> list[tuple[int, int]]:
+    """The kernel's static split of the work list: CTA c owns [c L / G, (c + 1) L / G)."""
+    return [(c * items // ctas, (c + 1) * items // ctas) for c in range(ctas)]
+
+
+def stream_owner(x: int, items: int, ctas: int) -> int:
+    """The CTA whose range holds item x (the kernel's owner_of)."""
+    return -(-(x + 1) * ctas // items) - 1
+
+
+def stream_segments(items: int, ctas: int, kb: int) -> list[dict]:
+    """Every segment (one tile's K blocks inside one CTA's range) as the kernel walks them, with the
+    workspace slot and counter it uses; slot/counter are None for a segment that owns its whole
+    tile (stored directly). Used by the CPU tests to prove coverage and uniqueness."""
+    segs = []
+    for c, (x0, x1) in enumerate(stream_ranges(items, ctas)):
+        x = x0
+        while x < x1:
+            tile, kb0 = divmod(x, kb)
+            nk = min(kb - kb0, x1 - x)
+            whole = nk == kb
+            segs.append({"cta": c, "tile": tile, "kb0": kb0, "nk": nk,
+                         "slot": None if whole else 2 * c + (0 if x == x0 else 1),
+                         "counter": None if whole else stream_owner(tile * kb, items, ctas),
+                         "nseg": stream_owner(tile * kb + kb - 1, items, ctas) - stream_owner(tile * kb, items, ctas) + 1})
+            x += nk
+    return segs
+
+
 @dataclass(frozen=True)
 class Plan:
-    """One launch of the wgmma flavour: all host-side, so a captured graph replays it unchanged."""
+    """One launch of the wgmma flavour: all host-side, so a captured graph replays it unchanged.
+    ctas > 0 selects the streaming mode (grid (ctas, 1, 1), no cluster, workspace); else the
+    cluster split-K mode with `split` CTAs per tile."""
     nt: int
     split: int
     grid: tuple[int, int, int]
     smem: int
+    ctas: int = 0
 
 
 @register_op("fp8_block_gemm")
@@ -218,10 +271,25 @@ class Fp8BlockGemmSpec(OpSpec):
         return {"w": {"dims": (self.k, self.n), "strides": (self.k,), "box": (BLOCK, min(BN90, self.n))},
                 "x": {"dims": (self.k, m), "strides": (self.k,), "box": (BLOCK, min(nt, m))}}
 
-    def plan(self, m: int, sms: int, split: int | None = None) -> Plan:
+    def plan(self, m: int, sms: int, split: int | None = None, ctas: int | None = None) -> Plan:
+        """`split` forces the cluster mode, `ctas` the streaming mode (capped at the work items);
+        neither: streaming when every SM gets STREAM_MIN_BLOCKS weight blocks."""
         nt = nt_for(m)
+        if split is None:
+            ctas = choose_ctas(self.n, self.k, m, sms) if ctas is None else min(ctas, work_items(self.n, self.k, m))
+            if ctas:
+                return Plan(nt, 1, (ctas, 1, 1), self.smem_bytes_nt(nt), ctas)
         split = split or choose_split90(self.n, self.k, m, sms)
         return Plan(nt, split, (split, cdiv(m, nt), cdiv(self.n, BN90)), self.smem_bytes_nt(nt))
+
+    @staticmethod
+    def workspace_floats(max_ctas: int) -> int:
+        """Streaming mode: two FP32 partial slots of the largest token tile per CTA."""
+        return 2 * max_ctas * NT_CHOICES[-1] * BN90
+
+    @staticmethod
+    def workspace_counters(max_ctas: int) -> int:
+        return max_ctas
 
     def smem_bytes(self, split: int) -> int:
         """mma.sync flavour. Dynamic shared memory: the FP8 pipeline, the F16 token tile, then the combined scales of

@@ -5,6 +5,9 @@ Graph-safe: the checks read tensor metadata only, the launch plan depends on M a
 wgmma flavour takes its W and x operands as TMA tensor maps by value: they are encoded on the host
 (cuTensorMapEncodeTiled touches no device state) and copied into the launch's parameters, so a
 captured graph holds the maps of the tensors it was captured with, like any pointer argument.
+The streaming mode's workspace (FP32 partial slots + arrival counters that the kernel leaves at
+zero) is allocated once per device at load(), so launches of one launcher must not run
+concurrently on two streams (they would share the counters).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import threading
 
 from ...errors import SpecError
 from ...ir.dtypes import ScaleRecipe
-from ...ir.ops.fp8_block_gemm import MAX_SPLIT, cdiv, choose_split, nt_for
+from ...ir.ops.fp8_block_gemm import MAX_SPLIT, cdiv, choose_split, nt_for, work_items
 from ..bind import Launcher
 from ..checks import check_tensor
 from ..loader import I32, PTR, ArgPack, _check
@@ -47,6 +50,7 @@ class Fp8BlockGemm(Launcher):
         self._smem_set: set[int] = set()
         self._maps: collections.OrderedDict = collections.OrderedDict()
         self._maps_lock = threading.Lock()
+        self._ws: dict = {}   # device -> (partials, counters) of the streaming mode
 
     def load(self):
         if self.spec.lowering == "cute":  # tcgen05 targets: CuTe DSL cubin, ABI from the build
@@ -59,7 +63,20 @@ class Fp8BlockGemm(Launcher):
         super().load()
         self.sm_count  # noqa: B018  (queried once, outside any graph capture)
         self._allow_smem(self.device_index)
+        if self.spec.mma == "wgmma":
+            self._workspace(self.device_index)
         return self
+
+    def _workspace(self, device: int):
+        """Partial slots and zeroed counters for up to sm_count streaming CTAs (allocated outside capture)."""
+        ws = self._ws.get(device)
+        if ws is None:
+            import torch
+            n = self.sm_count
+            ws = (torch.empty(self.spec.workspace_floats(n), dtype=torch.float32, device=f"cuda:{device}"),
+                  torch.zeros(self.spec.workspace_counters(n), dtype=torch.int32, device=f"cuda:{device}"))
+            self._ws[device] = ws
+        return ws
 
     def _allow_smem(self, device: int) -> None:
         if device in self._smem_set:
@@ -76,6 +93,10 @@ class Fp8BlockGemm(Launcher):
             return 1
         if s.mma == "wgmma":
             return s.plan(m, self.sm_count).split
+
+    def plan_for(self, m: int, *, split: int | None = None, ctas: int | None = None):
+        """The wgmma flavour's launch plan for M tokens (what __call__ launches)."""
+        return self.spec.plan(m, self.sm_count, split, ctas)
         return choose_split(s.n, s.k, m, s.bm, self.sm_count)
 
     def _tma_map(self, t, geom: dict) -> bytes:
@@ -115,8 +136,11 @@ class Fp8BlockGemm(Launcher):
             raise SpecError("M", m, f"<= {65535 * tile_m}", "grid.y")
         return m
 
-    def __call__(self, x_codes, x_scales, w_codes, w_scales, out, *, split: int | None = None):
-        """out[M, N] (BF16) = dequant(x_codes, x_scales) @ dequant(w_codes, w_scales)^T; returns out."""
+    def __call__(self, x_codes, x_scales, w_codes, w_scales, out, *, split: int | None = None,
+                 ctas: int | None = None):
+        """out[M, N] (BF16) = dequant(x_codes, x_scales) @ dequant(w_codes, w_scales)^T; returns out.
+        wgmma flavour: `split` forces the cluster split-K mode, `ctas` the streaming mode with that
+        many persistent CTAs (ctas=0: the cluster mode with the planned split)."""
         import torch
         m = self.check(x_codes, x_scales, w_codes, w_scales, out)
         if m == 0:
@@ -129,15 +153,24 @@ class Fp8BlockGemm(Launcher):
         cap = min(MAX_SPLIT, self.spec.k_blocks)
         if split is not None and not 1 <= split <= cap:
             raise SpecError("split", split, f"1..{cap}", "K blocks per cluster CTA >= 1")
+        if split is not None and ctas:
+            raise SpecError("ctas", ctas, [None, 0], "split forces the cluster mode")
+        if ctas is not None and self.spec.mma == "wgmma":
+            if not 0 <= ctas <= self.sm_count:
+                raise SpecError("ctas", ctas, f"0..{self.sm_count}", "one streaming CTA per SM at most")
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         self.load()._allow_smem(dev)  # a launcher called before load() loads itself (never in capture)
         stream = torch.cuda.current_stream(out.device).cuda_stream
         if self.spec.mma == "wgmma":
-            plan = self.spec.plan(m, self.sm_count, split)
+            plan = self.spec.plan(m, self.sm_count, split, ctas)
             boxes = self.spec.tma_boxes(m, plan.nt)
+            if plan.ctas and work_items(self.spec.n, self.spec.k, m) >= 2 ** 31:
+                raise SpecError("M", m, "fewer than 2^31 work items", "32-bit work index of the streaming mode")
+            part, cnt = self._workspace(dev) if plan.ctas else (None, None)
             args = (ArgPack().add(self._tma_map(w_codes, boxes["w"])).add(self._tma_map(x_codes, boxes["x"]))
                     .add(PTR(x_scales.data_ptr())).add(PTR(w_scales.data_ptr())).add(PTR(out.data_ptr()))
-                    .add(I32(m)).add(I32(plan.nt)))
+                    .add(I32(m)).add(I32(plan.nt))
+                    .add(PTR(part.data_ptr() if plan.ctas else 0)).add(PTR(cnt.data_ptr() if plan.ctas else 0)))
             grid, block = plan.grid, (self.spec.threads, 1, 1)
             if plan.split == 1:
                 self.kernel.launch(grid, block, args.address(), None, dev, stream, plan.smem)

@@ -20,6 +20,10 @@
 // - Split-K over a thread-block cluster (gridDim.x CTAs share a tile's K range in whole 128-column
 //   blocks) reduces through distributed shared memory in rank order: deterministic, no workspace,
 //   graph-safe (the split is planned on the host from M and the SM count).
+// - Streaming mode (a workspace is passed; gemm_stream below): one persistent CTA per SM walks a
+//   contiguous, balanced range of the (token tile, weight tile, K block) list with one ring that
+//   runs on across tiles, and split tiles are reduced from FP32 partials in L2 in CTA order. The
+//   host picks it when every SM gets several weight blocks (Plan.ctas, STREAM_MIN_BLOCKS).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -58,7 +62,57 @@ struct Params {
   const void* ws;          // [NB, KB] scales
   __nv_bfloat16* out;      // [M, N]
   int m;
+  float* part;             // streaming mode: [2 * gridDim.x][NT][kBn] FP32 partial tiles (else null)
+  int* cnt;                // streaming mode: [gridDim.x] arrival counters, zero between launches
 };
+
+// Per-token and per-tile scales of K block kb for the token columns this thread's fragments hold
+// (d[4j + e] and d[4j + 2 + e] are token 8j + 2 (lane % 4) + e); tokens past the tile read 0.
+template <class C, int NT>
+__device__ __forceinline__ void load_scales(const Params& p, long long ws_row, int kb, int m0, int mrem, int t4,
+                                            float (&xs)[NT / 4], float& ws) {
+  constexpr int KB = (C::kK + kBlock - 1) / kBlock;
+  ws = fp8gemm::scale_value<C::kUe8m0>(p.ws, ws_row + kb);
+#pragma unroll
+  for (int q = 0; q < NT / 4; ++q) {
+    const int c = 8 * (q >> 1) + 2 * t4 + (q & 1);
+    xs[q] = c < mrem ? fp8gemm::scale_value<C::kUe8m0>(p.xs, static_cast<long long>(m0 + c) * KB + kb) : 0.f;
+  }
+}
+
+// One K block of one consumer warpgroup: four wgmmas into a fresh `part`, release the stage, then
+// total += part * (x_scale[token] * w_scale[tile]).
+template <class C, int NT>
+__device__ __forceinline__ void consume_block(unsigned st, unsigned full, unsigned parity, unsigned empty, int wg,
+                                              int lane, float (&part)[NT / 2], float (&total)[NT / 2],
+                                              const float (&xs)[NT / 4], float ws) {
+  constexpr int NA = NT / 2;
+  using Mma = sm90::WgmmaE4m3<NT>;
+  sm90::mbar_wait(full, parity);
+  const unsigned long long da =
+      sm90::wgmma_desc<C::kDescLbo, C::kDescSbo, C::kDescLayout>(st + wg * 64 * kBlock);
+  const unsigned long long db = sm90::wgmma_desc<C::kDescLbo, C::kDescSbo, C::kDescLayout>(st + kWTile);
+#pragma unroll
+  for (int q = 0; q < NA; ++q) sm90::fence_operand(part[q]);
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kBlock / 32; ++ks)   // 32 bytes of K per wgmma: start address + 32 (>> 4 = 2)
+    Mma::mma(part, da + 2 * ks, db + 2 * ks, ks > 0 ? 1 : 0);
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+#pragma unroll
+  for (int q = 0; q < NA; ++q) sm90::fence_operand(part[q]);
+  __syncwarp();
+  if (lane == 0) sm90::mbar_arrive(empty);   // this warp no longer reads the stage
+#pragma unroll
+  for (int j = 0; j < NA / 4; ++j) {
+    const float s0 = xs[2 * j] * ws, s1 = xs[2 * j + 1] * ws;   // x_scale * w_scale
+    total[4 * j + 0] = fmaf(part[4 * j + 0], s0, total[4 * j + 0]);
+    total[4 * j + 1] = fmaf(part[4 * j + 1], s1, total[4 * j + 1]);
+    total[4 * j + 2] = fmaf(part[4 * j + 2], s0, total[4 * j + 2]);
+    total[4 * j + 3] = fmaf(part[4 * j + 3], s1, total[4 * j + 3]);
+  }
+}
 
 template <class C, int NT>
 __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMap* xmap, const Params& p) {
@@ -73,7 +127,6 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
   static_assert(NT % 8 == 0 && NT <= 128, "wgmma N");
   static_assert(NT * RS * 4 <= S * kStage, "the reduction tile fits in the ring");
   static_assert(kStage % kAlign == 0, "every tile of every stage stays 1024-byte aligned");
-  using Mma = sm90::WgmmaE4m3<NT>;
 
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = sm90::smem_addr(smem_raw);
@@ -140,48 +193,13 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
     // i's promotion and first used one barrier wait and four wgmmas later, so their latency hides.
     float xs[NS], ws = 0.f;
     const long long ws_row = static_cast<long long>(n0 / kBlock) * KB;
-#define K3GEN_LOAD_SCALES(kb)                                                                        \
-  {                                                                                                  \
-    ws = fp8gemm::scale_value<C::kUe8m0>(p.ws, ws_row + (kb));                                      \
-    _Pragma("unroll") for (int q = 0; q < NS; ++q) {                                                 \
-      const int c = 8 * (q >> 1) + 2 * t4 + (q & 1); /* token column of d[4j + e], d[4j + 2 + e] */ \
-      xs[q] = c < mrem ? fp8gemm::scale_value<C::kUe8m0>(p.xs, static_cast<long long>(m0 + c) * KB + (kb)) : 0.f; \
-    }                                                                                                \
-  }
-    K3GEN_LOAD_SCALES(kb0)
-
+    load_scales<C, NT>(p, ws_row, kb0, m0, mrem, t4, xs, ws);
     for (int i = 0; i < nk; ++i) {
       const int s = i % S;
-      sm90::mbar_wait(full0 + 8 * s, (i / S) & 1);
-
-      const unsigned st = base + s * kStage;
-      const unsigned long long da =
-          sm90::wgmma_desc<C::kDescLbo, C::kDescSbo, C::kDescLayout>(st + wg * 64 * kBlock);
-      const unsigned long long db = sm90::wgmma_desc<C::kDescLbo, C::kDescSbo, C::kDescLayout>(st + kWTile);
-#pragma unroll
-      for (int q = 0; q < NA; ++q) sm90::fence_operand(part[q]);
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kBlock / 32; ++ks)   // 32 bytes of K per wgmma: start address + 32 (>> 4 = 2)
-        Mma::mma(part, da + 2 * ks, db + 2 * ks, ks > 0 ? 1 : 0);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-#pragma unroll
-      for (int q = 0; q < NA; ++q) sm90::fence_operand(part[q]);
-      __syncwarp();
-      if (lane == 0) sm90::mbar_arrive(empty0 + 8 * s);   // this warp no longer reads the stage
-
-#pragma unroll
-      for (int j = 0; j < NA / 4; ++j) {
-        const float s0 = xs[2 * j] * ws, s1 = xs[2 * j + 1] * ws;   // x_scale * w_scale
-        total[4 * j + 0] = fmaf(part[4 * j + 0], s0, total[4 * j + 0]);
-        total[4 * j + 1] = fmaf(part[4 * j + 1], s1, total[4 * j + 1]);
-        total[4 * j + 2] = fmaf(part[4 * j + 2], s0, total[4 * j + 2]);
-        total[4 * j + 3] = fmaf(part[4 * j + 3], s1, total[4 * j + 3]);
-      }
-      if (i + 1 < nk) K3GEN_LOAD_SCALES(kb0 + i + 1)
+      consume_block<C, NT>(base + s * kStage, full0 + 8 * s, (i / S) & 1, empty0 + 8 * s, wg, lane, part, total, xs,
+                           ws);
+      if (i + 1 < nk) load_scales<C, NT>(p, ws_row, kb0 + i + 1, m0, mrem, t4, xs, ws);
     }
-#undef K3GEN_LOAD_SCALES
 
     sm90::fence_proxy_async();
     sm90::barrier_sync_divergent(1, kThreads);   // pairs with the producer's: the ring is free
@@ -228,10 +246,186 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
   if (split > 1) fp8gemm::cluster_sync();   // no CTA leaves while a peer may still read its shared memory
 }
 
-// One kernel, five token-tile variants; nt is uniform over the grid.
+// Streaming (persistent) mode. The work is the list of (token tile, weight tile, K block) triples,
+// K block fastest; CTA c of G owns the contiguous range [c L / G, (c + 1) L / G) of it, so every
+// CTA streams the same number of weight blocks (+-1) through ONE ring that runs on across tile
+// boundaries: the producer loads the next segment while the consumers finish the current one, and
+// an SM ramps its pipeline up once per launch instead of once per tile.
+// A segment (the part of one tile inside one CTA's range) that covers all K blocks stores BF16 from
+// registers. A split tile's segments write FP32 partials to workspace slot 2c (the CTA's first
+// segment) or 2c + 1 (its last); the CTA that arrives last on the tile's counter (indexed by the
+// tile's first CTA, which owns no other split tile's start) sums the slots in CTA order, so the
+// result does not depend on arrival order, and resets the counter for the next launch.
+__device__ __forceinline__ int owner_of(int x, int g, int l) {   // the CTA whose range holds item x
+  return static_cast<int>((static_cast<long long>(x + 1) * g + l - 1) / l) - 1;
+}
+__device__ __forceinline__ int range_start(int c, int g, int l) {
+  return static_cast<int>(static_cast<long long>(c) * l / g);
+}
+
+template <class C, int NT>
+__device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90::TmaMap* xmap, const Params& p) {
+  constexpr int N = C::kN, K = C::kK;
+  constexpr int KB = (K + kBlock - 1) / kBlock;
+  constexpr int NTILES = (N + kBn - 1) / kBn;
+  constexpr int S = ring_stages(NT, C::kRingBytes, C::kMaxStages);
+  constexpr int kStage = stage_bytes(NT);
+  constexpr int NA = NT / 2;
+  static_assert(S >= 2 && NT % 8 == 0 && NT <= 128, "ring depth, wgmma N");
+  static_assert(kStage % kAlign == 0, "every tile of every stage stays 1024-byte aligned");
+
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int last_flag;
+  const unsigned raw = sm90::smem_addr(smem_raw);
+  const unsigned base = (raw + kAlign - 1) & ~static_cast<unsigned>(kAlign - 1);
+  const unsigned full0 = base + S * kStage, empty0 = full0 + 8 * S;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = gridDim.x, c = blockIdx.x;
+  const int l = ((p.m + NT - 1) / NT) * NTILES * KB;   // the launcher keeps this < 2^31
+  const int x0 = range_start(c, g, l), x1 = range_start(c + 1, g, l);
+
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      sm90::mbar_init(full0 + 8 * s, 1);
+      sm90::mbar_init(empty0 + 8 * s, kConsumerWarps);
+    }
+    sm90::fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (warp >= kConsumerWarps) {
+    sm90::setmaxnreg_dec<kProducerRegs>();
+    constexpr int kWRows = N < kBn ? N : kBn;
+    const int xrows = p.m < NT ? p.m : NT;
+    if (warp == kConsumerWarps && lane == 0) {
+      sm90::tma_prefetch_map(wmap);
+      sm90::tma_prefetch_map(xmap);
+      for (int x = x0, i = 0; x < x1; ++x, ++i) {
+        const int tile = x / KB, kb = x - tile * KB;
+        const int s = i % S;
+        if (i >= S) sm90::mbar_wait_or_trap(empty0 + 8 * s, ((i / S) - 1) & 1);
+        const unsigned st = base + s * kStage, bar = full0 + 8 * s;
+        sm90::mbar_arrive_expect_tx(bar, (kWRows + xrows) * kBlock);
+        sm90::tma_load_2d(st, wmap, kb * kBlock, (tile % NTILES) * kBn, bar);
+        sm90::tma_load_2d(st + kWTile, xmap, kb * kBlock, (tile / NTILES) * NT, bar);
+      }
+      const int n = x1 - x0;   // see gemm(): turns a consumer hang into a trap
+      if (n > 0) sm90::mbar_wait_or_trap(full0 + 8 * ((n - 1) % S), ((n - 1) / S) & 1);
+    }
+    return;   // no CTA-wide barrier follows: the consumers synchronise among themselves (id 2)
+  }
+
+  sm90::setmaxnreg_inc<kConsumerRegs>();
+  const int wg = warp >> 2, t4 = lane & 3;
+  const int r = wg * 64 + (warp & 3) * 16 + (lane >> 2);   // fragment row (and row + 8)
+  float total[NA], part[NA], xs[NT / 4], ws = 0.f;
+#pragma unroll
+  for (int q = 0; q < NA; ++q) part[q] = 0.f;
+  int i = 0;   // ring position, continuous across segments
+  for (int x = x0; x < x1;) {
+    const int tile = x / KB, kb0 = x - tile * KB;
+    const int nk = (KB - kb0) < (x1 - x) ? (KB - kb0) : (x1 - x);
+    const int m0 = (tile / NTILES) * NT, n0 = (tile % NTILES) * kBn;
+    const int mrem = p.m - m0;
+    const long long ws_row = static_cast<long long>(n0 / kBlock) * KB;
+#pragma unroll
+    for (int q = 0; q < NA; ++q) total[q] = 0.f;
+    load_scales<C, NT>(p, ws_row, kb0, m0, mrem, t4, xs, ws);
+    for (int j = 0; j < nk; ++j, ++i) {
+      const int s = i % S;
+      consume_block<C, NT>(base + s * kStage, full0 + 8 * s, (i / S) & 1, empty0 + 8 * s, wg, lane, part, total, xs,
+                           ws);
+      if (j + 1 < nk) load_scales<C, NT>(p, ws_row, kb0 + j + 1, m0, mrem, t4, xs, ws);
+    }
+
+    if (nk == KB) {   // the whole tile: BF16 straight from the fragments
+#pragma unroll
+      for (int j = 0; j < NA / 4; ++j) {
+        const int col = 8 * j + 2 * t4;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = col + (e & 1), row = n0 + r + 8 * (e >> 1);
+          if (tok < mrem && row < N)
+            p.out[static_cast<long long>(m0 + tok) * N + row] = __float2bfloat16_rn(total[4 * j + e]);
+        }
+      }
+    } else {
+      // Partial tile: FP32 partial [token][row] into this segment's slot, then the arrival count.
+      float* dst = p.part + static_cast<long long>(2 * c + (x == x0 ? 0 : 1)) * (NT * kBn);
+#pragma unroll
+      for (int j = 0; j < NA / 4; ++j) {
+        const int col = 8 * j + 2 * t4;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = col + (e & 1);
+          if (tok < mrem) dst[tok * kBn + r + 8 * (e >> 1)] = total[4 * j + e];
+        }
+      }
+      const int first = owner_of(tile * KB, g, l), nseg = owner_of(tile * KB + KB - 1, g, l) - first + 1;
+      __threadfence();   // release: the partial is visible GPU-wide before the arrival
+      sm90::barrier_sync_divergent(2, kConsumerWarps * 32);
+      if (tid == 0) last_flag = atomicAdd(p.cnt + first, 1) == nseg - 1;
+      sm90::barrier_sync_divergent(2, kConsumerWarps * 32);
+      if (last_flag) {
+        __threadfence();   // acquire: the other segments' partials
+        // This usually runs at the end of the CTA's range (the tile's first CTA arrives last), so
+        // it is the kernel's tail: every thread keeps all its output chunks in registers and loads
+        // them slot by slot, so each slot costs one L2 round trip, not one per chunk.
+        constexpr int kChunks = (NT * (kBn / 8) + kConsumerWarps * 32 - 1) / (kConsumerWarps * 32);
+        const int mt = mrem < NT ? mrem : NT;
+        float v[kChunks][8];
+#pragma unroll
+        for (int u = 0; u < kChunks; ++u)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[u][e] = 0.f;
+        for (int q = first; q < first + nseg; ++q) {   // CTA order: the same sum on every run
+          const int slot = 2 * q + (range_start(q, g, l) >= tile * KB ? 0 : 1);
+          const float* src = p.part + static_cast<long long>(slot) * (NT * kBn);
+#pragma unroll
+          for (int u = 0; u < kChunks; ++u) {
+            const int it = tid + u * kConsumerWarps * 32, mm = it / (kBn / 8), c8 = it % (kBn / 8);
+            if (mm < mt && n0 + c8 * 8 < N) {
+              const float4* f = reinterpret_cast<const float4*>(src + mm * kBn + c8 * 8);
+              const float4 lo = __ldcg(f), hi = __ldcg(f + 1);
+              v[u][0] += lo.x; v[u][1] += lo.y; v[u][2] += lo.z; v[u][3] += lo.w;
+              v[u][4] += hi.x; v[u][5] += hi.y; v[u][6] += hi.z; v[u][7] += hi.w;
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kChunks; ++u) {
+          const int it = tid + u * kConsumerWarps * 32, mm = it / (kBn / 8), c8 = it % (kBn / 8), gn = n0 + c8 * 8;
+          if (mm < mt && gn < N) {
+            uint4 o;
+            o.x = fp8gemm::pack_bf16x2(v[u][0], v[u][1]);
+            o.y = fp8gemm::pack_bf16x2(v[u][2], v[u][3]);
+            o.z = fp8gemm::pack_bf16x2(v[u][4], v[u][5]);
+            o.w = fp8gemm::pack_bf16x2(v[u][6], v[u][7]);
+            *reinterpret_cast<uint4*>(p.out + static_cast<long long>(m0 + mm) * N + gn) = o;
+          }
+        }
+        if (tid == 0) p.cnt[first] = 0;   // every segment of this tile has arrived: none reads it again
+      }
+    }
+    x += nk;
+  }
+}
+
+// One kernel, five token-tile variants; nt is uniform over the grid. A workspace selects the
+// streaming mode, none the cluster split-K mode.
 template <class C>
 __device__ __forceinline__ void gemm_dispatch(const sm90::TmaMap* wmap, const sm90::TmaMap* xmap, const Params& p,
                                               int nt) {
+  if (p.part != nullptr) {
+    switch (nt) {
+      case 8: gemm_stream<C, 8>(wmap, xmap, p); return;
+      case 16: gemm_stream<C, 16>(wmap, xmap, p); return;
+      case 32: gemm_stream<C, 32>(wmap, xmap, p); return;
+      case 64: gemm_stream<C, 64>(wmap, xmap, p); return;
+      default: gemm_stream<C, 128>(wmap, xmap, p); return;
+    }
+  }
   switch (nt) {
     case 8: gemm<C, 8>(wmap, xmap, p); break;
     case 16: gemm<C, 16>(wmap, xmap, p); break;

@@ -1,0 +1,94 @@
+"""Launch-plan sweep of the sm90 wgmma FP8 block GEMM (`k3gen bench --op fp8_block_gemm_sweep`, or
+scripts/sweep_gemm.py for a table): on the shapes that carry the performance bars, every candidate
+plan of one cubin (the plan is a launch-time choice: cluster split-K `split`, or the streaming mode
+with `ctas` persistent CTAs) timed like the bench (graph replay over rotated weight sets), next to
+cuBLASLt block FP8 and a same-size copy from the same run. Rows carry extra.mode/split/ctas and
+extra.default (the plan the launcher picks today), so the table shows whether the planner's
+STREAM_MIN_BLOCKS threshold and choose_split90 pick the fastest candidate.
+"""
+from __future__ import annotations
+
+from .bench import make_row, sets_for, time_graph
+
+# name -> (N, K): the >= 32 MB bars (o_proj TP1 88 MB, kda_qkvg TP8 44 MB) and two small weights.
+SWEEP_SHAPES = {"o_proj TP1": (7168, 12288), "kda_qkvg TP8": (6144, 7168),
+                "q_b TP8": (2304, 1536), "o_proj TP8": (7168, 1536)}
+SWEEP_MS = (1, 8, 32, 128)
+SPLITS = (1, 2, 4, 7, 8)
+
+
+def sweep_specs(recipes=None) -> list:
+    """The cubins the sweep needs (collected by scripts/prebuild_gpu.py through tests/gpu)."""
+    from .ir.dtypes import ScaleRecipe
+    from .ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
+    from .targets import get_target
+    tgt = get_target("sm90")
+    return [Fp8BlockGemmSpec(target=tgt, n=n, k=k, recipe=r)
+            for n, k in SWEEP_SHAPES.values() for r in (recipes or tuple(ScaleRecipe))]
+
+
+def candidates(op, m: int) -> list[tuple[str, dict]]:
+    """(label, call kwargs) of every plan worth timing for M tokens; the default plan first."""
+    from .ir.ops.fp8_block_gemm import MAX_SPLIT, work_items
+    s, sms = op.spec, op.sm_count
+    out = [("default", {})]
+    cap = min(MAX_SPLIT, s.k_blocks)
+    out += [(f"cluster split={sp}", {"split": sp}) for sp in SPLITS if sp <= cap]
+    items = work_items(s.n, s.k, m)
+    for c in sorted({sms, sms - 4, 128, 120, 112, 96, 66}, reverse=True):
+        if 1 <= c <= min(sms, items):
+            out.append((f"stream ctas={c}", {"ctas": c}))
+    return out
+
+
+def fp8_block_gemm_sweep(ceiling: float, quick: bool = False, recipe=None) -> list:
+    import torch
+
+    from .bench_cases import _scaled_mm_block
+    from .ir.dtypes import ScaleRecipe
+    from .runtime.ops.fp8_block_gemm import Fp8BlockGemm
+
+    recipe = recipe or ScaleRecipe.FP32
+    rows, same = [], {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = list(SWEEP_SHAPES.items())[:2] if quick else list(SWEEP_SHAPES.items())
+    specs = {(sp.n, sp.k): sp for sp in sweep_specs((recipe,))}
+    for name, (n, k) in shapes:
+        op = Fp8BlockGemm(specs[(n, k)]).load()
+        spec = op.spec
+        nbytes = spec.weight_bytes()
+        nsets = sets_for(nbytes)
+        sdt = torch.float32 if recipe is ScaleRecipe.FP32 else torch.uint8
+
+        def scales(shape):
+            if sdt == torch.float32:
+                return torch.rand(*shape, device="cuda", generator=g) * 1e-2
+            return torch.randint(110, 125, shape, device="cuda", dtype=torch.uint8, generator=g)
+        weights = [(torch.randint(0, 0x7E, (n, k), device="cuda", dtype=torch.uint8, generator=g),
+                    scales((spec.n_blocks, spec.k_blocks))) for _ in range(nsets)]
+        for m in SWEEP_MS:
+            acts = [(torch.randint(0, 0x7E, (m, k), device="cuda", dtype=torch.uint8, generator=g),
+                     scales((m, spec.k_blocks)), torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
+                    for _ in range(nsets)]
+            peer, peer_us = "", None
+            if recipe is ScaleRecipe.FP32:
+                calls = [_scaled_mm_block(a[0], a[1], w[0], w[1]) for a, w in zip(acts, weights)]
+                if all(c is not None for c in calls):
+                    try:
+                        peer_us, peer = time_graph(calls), "torch._scaled_mm block FP8"
+                    except Exception:  # noqa: BLE001  (no peer for this shape)
+                        pass
+            default = op.plan_for(m)
+            for label, kw in candidates(op, m):
+                plan = op.plan_for(m, **kw)
+                us = time_graph([lambda a=a, w=w, kw=kw: op(a[0], a[1], w[0], w[1], a[2], **kw)
+                                 for a, w in zip(acts, weights)])
+                extra = {"n": n, "k": k, "m": m, "recipe": recipe.value, "mode": "stream" if plan.ctas else "cluster",
+                         "split": plan.split, "ctas": plan.ctas, "nt": plan.nt, "default": plan == default,
+                         "bar_us": nbytes / (0.8 * ceiling * 1e6) if nbytes >= 32 * 2**20 else None}
+                rows.append(make_row("fp8_block_gemm_sweep", f"{name} N{n} K{k} M{m} {label}", us, nbytes, ceiling,
+                                     same, peer=peer, peer_us=peer_us, extra=extra))
+            del acts
+        del weights
+        torch.cuda.empty_cache()
+    return rows
