@@ -3,8 +3,8 @@ scripts/sweep_gemm.py for a table): on the shapes that carry the performance bar
 plan of one cubin (the plan is a launch-time choice: cluster split-K `split`, or the streaming mode
 with `ctas` persistent CTAs) timed like the bench (graph replay over rotated weight sets), next to
 cuBLASLt block FP8 and a same-size copy from the same run. Rows carry extra.mode/split/ctas and
-extra.default (the plan the launcher picks today), so the table shows whether the planner's
-STREAM_MIN_BLOCKS threshold and choose_split90 pick the fastest candidate.
+extra.default (the plan the launcher picks today), so the table shows whether choose_split90
+picks the fastest candidate.
 """
 from __future__ import annotations
 

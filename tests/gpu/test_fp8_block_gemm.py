@@ -172,15 +172,18 @@ def test_every_split_and_small_tile_agree(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+@pytest.mark.parametrize("streaming", (False, True), ids=("cluster", "streaming"))
 @pytest.mark.parametrize("n,k,m", [(2304, 1536, 8), (200, 272, 1), (7168, 1536, 128), (1536, 7168, 1)], ids=str)
-def test_graph_replay(n, k, m, recipe):
-    """Cluster split-K (q_b), one K block per CTA ragged (M = 1), and the streaming mode at nt = 128
-    (o_proj TP8) and nt = 8 (q_a: 12 tiles split over 132 CTAs, every tile reduced by counters)."""
+def test_graph_replay(n, k, m, recipe, streaming):
+    """Cluster split-K (the default plan) and the opt-in streaming mode: q_b, one K block per CTA
+    ragged (M = 1), nt = 128 (o_proj TP8) and nt = 8 (q_a: 12 tiles over 132 streaming CTAs, every
+    tile reduced by counters)."""
     op = _op(n, k, recipe)
-    assert (op.plan_for(m).ctas > 0) == (max(n, k) == 7168)   # the default plan picks the mode
+    kw = {"ctas": op.sm_count} if streaming else {}
+    assert (op.plan_for(m, **kw).ctas > 0) == streaming
     xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=11)
     out = _poisoned(m, n)
-    op(xc, xs, wc, ws, out)
+    op(xc, xs, wc, ws, out, **kw)   # eager first: the streaming workspace is allocated outside capture
     torch.cuda.synchronize()
     eager = out.clone()
     s = torch.cuda.Stream()
@@ -188,7 +191,7 @@ def test_graph_replay(n, k, m, recipe):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s):
         with torch.cuda.graph(graph, stream=s):
-            op(xc, xs, wc, ws, out)
+            op(xc, xs, wc, ws, out, **kw)
     torch.cuda.current_stream().wait_stream(s)
     out.fill_(float("nan"))
     graph.replay()

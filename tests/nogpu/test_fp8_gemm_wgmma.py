@@ -10,7 +10,7 @@ import pytest
 
 from k3gen.build import build_one, lower
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ir.ops.fp8_block_gemm import (ALIGN90, BLOCK, BN90, MAX_SPLIT, NT_CHOICES, STREAM_MIN_BLOCKS, THREADS90,
+from k3gen.ir.ops.fp8_block_gemm import (ALIGN90, BLOCK, BN90, MAX_SPLIT, NT_CHOICES, SPLIT90_MAX, THREADS90,
                                          Fp8BlockGemmSpec, choose_split90, nt_for, stream_owner, stream_ranges,
                                          stream_segments, work_items)
 from k3gen.ir.sm90_tiles import SW128_KMAJOR, decode_desc, encode_desc, wgmma_read_addr
@@ -155,12 +155,19 @@ def test_split_plan_for_the_k3_shapes():
             assert 1 <= p.split <= min(MAX_SPLIT, s.k_blocks) and p.ctas == 0
             assert p.grid == (p.split, -(-m // p.nt), -(-n // BN90)) and p.smem == s.smem_bytes_nt(p.nt)
             assert s.plan(m, SMS, split=3).split == 3 and s.plan(m, SMS, split=3).ctas == 0
-    # Small grids split to fill the GPU; the fused KDA projection at TP1 (384 tiles) does not.
-    assert choose_split90(1536, 7168, 1, SMS) == 8          # q_a: 12 tiles x 8
-    assert choose_split90(2304, 1536, 1, SMS) == 6          # q_b TP8: 18 tiles x 6, 2 K blocks each
+    # One wave, split <= SPLIT90_MAX (the H200 sweep's fastest plans).
+    assert choose_split90(7168, 12288, 1, SMS) == 2         # o_proj TP1: 56 tiles x 2 = 112
+    assert choose_split90(6144, 7168, 8, SMS) == 2          # kda_qkvg TP8: 48 x 2
+    assert choose_split90(2304, 1536, 1, SMS) == SPLIT90_MAX  # q_b TP8: 18 tiles x 4
+    assert choose_split90(1536, 7168, 1, SMS) == SPLIT90_MAX  # q_a: 12 tiles
     assert choose_split90(7168, 1536, 32, SMS) == 2         # o_proj TP8: 56 x 2 = 112
-    assert choose_split90(49152, 7168, 128, SMS) == 1
+    assert choose_split90(49152, 7168, 128, SMS) == 1       # 384 tiles: more than a wave already
     assert choose_split90(64, 16, 1, SMS) == 1              # one K block
+    for n, k in FP8_GEMM_TP8 + FP8_GEMM_TP1:
+        for m in (1, 8, 32, 128):
+            s = choose_split90(n, k, m, SMS)
+            tiles = -(-n // BN90) * -(-m // nt_for(m))
+            assert s == 1 or tiles * s <= SMS
 
 
 @pytest.mark.parametrize("recipe", tuple(ScaleRecipe), ids=lambda r: r.value)
@@ -196,24 +203,19 @@ def test_flavours_by_target():
     assert '#include "k3gen/fp8_gemm.cuh"' in src and "fp8_gemm_wgmma.cuh" not in src
 
 
-def test_streaming_plan_for_the_k3_shapes():
-    # Streaming when every SM gets >= STREAM_MIN_BLOCKS weight blocks: the >= 32 MB weights always.
+def test_streaming_plan_is_opt_in():
+    # The default plan is the cluster mode; `ctas` asks for streaming (capped at the work items).
     for n, k in FP8_GEMM_TP8 + FP8_GEMM_TP1:
         for m in (1, 8, 32, 128, 200):
             s = Fp8BlockGemmSpec(target=SM90, n=n, k=k)
             p = s.plan(m, SMS)
             items = work_items(n, k, m)
             assert items == -(-m // nt_for(m)) * -(-n // BN90) * -(-k // 128)
-            if items >= STREAM_MIN_BLOCKS * SMS:
-                assert p.ctas == min(SMS, items) and p.grid == (p.ctas, 1, 1) and p.split == 1
-            else:
-                assert p.ctas == 0 and p.grid[0] == p.split
+            assert p.ctas == 0 and p.grid[0] == p.split == choose_split90(n, k, m, SMS)
             assert p.smem == s.smem_bytes_nt(p.nt)
+            q = s.plan(m, SMS, ctas=SMS)
+            assert q.ctas == min(SMS, items) and q.grid == (q.ctas, 1, 1) and q.split == 1
             assert s.plan(m, SMS, ctas=7).grid == (7, 1, 1)
-    assert Fp8BlockGemmSpec(target=SM90, n=7168, k=12288).plan(1, SMS).ctas == SMS      # o_proj TP1
-    assert Fp8BlockGemmSpec(target=SM90, n=6144, k=7168).plan(8, SMS).ctas == SMS       # kda_qkvg TP8
-    assert Fp8BlockGemmSpec(target=SM90, n=2304, k=1536).plan(1, SMS).ctas == 0         # q_b TP8: 216 blocks
-    assert Fp8BlockGemmSpec(target=SM90, n=64, k=16).plan(1, SMS, ctas=SMS).ctas == 1   # capped at the items
 
 
 @pytest.mark.parametrize("items,ctas,kb", [(5376, 132, 96), (672, 132, 12), (216, 132, 12), (7, 7, 7),

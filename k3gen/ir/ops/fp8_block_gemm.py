@@ -28,8 +28,8 @@ producer warpgroup), a CTA owns BN90 = 128 weight rows and `nt` tokens, nt in NT
 launch from M (`nt_for`); grid = (split, ceil(M / nt), ceil(N / 128)), clusters (split, 1, 1).
 Kernel arguments: the W and x TMA tensor maps (by value; `tma_boxes` gives their geometry), x/w
 scales, out, M, nt, then the streaming workspace (FP32 partials, int32 counters; null in the
-cluster mode). Streaming mode (`Plan.ctas` > 0, picked when the work list has >= STREAM_MIN_BLOCKS
-weight blocks per SM): grid (ctas, 1, 1), no cluster; CTA c owns items [c L / G, (c + 1) L / G) of
+cluster mode). Streaming mode (`Plan.ctas` > 0, opt-in with `ctas=`; measured
+slower than the one-wave cluster split on the K3 shapes): grid (ctas, 1, 1), no cluster; CTA c owns items [c L / G, (c + 1) L / G) of
 the (token tile, weight tile, K block) list (`stream_segments` replays the walk), split tiles are
 summed from workspace slots in CTA order by the last arriver. `plan` computes everything on the
 host (graph-safe). `bm` and `stages` are
@@ -71,11 +71,10 @@ NT_CHOICES = (8, 16, 32, 64, 128)   # token columns per CTA (wgmma N)
 RING_BYTES = 192 * 1024             # TMA ring budget (one CTA per SM; 227 KB is the sm_90 cap)
 MAX_STAGES90 = 8
 ALIGN90 = 1024
-SPLIT_OVERHEAD_BLOCKS = 2           # pipeline fill + epilogue, in 128-column K blocks of streaming
-# Streaming mode (one persistent CTA per SM walking a contiguous range of the (tile, K block) list):
-# used when every CTA gets at least this many 128 x 128 weight blocks; below it the work is too
-# small to amortise the partial-tile round trip through L2 and the cluster split-K mode launches.
-STREAM_MIN_BLOCKS = 4
+SPLIT90_MAX = 4                     # cluster split-K of the wgmma flavour (see choose_split90)
+# Streaming mode (one persistent CTA per SM walking a contiguous range of the (tile, K block) list)
+# is opt-in (`ctas=`): on the H200 it measured 5-15% slower than a one-wave cluster split on every
+# K3 shape (sweep 2026-11-29 23:48; e.g. o_proj TP1 M = 1: 29.6 us vs 26.9 us at split 2).
 
 
 def cdiv(a: int, b: int) -> int:
@@ -101,18 +100,14 @@ def nt_for(m: int) -> int:
     return NT_CHOICES[-1]
 
 
-def choose_split90(n: int, k: int, m: int, sms: int, max_split: int = MAX_SPLIT) -> int:
-    """CTAs per output tile along K for the wgmma flavour (one CTA per SM): the split whose waves x
-    (K blocks per CTA + fixed overhead) is smallest, ties to the smaller split. Streaming time per
-    CTA is proportional to its K blocks, so this fills the SMs without a tail wave of long CTAs."""
+def choose_split90(n: int, k: int, m: int, sms: int, max_split: int = SPLIT90_MAX) -> int:
+    """CTAs per output tile along K for the wgmma flavour (one CTA per SM): the largest split, up to
+    SPLIT90_MAX, whose grid is one wave. Measured on the H200 (sweep 2026-11-29 23:48, every split
+    1..8 on o_proj/kda_qkvg/q_b/o_proj-TP8 at M 1..128): a second, partial wave costs ~1.5x, and
+    splits past 4 lose to the rank-ordered DSMEM reduction (split 7: 37.6 us vs split 2: 26.9 us
+    on o_proj TP1 at M = 1)."""
     tiles = cdiv(n, BN90) * max(1, cdiv(m, nt_for(max(m, 1))))
-    kb = cdiv(k, BLOCK)
-    best, best_cost = 1, None
-    for s in range(1, max(1, min(max_split, kb)) + 1):
-        cost = cdiv(tiles * s, sms) * (cdiv(kb, s) + SPLIT_OVERHEAD_BLOCKS)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s, cost
-    return best
+    return max(1, min(max_split, cdiv(k, BLOCK), sms // tiles))
 
 
 def work_items(n: int, k: int, m: int) -> int:
@@ -120,11 +115,10 @@ def work_items(n: int, k: int, m: int) -> int:
     return max(1, cdiv(m, nt_for(max(m, 1)))) * cdiv(n, BN90) * cdiv(k, BLOCK)
 
 
-def choose_ctas(n: int, k: int, m: int, sms: int, min_blocks: int = STREAM_MIN_BLOCKS) -> int:
-    """Persistent CTAs of the streaming mode (0: use the cluster split-K mode). One CTA per SM
-    (the ring takes most of the shared memory), never more CTAs than work items."""
-    items = work_items(n, k, m)
-    return min(sms, items) if items >= min_blocks * sms else 0
+def choose_ctas(n: int, k: int, m: int, sms: int) -> int:
+    """Persistent CTAs of a requested streaming launch: one per SM (the ring takes most of the
+    shared memory), never more CTAs than work items."""
+    return min(sms, work_items(n, k, m))
 
 
 def stream_ranges(items: int, ctas: int) -> list[tuple[int, int]]:
@@ -272,13 +266,12 @@ class Fp8BlockGemmSpec(OpSpec):
                 "x": {"dims": (self.k, m), "strides": (self.k,), "box": (BLOCK, min(nt, m))}}
 
     def plan(self, m: int, sms: int, split: int | None = None, ctas: int | None = None) -> Plan:
-        """`split` forces the cluster mode, `ctas` the streaming mode (capped at the work items);
-        neither: streaming when every SM gets STREAM_MIN_BLOCKS weight blocks."""
+        """`split` forces the cluster mode, `ctas` the (opt-in) streaming mode, capped at the work
+        items; neither: the cluster mode with choose_split90."""
         nt = nt_for(m)
-        if split is None:
-            ctas = choose_ctas(self.n, self.k, m, sms) if ctas is None else min(ctas, work_items(self.n, self.k, m))
-            if ctas:
-                return Plan(nt, 1, (ctas, 1, 1), self.smem_bytes_nt(nt), ctas)
+        if split is None and ctas:
+            ctas = min(ctas, work_items(self.n, self.k, m))
+            return Plan(nt, 1, (ctas, 1, 1), self.smem_bytes_nt(nt), ctas)
         split = split or choose_split90(self.n, self.k, m, sms)
         return Plan(nt, split, (split, cdiv(m, nt), cdiv(self.n, BN90)), self.smem_bytes_nt(nt))
 

@@ -15,7 +15,7 @@ import collections
 import ctypes
 import threading
 
-from ...errors import SpecError
+from ...errors import DeviceError, SpecError
 from ...ir.dtypes import ScaleRecipe
 from ...ir.ops.fp8_block_gemm import MAX_SPLIT, cdiv, choose_split, nt_for, work_items
 from ..bind import Launcher
@@ -63,15 +63,18 @@ class Fp8BlockGemm(Launcher):
         super().load()
         self.sm_count  # noqa: B018  (queried once, outside any graph capture)
         self._allow_smem(self.device_index)
-        if self.spec.mma == "wgmma":
-            self._workspace(self.device_index)
         return self
 
     def _workspace(self, device: int):
-        """Partial slots and zeroed counters for up to sm_count streaming CTAs (allocated outside capture)."""
+        """Partial slots and zeroed counters for up to sm_count streaming CTAs, allocated by the
+        first streaming launch on the device (the default cluster plan needs none), which must
+        therefore run outside a graph capture."""
         ws = self._ws.get(device)
         if ws is None:
             import torch
+            if torch.cuda.is_current_stream_capturing():
+                raise DeviceError("fp8_block_gemm: the first streaming launch (ctas=) on a device allocates its "
+                                  "workspace and cannot run inside a CUDA-graph capture; launch it once before")
             n = self.sm_count
             ws = (torch.empty(self.spec.workspace_floats(n), dtype=torch.float32, device=f"cuda:{device}"),
                   torch.zeros(self.spec.workspace_counters(n), dtype=torch.int32, device=f"cuda:{device}"))
@@ -93,11 +96,11 @@ class Fp8BlockGemm(Launcher):
             return 1
         if s.mma == "wgmma":
             return s.plan(m, self.sm_count).split
+        return choose_split(s.n, s.k, m, s.bm, self.sm_count)
 
     def plan_for(self, m: int, *, split: int | None = None, ctas: int | None = None):
         """The wgmma flavour's launch plan for M tokens (what __call__ launches)."""
         return self.spec.plan(m, self.sm_count, split, ctas)
-        return choose_split(s.n, s.k, m, s.bm, self.sm_count)
 
     def _tma_map(self, t, geom: dict) -> bytes:
         key = (t.data_ptr(), t.device.index, geom["dims"], geom["box"])
