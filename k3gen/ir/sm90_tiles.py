@@ -73,7 +73,7 @@ def wgmma_read_addr(desc: int, row: int, k: int, elem_bytes: int = 1) -> int:
 # 128-byte row holds 8T consecutive M (or N) elements of one K index, 8 K rows make a 1024-byte
 # atom, LBO steps between 8T-element M blocks and SBO between 8-row K groups. mla_decode's wgmma
 # schedule reads M = 64 BF16 = exactly one M block, so LBO is never applied; it encodes LBO = SBO =
-# 1024 so that either reading of the two fields gives the same addresses.
+# 1024 so either reading of the two fields gives the same addresses.
 SW128_MNMAJOR_1BLOCK = DescFields(lbo=ATOM_ROWS * ROW_BYTES, sbo=ATOM_ROWS * ROW_BYTES, layout=LAYOUT_SW128)
 
 

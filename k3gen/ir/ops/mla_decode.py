@@ -124,7 +124,7 @@ class MlaDecodeSpec(OpSpec):
     def max_registers(self) -> int:
         """One CTA per SM (the pipeline takes most of the shared memory): 255 costs no occupancy.
         The wgmma schedule launches 384 threads: 168 each at launch, then setmaxnreg moves the
-        producer to 40 and the consumers to 232 (128 * 40 + 256 * 232 <= 65536)."""
+        producer to 56 and the consumers to 224 (128 * 56 + 256 * 224 <= 65536)."""
         return 168 if self.schedule == "wgmma" else 255
 
     @property
