@@ -4,6 +4,8 @@ Bytes are the KV bytes the kernel must read (MlaDecodeSpec.kv_bytes: codes + sca
 its HP tail rows); % of copy is on those. The peer is the naive absorbed PyTorch decode over a
 dense, already-gathered BF16 KV (bmm, FP32 softmax, bmm; no paging, no causal mask: both favour
 the peer). FP8/NVFP4 rows carry `x_bf16`, the speed-up over the BF16-KV kernel at the same shape.
+BF16 KV runs both schedules (column `schedule`): the mma.sync kernel and the sm_90a wgmma one;
+wgmma rows carry `x_mma`, their speed-up over the mma.sync row of the same shape.
 """
 from __future__ import annotations
 
@@ -27,8 +29,12 @@ def bench_specs(quick: bool = False) -> list:
     from .targets import get_target
     tgt = get_target("sm90")
     heads, tokens = ((12, 128), (1,)) if quick else (HEADS, TOKENS)
-    return [MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=kv, **kw)
-            for kv, kw in _kv_formats() for h in heads for t in tokens]
+    specs = [MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=kv, **kw)
+             for kv, kw in _kv_formats() for h in heads for t in tokens]
+    # The wgmma schedule right after the BF16 rows (BF16 KV only).
+    return specs[:len(heads) * len(tokens)] + [
+        MlaDecodeSpec(target=tgt, heads=h, tokens=t, schedule="wgmma") for h in heads for t in tokens
+    ] + specs[len(heads) * len(tokens):]
 
 
 def _random_cache(spec, num_pages: int, B: int, gen) -> dict:
@@ -69,7 +75,7 @@ def mla_decode(ceiling: float, quick: bool = False) -> list:
     gen = torch.Generator(device="cuda").manual_seed(0)
     batches = (1, 128) if quick else BATCHES
     lengths = (8192,) if quick else LENGTHS
-    rows, same, bf16_us = [], {}, {}
+    rows, same, bf16_us, peer_cache = [], {}, {}, {}
     for spec in bench_specs(quick):
         H, T = spec.heads, spec.tokens
         op = MlaDecode(spec).load()
@@ -95,14 +101,19 @@ def mla_decode(ceiling: float, quick: bool = False) -> list:
                 scale = 2688 / 30 if spec.kv.value == "nvfp4" else 1.0
                 us = time_graph([lambda s=s: op(s["q"], s["cache"], s["bt"], s["lengths"], s["out"],
                                                 ring_slot=s["ring"], scale=scale, plan=plan) for s in sets])
-                extra = {"heads": H, "batch": B, "len": L, "tokens": T, "kv": spec.kv.value, "splits": plan.splits,
+                extra = {"heads": H, "batch": B, "len": L, "tokens": T, "kv": spec.kv.value,
+                         "schedule": spec.schedule, "splits": plan.splits,
                          "proj_8TBps_us": nbytes / 8e12 * 1e6,
                          "tflops": evaluate(spec.flops(), B=B, L=L) / us / 1e6}
                 del sets
                 torch.cuda.empty_cache()
                 key = (H, T, B, L)
                 peer, peer_us = "", None
-                if spec.kv.value == "bf16":
+                if spec.schedule == "wgmma":
+                    if key in bf16_us:
+                        extra["x_mma"] = bf16_us[key] / us
+                    peer, peer_us = peer_cache.get(key, ("", None))
+                elif spec.kv.value == "bf16":
                     bf16_us[key] = us
                     try:
                         psets = [(torch.randn(B, T, H, 576, device="cuda", generator=gen).to(torch.bfloat16),
@@ -110,12 +121,14 @@ def mla_decode(ceiling: float, quick: bool = False) -> list:
                                  for _ in range(n)]
                         peer_us = time_graph([lambda p=p: _naive(p[0], p[1], T, H) for p in psets], reps=10)
                         peer = "naive torch bmm/softmax/bmm"
+                        peer_cache[key] = (peer, peer_us)
                         del psets
                     except Exception as e:  # noqa: BLE001  (an OOM of the peer must not lose our row)
                         extra["peer_error"] = repr(e)[:200]
                     torch.cuda.empty_cache()
                 elif key in bf16_us:
                     extra["x_bf16"] = bf16_us[key] / us
-                rows.append(make_row("mla_decode", f"{spec.kv.value} H{H} T{T} B{B} L{L}", us, nbytes, ceiling,
+                name = f"{spec.kv.value}{'-wgmma' if spec.schedule == 'wgmma' else ''} H{H} T{T} B{B} L{L}"
+                rows.append(make_row("mla_decode", name, us, nbytes, ceiling,
                                      same, peer=peer, peer_us=peer_us, extra=extra))
     return rows

@@ -66,3 +66,25 @@ def wgmma_read_addr(desc: int, row: int, k: int, elem_bytes: int = 1) -> int:
     # ((8, m), (T, 2k)) : ((8T, SBO), (1, T)) elements -> bytes, then the address swizzle.
     lin = start + (row % ATOM_ROWS) * 8 * t * elem_bytes + (row // ATOM_ROWS) * sbo + kb
     return swizzle128(lin)
+
+
+# MN-major operands (16-bit types only: wgmma's transpose flag). The canonical SW128 MN-major layout
+# in elements, T = 16 bytes / element size: ((T, 8, m), (8, k)) : ((1, T, LBO), (8T, SBO)) - one
+# 128-byte row holds 8T consecutive M (or N) elements of one K index, 8 K rows make a 1024-byte
+# atom, LBO steps between 8T-element M blocks and SBO between 8-row K groups. mla_decode's wgmma
+# schedule reads M = 64 BF16 = exactly one M block, so LBO is never applied; it encodes LBO = SBO =
+# 1024 so either reading of the two fields gives the same addresses.
+SW128_MNMAJOR_1BLOCK = DescFields(lbo=ATOM_ROWS * ROW_BYTES, sbo=ATOM_ROWS * ROW_BYTES, layout=LAYOUT_SW128)
+
+
+def wgmma_read_addr_mn(desc: int, mn: int, k: int, elem_bytes: int = 2) -> int:
+    """Shared address wgmma reads for element (mn, k) of an MN-major operand (SW128, base offset 0)."""
+    start, lbo, sbo, base_off, layout = decode_desc(desc)
+    if layout != LAYOUT_SW128 or base_off != 0:
+        raise ValueError("only the 128B-swizzled MN-major layout with base offset 0 is modelled")
+    if elem_bytes != 2:
+        raise ValueError("wgmma transposes 16-bit operands only")
+    per_row = ROW_BYTES // elem_bytes                     # 8T elements of M per 128-byte row
+    lin = (start + (mn % per_row) * elem_bytes + (mn // per_row) * lbo
+           + (k % ATOM_ROWS) * ROW_BYTES + (k // ATOM_ROWS) * sbo)
+    return swizzle128(lin)

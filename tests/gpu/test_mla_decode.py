@@ -42,19 +42,25 @@ FORMATS = {
 }
 SHAPES = [(12, 1), (12, 2), (12, 4), (12, 8), (6, 1), (96, 1), (96, 4), (128, 1)]
 QUICK_SHAPES = [(12, 1), (12, 4), (96, 1), (16, 8)]
+# The wgmma schedule (sm_90a, BF16 KV only): N = 16 (H*T <= 16) and N = 32 query rows per CTA.
+WG_SHAPES = SHAPES + [(16, 1), (16, 2), (16, 8), (128, 2), (128, 4), (128, 8)]
 
 
 def _write_spec(fmt: str) -> KvCacheWriteSpec:
     return KvCacheWriteSpec(target=SM90, **FORMATS[fmt])
 
 
-def _attn_spec(fmt: str, heads: int, tokens: int) -> MlaDecodeSpec:
-    return MlaDecodeSpec(target=SM90, heads=heads, tokens=tokens, **FORMATS[fmt])
+def _attn_spec(fmt: str, heads: int, tokens: int, sched: str = "mma") -> MlaDecodeSpec:
+    return MlaDecodeSpec(target=SM90, heads=heads, tokens=tokens, schedule=sched, **FORMATS[fmt])
 
 
 WRITE_SPECS = {f: _write_spec(f) for f in FORMATS}
-ATTN_SPECS = {(f, h, t): _attn_spec(f, h, t) for f in FORMATS
+ATTN_SPECS = {(f, h, t, "mma"): _attn_spec(f, h, t) for f in FORMATS
               for h, t in (SHAPES if f == "bf16" else QUICK_SHAPES)}
+ATTN_SPECS.update({("bf16", h, t, sched): _attn_spec("bf16", h, t, sched)
+                   for h, t in WG_SHAPES for sched in ("mma", "wgmma")})
+# (fmt, schedule) pairs for the tests that run every format: BF16 also through the wgmma schedule.
+FMT_SCHED = [(f, "mma") for f in FORMATS] + [("bf16", "wgmma")]
 
 
 def prebuild_specs():
@@ -70,9 +76,9 @@ def writer(fmt: str):
 
 
 @functools.lru_cache(maxsize=None)
-def attn(fmt: str, heads: int, tokens: int):
+def attn(fmt: str, heads: int, tokens: int, sched: str = "mma"):
     from k3gen.runtime.ops.mla_decode import MlaDecode
-    return MlaDecode(ATTN_SPECS[(fmt, heads, tokens)]).load()
+    return MlaDecode(ATTN_SPECS[(fmt, heads, tokens, sched)]).load()
 
 
 def rel_rms(a, b) -> float:
@@ -152,13 +158,13 @@ def ragged(rng: random.Random, B: int, T: int) -> list[int]:
 
 
 # -- numerics ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("key", list(ATTN_SPECS), ids=lambda k: f"{k[0]}-H{k[1]}-T{k[2]}")
+@pytest.mark.parametrize("key", list(ATTN_SPECS), ids=lambda k: f"{k[0]}-H{k[1]}-T{k[2]}-{k[3]}")
 @pytest.mark.parametrize("seed", range(2))
 def test_random_batches(key, seed):
-    fmt, H, T = key
+    fmt, H, T, sched = key
     rng = random.Random(1000 * seed + H + T)
     b = Batch(fmt, ragged(rng, rng.randint(1, 6), T), T, seed)
-    op = attn(fmt, H, T)
+    op = attn(fmt, H, T, sched)
     q = b.query(H, seed)
     ref = b.reference(q)
     for splits in (None, 1, 5):
@@ -166,19 +172,37 @@ def test_random_batches(key, seed):
         assert_close(b.run(op, q, plan=plan), ref, f"{key} splits={plan.splits} lens={b.lens}")
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("H,T", WG_SHAPES, ids=lambda v: str(v))
+def test_wgmma_schedule_matches_mma_schedule(H, T):
+    """Same inputs through both BF16 schedules: both within the reference tolerance and close to
+    each other (they round the same BF16 probabilities; only FP32 summation orders differ)."""
+    rng = random.Random(77 + H * T)
+    b = Batch("bf16", ragged(rng, 5, T) + [T, 64, 65], T, seed=12)
+    q = b.query(H, 12)
+    ref = b.reference(q)
+    for splits in (1, 4):
+        got = {}
+        for sched in ("mma", "wgmma"):
+            op = attn("bf16", H, T, sched)
+            got[sched] = b.run(op, q, plan=op.plan(len(b.lens), max(b.lens), splits=splits)).clone()
+            assert_close(got[sched], ref, f"{sched} H{H} T{T} s{splits} lens={b.lens}")
+        assert rel_rms(got["wgmma"], got["mma"]) < 4e-3
+
+
+@pytest.mark.parametrize("fmt,sched", FMT_SCHED, ids=lambda v: str(v))
 @pytest.mark.parametrize("T", [1, 4])
-def test_long_sequences(fmt, T):
+def test_long_sequences(fmt, sched, T):
     """Lengths up to 64K (many splits for a small batch; one split per CTA beyond that)."""
     b = Batch(fmt, [65536, 40000 + 7, 129], T, seed=3)
-    op = attn(fmt, 12, T)
+    op = attn(fmt, 12, T, sched)
     q = b.query(12, 3)
     assert_close(b.run(op, q), b.reference(q), f"{fmt} T{T} long")
 
 
-def test_split_counts_agree():
+@pytest.mark.parametrize("sched", ["mma", "wgmma"])
+def test_split_counts_agree(sched):
     b = Batch("bf16", [3000, 17, 640], 1, seed=4)
-    op = attn("bf16", 12, 1)
+    op = attn("bf16", 12, 1, sched)
     q = b.query(12, 4)
     ref = b.reference(q)
     outs = []
@@ -207,16 +231,17 @@ def test_quantized_kv_error_vs_bf16():
 
 
 # -- CUDA graphs ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["bf16", "fp8-tok128", "nvfp4-linear-m3"])
+@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("fp8-tok128", "mma"), ("nvfp4-linear-m3", "mma"),
+                                       ("bf16", "wgmma")], ids=lambda v: str(v))
 @pytest.mark.parametrize("B", [1, 5])
-def test_cuda_graph_replay_with_changed_lengths(fmt, B):
+def test_cuda_graph_replay_with_changed_lengths(fmt, sched, B):
     """Capture once with a plan for the largest length; replays with other lengths (and other
     queries) equal eager calls and the reference."""
     T, H = 4, 12
     rng = random.Random(B)
     maxlen = 2500
     b = Batch(fmt, [maxlen] * B, T, seed=6)
-    op = attn(fmt, H, T)
+    op = attn(fmt, H, T, sched)
     plan = op.plan(B, maxlen)
     q = b.query(H, 6)
     lengths = torch.empty(B, dtype=torch.int32, device="cuda")
@@ -252,11 +277,12 @@ def test_cuda_graph_replay_with_changed_lengths(fmt, B):
 
 
 # -- bad input ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["bf16", "fp8-tok128", "nvfp4-linear-m3"])
-def test_bad_page_ids_raise_with_validation(fmt, monkeypatch):
+@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("fp8-tok128", "mma"), ("nvfp4-linear-m3", "mma"),
+                                       ("bf16", "wgmma")], ids=lambda v: str(v))
+def test_bad_page_ids_raise_with_validation(fmt, sched, monkeypatch):
     monkeypatch.setenv("K3GEN_VALIDATE", "1")
     b = Batch(fmt, [300, 40], 1, seed=8)
-    op = attn(fmt, 12, 1)
+    op = attn(fmt, 12, 1, sched)
     q = b.query(12, 8)
     b.run(op, q)   # valid
     for bad in (b.num_pages, -1, 1 << 30):
@@ -273,11 +299,12 @@ def test_bad_page_ids_raise_with_validation(fmt, monkeypatch):
         b.run(op, q)
 
 
-def test_bad_page_ids_without_validation_read_zeros(monkeypatch):
+@pytest.mark.parametrize("sched", ["mma", "wgmma"])
+def test_bad_page_ids_without_validation_read_zeros(sched, monkeypatch):
     """Out-of-range ids are not dereferenced: those rows read as zeros (no fault, no NaN)."""
     monkeypatch.delenv("K3GEN_VALIDATE", raising=False)
     b = Batch("bf16", [300, 200], 1, seed=9)
-    op = attn("bf16", 12, 1)
+    op = attn("bf16", 12, 1, sched)
     q = b.query(12, 9)
     b.bt[0, 2] = b.num_pages + 5
     b.bt[1, 0] = -3
@@ -291,9 +318,10 @@ def test_bad_page_ids_without_validation_read_zeros(monkeypatch):
     assert_close(got, ref, "bad pages as zeros")
 
 
-def test_typed_errors():
+@pytest.mark.parametrize("sched", ["mma", "wgmma"])
+def test_typed_errors(sched):
     b = Batch("bf16", [70], 1, seed=10)
-    op = attn("bf16", 12, 1)
+    op = attn("bf16", 12, 1, sched)
     q = b.query(12, 10)
     out = torch.empty(1, 1, 12, MLA_LATENT, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(SpecError, match="q"):
@@ -310,11 +338,11 @@ def test_typed_errors():
 
 
 # -- compute-sanitizer (scripts/h200.sh runs `-k sanitize` under memcheck) ----------------------------
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_sanitize_reduced_matrix(fmt):
+@pytest.mark.parametrize("fmt,sched", FMT_SCHED, ids=lambda v: str(v))
+def test_sanitize_reduced_matrix(fmt, sched):
     T = 4
     b = Batch(fmt, [4, 17, 130, 257], T, seed=11)
-    op = attn(fmt, 12, T)
+    op = attn(fmt, 12, T, sched)
     q = b.query(12, 11)
     ref = b.reference(q)
     for splits in (1, 3):

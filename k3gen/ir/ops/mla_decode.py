@@ -25,6 +25,11 @@ split the CTAs write FP32 partial outputs + log-sum-exp into a workspace and a s
 from the batch shape only, so a captured graph stays valid when lengths change; each CTA derives
 its token range from the device lengths. The tcgen05 block-scaled FP4 path of SM103/SM107 is not
 written yet: those targets compile this mma.sync kernel.
+
+`schedule="wgmma"` (sm_90a, BF16 KV; templates/include/k3gen/mla_decode_wg.cuh) puts the 64 tokens
+of a tile on the wgmma M side (S^T = K_tile Q^T, O^T += V^T P^T, both operands from shared memory)
+with a cp.async producer warpgroup and two consumer warpgroups that take alternate tiles (each its
+own online-softmax state, merged at the end), so one's softmax runs under the other's MMAs.
 """
 from __future__ import annotations
 
@@ -44,6 +49,11 @@ SMEM_LIMIT = 227 * 1024       # opt-in shared memory per block on SM90 / SM100
 MAX_TOKENS = 8
 SOFTMAX_SCALE = 192 ** -0.5
 _PAD = 8                      # BF16 elements of padding per shared probability row
+SCHEDULES = ("mma", "wgmma")
+WG_THREADS = 384              # wgmma schedule: producer + 2 consumer warpgroups
+WG_STAGES = 2                 # one 72 KB tile per consumer warpgroup (a third does not fit with Q)
+WG_ALIGN = 1024               # SW128 operand tiles are 1024-byte aligned; the kernel aligns the base up
+WG_OSTRIDE = MLA_LATENT + 4   # FP32 per row of the merge buffer (conflict-free fragment stores)
 
 
 @register_op("mla_decode")
@@ -56,6 +66,7 @@ class MlaDecodeSpec(OpSpec):
     scale_layout: ScaleLayout | None = None  # NVFP4 only; defaults to the target's layout
     max_drafts: int = 0                   # NVFP4 HP tail ring = 16 + max_drafts rows
     m_tiles: int | None = None            # 16-row query tiles per CTA; default from H * T
+    schedule: str = "mma"                 # "mma" (mma.sync, every target) or "wgmma" (sm_90a, BF16 KV)
 
     def __post_init__(self):
         if self.scale_layout is None:
@@ -80,6 +91,14 @@ class MlaDecodeSpec(OpSpec):
                             f"{self.kv} KV has no FP4 tile scales")
         if self.kv is not KvDtype.NVFP4 and self.max_drafts:
             raise SpecError("max_drafts", self.max_drafts, [0], "only NVFP4 KV keeps an HP tail ring")
+        if self.schedule not in SCHEDULES:
+            raise SpecError("schedule", self.schedule, list(SCHEDULES))
+        if self.schedule == "wgmma":
+            if self.target.mma != "wgmma":
+                raise TargetError("schedule", self.schedule, ["mma"], f"target {self.target.name} has no wgmma")
+            if self.kv is not KvDtype.BF16:
+                raise SpecError("schedule", self.schedule, ["mma"],
+                                f"the wgmma schedule reads BF16 KV tiles directly ({self.kv} KV: use 'mma')")
         if self.m_tiles not in (1, 2):
             raise SpecError("m_tiles", self.m_tiles, [1, 2], "registers: 32 FP32 accumulators per tile")
         self.layout  # page and draft checks live in KvLayout
@@ -99,12 +118,14 @@ class MlaDecodeSpec(OpSpec):
     # -- geometry (mirrored by static_asserts in the template) -------------------------------
     @property
     def threads(self) -> int:
-        return THREADS
+        return WG_THREADS if self.schedule == "wgmma" else THREADS
 
     @property
     def max_registers(self) -> int:
-        """One CTA per SM (the pipeline takes most of the shared memory): 255 costs no occupancy."""
-        return 255
+        """One CTA per SM (the pipeline takes most of the shared memory): 255 costs no occupancy.
+        The wgmma schedule launches 384 threads: 168 each at launch, then setmaxnreg moves the
+        producer to 56 and the consumers to 224 (128 * 56 + 256 * 224 <= 65536)."""
+        return 168 if self.schedule == "wgmma" else 255
 
     @property
     def softmax_scale(self) -> float:
@@ -134,6 +155,8 @@ class MlaDecodeSpec(OpSpec):
     @property
     def stages(self) -> int:
         """cp.async ring depth: as many stages as fit, 2..4 (BF16 tiles are their own buffer)."""
+        if self.schedule == "wgmma":
+            return WG_STAGES
         fixed = self._fixed_smem()
         for s in (4, 3, 2):
             if fixed + s * self.raw_stage_bytes <= SMEM_LIMIT:
@@ -152,7 +175,37 @@ class MlaDecodeSpec(OpSpec):
 
     @property
     def smem_bytes(self) -> int:
+        if self.schedule == "wgmma":
+            return self.wg_smem()["total"]
         return self._fixed_smem() + self.stages * self.raw_stage_bytes
+
+    def wg_smem(self) -> dict:
+        """Shared-memory plan of the wgmma schedule (byte offsets from the 1024-aligned base;
+        mirrored by mla_decode_wg.cuh's WgGeo, checked by static_asserts in the template).
+        stages: 2 x 64 x 576 BF16 KV tiles as 9 SW128 K-major blocks of [64 tok][64 dims];
+        q: [rows][576] as 9 SW128 blocks of [rows][64 dims]; p: one [rows][64 tok] SW128 tile per
+        consumer; red: row maxima [2 consumers][2 parities][4 warps][rows]; stats: m, l per
+        consumer and row; bars: full[2], empty[2]. The final merge buffer [rows][516] FP32 reuses
+        the stages."""
+        r = self.rows
+        plan, off = {}, 0
+        for name, size in (("stages", WG_STAGES * self.raw_stage_bytes), ("q", r * MLA_ROW * 2),
+                           ("p", 2 * r * TILE_TOKENS * 2), ("red", 2 * 2 * 4 * r * 4), ("stats", 2 * 2 * r * 4),
+                           ("bars", 4 * 8)):
+            plan[name] = off
+            off += size
+        plan["end"] = off
+        plan["total"] = off + WG_ALIGN          # slack to align the dynamic window up
+        assert r * WG_OSTRIDE * 4 <= WG_STAGES * self.raw_stage_bytes
+        return plan
+
+    @property
+    def wg_desc_probe(self) -> tuple[int, int]:
+        """(shared address, descriptor) the template's static_assert checks the device encoder
+        against: the MN-major V^T operand of the last PV step of the second stage."""
+        from ..sm90_tiles import SW128_MNMAJOR_1BLOCK, encode_desc
+        addr = self.raw_stage_bytes + 7 * TILE_TOKENS * 128 + 3 * 2048 + 1024
+        return addr, encode_desc(addr, SW128_MNMAJOR_1BLOCK)
 
     def slug(self) -> str:
         s = f"h{self.heads}-t{self.tokens}-{self.kv.value}"
@@ -162,6 +215,8 @@ class MlaDecodeSpec(OpSpec):
             s += f"-{self.scale_layout.value}-m{self.max_drafts}"
         if self.m_tiles != (1 if self.heads * self.tokens <= 16 else 2):
             s += f"-mt{self.m_tiles}"
+        if self.schedule != "mma":
+            s += f"-{self.schedule}"
         return s
 
     # -- estimates --------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 // Hopper (sm_90a) asynchronous primitives: mbarriers, TMA tile loads, the wgmma shared-memory
-// descriptor for 128B-swizzled K-major tiles, and wgmma.mma_async on E4M3 operands.
+// descriptor for 128B-swizzled K-major tiles, and wgmma.mma_async on E4M3 and BF16 operands
+// (BF16 also with a transposed, MN-major A: see WgmmaBf16).
 //
 // Shared-memory tiles used with these helpers are TMA boxes of 128-byte rows written with
 // CU_TENSOR_MAP_SWIZZLE_128B into 1024-byte-aligned buffers: row r sits at r * 128 and its 16-byte
@@ -212,6 +213,54 @@ struct WgmmaE4m3<128> {
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
           "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(da), "l"(db), "r"(acc));
+  }
+};
+
+// ---- cp.async feeding an mbarrier --------------------------------------------------------------
+// One arrival on `bar` once every cp.async this thread issued so far has landed. .noinc: the
+// arrival is one of the barrier's expected count (init it with the number of copying threads).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// ---- BF16 wgmma ---------------------------------------------------------------------------------
+// D[64 x N] (+)= A[64 x 16] * B[16 x N], BF16 in, FP32 accumulate, both operands from shared
+// memory through descriptors. kTransA = 0: A is K-major (the SW128 K-major tile of wgmma_desc,
+// one K step of 16 elements = start + 32 bytes). kTransA = 1: A is MN-major: 16-bit types only;
+// in the SW128 MN-major canonical layout ((8 x 8 elements, m), (8 rows, k)) one 128-byte row holds
+// 64 consecutive M elements of one K index, 8 K rows form a 1024-byte atom, SBO is the stride
+// between 8-row K groups and LBO the stride between 64-element M blocks (unused when M = 64 is a
+// single atom). B is always K-major here. Accumulator fragment as WgmmaE4m3.
+template <int N, int kTransA>
+struct WgmmaBf16;
+
+template <int kTransA>
+struct WgmmaBf16<16, kTransA> {
+  __device__ __forceinline__ static void mma(float (&d)[8], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7"
+        "}, %8, %9, p, 1, 1, %11, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+          "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "r"(acc), "n"(kTransA));
+  }
+};
+
+template <int kTransA>
+struct WgmmaBf16<32, kTransA> {
+  __device__ __forceinline__ static void mma(float (&d)[16], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1, %19, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+          "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(acc), "n"(kTransA));
   }
 };
 

@@ -1,0 +1,205 @@
+"""mla_decode, wgmma schedule (sm_90a, BF16 KV), on the CPU: spec validation and identity, the
+shared-memory plan, the address arithmetic the GPU cannot show before it runs (what the producer's
+cp.async and the softmax's P stores write against what each wgmma descriptor reads, replayed
+through the PTX layout models of k3gen.ir.sm90_tiles), the accumulator fragment mappings of the
+softmax and the epilogue, and the NVRTC build (no spills, HGMMA, no HMMA)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from k3gen.build import build_one, lower
+from k3gen.errors import SpecError, TargetError
+from k3gen.ir.dtypes import KvDtype
+from k3gen.ir.ops.mla_decode import SMEM_LIMIT, WG_THREADS, MlaDecodeSpec
+from k3gen.ir.sm90_tiles import (SW128_KMAJOR, SW128_MNMAJOR_1BLOCK, encode_desc, swizzle128, wgmma_read_addr,
+                                 wgmma_read_addr_mn)
+from k3gen.targets import TARGETS
+
+SM90 = TARGETS["sm90"]
+BLK = 64 * 128           # one [64 rows][64 BF16] SW128 block
+TILE = 9 * BLK
+
+
+def wg(heads=12, tokens=1, **kw):
+    return MlaDecodeSpec(target=SM90, heads=heads, tokens=tokens, schedule="wgmma", **kw)
+
+
+# -- spec ---------------------------------------------------------------------------------------------
+def test_validation():
+    with pytest.raises(SpecError, match="schedule='tiles'"):
+        MlaDecodeSpec(target=SM90, heads=12, schedule="tiles")
+    for kv in (KvDtype.FP8, KvDtype.NVFP4):
+        with pytest.raises(SpecError, match="schedule='wgmma'.*BF16") as e:
+            MlaDecodeSpec(target=SM90, heads=12, kv=kv, schedule="wgmma")
+        assert not isinstance(e.value, TargetError)
+    for t in ("sm103-nvfp4", "sm107-nvfp4"):
+        with pytest.raises(TargetError, match="schedule='wgmma'"):
+            MlaDecodeSpec(target=TARGETS[t], heads=12, schedule="wgmma")
+    with pytest.raises(SpecError, match="m_tiles=3"):
+        wg(m_tiles=3)
+
+
+def test_default_schedule_and_slug():
+    base = MlaDecodeSpec(target=SM90, heads=12)
+    assert base.schedule == "mma" and base.threads == 256
+    for h, t in ((12, 1), (12, 4), (128, 1), (16, 8)):
+        a, b = MlaDecodeSpec(target=SM90, heads=h, tokens=t), wg(h, t)
+        assert b.slug() == a.slug() + "-wgmma" and b.digest() != a.digest()
+        assert b.threads == WG_THREADS and b.rows == a.rows and b.groups == a.groups
+
+
+@pytest.mark.parametrize("h,t", [(6, 1), (12, 1), (16, 1), (12, 2), (12, 8), (96, 4), (128, 1), (128, 8)])
+def test_shared_memory_plan(h, t):
+    s = wg(h, t)
+    p = s.wg_smem()
+    n = s.rows
+    assert s.stages == 2 and s.raw_stage_bytes == TILE
+    assert p["q"] == 2 * TILE and p["p"] == p["q"] + n * 1152 and p["red"] == p["p"] + 2 * n * 128
+    for k in ("stages", "q", "p"):
+        assert p[k] % 1024 == 0, k                       # SW128 atoms
+    assert s.smem_bytes == p["end"] + 1024 <= SMEM_LIMIT - 1024   # + the 1 KB the runtime reserves
+    assert n * (512 + 4) * 4 <= 2 * TILE                 # merge buffer in the stages
+    assert (s.smem_bytes + 1024) >> 4 < 1 << 14          # descriptor start-address field
+
+
+# -- addresses -----------------------------------------------------------------------------------------
+def sw_off(rows: int, row: int, c: int) -> int:
+    """mla_decode_wg.cuh's sw_off: 16-byte chunk c (of 72) of `row` in a [rows][576] BF16 operand."""
+    return (c >> 3) * rows * 128 + (row >> 3) * 1024 + (row & 7) * 128 + (((c & 7) ^ (row & 7)) << 4)
+
+
+def elem(rows: int, row: int, d: int) -> int:
+    """Byte of element d (of 576) of `row`, as the kernel's stores place it."""
+    return sw_off(rows, row, d // 8) + (d % 8) * 2
+
+
+def test_sw_off_is_the_sw128_kmajor_layout():
+    # Each block is the TMA/PTX SW128 picture of [rows][64 BF16]: swizzle128 of the linear offset.
+    for rows in (16, 32, 64):
+        seen = set()
+        for r in range(rows):
+            for d in range(576):
+                blk, kb = divmod(d * 2, 128)
+                lin = blk * rows * 128 + r * 128 + kb
+                assert elem(rows, r, d) == swizzle128(lin)
+                seen.add(elem(rows, r, d))
+        assert seen == set(range(0, rows * 1152, 2))
+
+
+def desc_k(a):
+    return encode_desc(a, SW128_KMAJOR)
+
+
+def desc_mn(a):
+    return encode_desc(a, SW128_MNMAJOR_1BLOCK)
+
+
+@pytest.mark.parametrize("n", [16, 32])
+def test_qk_operands(n):
+    """S^T = K_tile Q^T: for both stages and all 36 k16 steps, the descriptors the kernel passes
+    (K tile: stage + (ks / 4) * 8192 + (ks % 4) * 32; Q: q + (ks / 4) * N * 128 + (ks % 4) * 32) read
+    the bytes holding K[token][16 ks + k] and Q[row][16 ks + k]."""
+    s = wg(12, 1) if n == 16 else wg(12, 4)
+    p = s.wg_smem()
+    for stage in (0, TILE):
+        for ks in range(36):
+            da = desc_k(stage + (ks >> 2) * BLK + (ks & 3) * 32)
+            db = desc_k(p["q"] + (ks >> 2) * n * 128 + (ks & 3) * 32)
+            for k in range(16):
+                for tok in range(64):
+                    assert wgmma_read_addr(da, tok, k, 2) == stage + elem(64, tok, 16 * ks + k), (ks, tok, k)
+                for r in range(n):
+                    assert wgmma_read_addr(db, r, k, 2) == p["q"] + elem(n, r, 16 * ks + k), (ks, r, k)
+
+
+@pytest.mark.parametrize("n", [16, 32])
+def test_pv_operands(n):
+    """O^T += V^T P^T: A = the same KV tile read MN-major (stage + mb * 8192 + ks * 2048) holds
+    V[16 ks + k][64 mb + m]; B = P at p + ks * 32 holds P[col][16 ks + k] where the softmax stored it."""
+    s = wg(12, 1) if n == 16 else wg(12, 4)
+    p = s.wg_smem()
+    for stage in (0, TILE):
+        for mb in range(8):
+            for ks in range(4):
+                da = desc_mn(stage + mb * BLK + ks * 2048)
+                for m in range(64):
+                    for k in range(16):
+                        assert wgmma_read_addr_mn(da, m, k) == stage + elem(64, 16 * ks + k, 64 * mb + m)
+    for cons in (0, 1):
+        ap = p["p"] + cons * n * 128
+        for ks in range(4):
+            db = desc_k(ap + ks * 32)
+            for col in range(n):
+                for k in range(16):
+                    tok = 16 * ks + k
+                    # the kernel's store: rowp = (col / 8) * 1024 + (col % 8) * 128 + (tok % 8) * 2,
+                    # plus ((tok / 8) ^ (col % 8)) * 16
+                    st = ap + (col >> 3) * 1024 + (col & 7) * 128 + (tok & 7) * 2 + (((tok >> 3) ^ (col & 7)) << 4)
+                    assert wgmma_read_addr(db, col, k, 2) == st
+
+
+def test_mn_major_reading_does_not_depend_on_lbo():
+    # M = 64 BF16 is one 128-byte row: the M-block stride (LBO) is never applied.
+    for lbo in (16, 1024, 8192):
+        d = encode_desc(4096, SW128_MNMAJOR_1BLOCK._replace(lbo=lbo))
+        assert [wgmma_read_addr_mn(d, m, k) for m in range(64) for k in range(16)] == \
+            [wgmma_read_addr_mn(desc_mn(4096), m, k) for m in range(64) for k in range(16)]
+
+
+def test_template_checks_the_encoder_and_the_plan():
+    s = wg(96, 4)
+    src = lower(s).source
+    m = re.search(r"wgmma_desc<1024, 1024, 1>\((\d+)u\) == (\d+)ull", src)
+    assert m and int(m.group(2)) == desc_mn(int(m.group(1)))
+    assert '#include "k3gen/mla_decode_wg.cuh"' in src and "wg::decode<Config>" in src
+    assert f"WgGeo::kSmem == {s.smem_bytes}" in src
+    plain = lower(MlaDecodeSpec(target=SM90, heads=96, tokens=4)).source
+    assert "mla_decode_wg.cuh" not in plain and "k3gen::mla::decode<Config>" in plain
+
+
+# -- fragments -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [16, 32])
+def test_fragment_mappings(n):
+    """PTX m64nNk16 F32 accumulator: register i of thread (warp, lane) is row 16 warp + lane / 4 +
+    8 ((i % 4) / 2), column 8 (i / 4) + 2 (lane % 4) + i % 2. The softmax names sc[4 j + e] as token
+    16 warp + lane / 4, column 8 j + 2 (lane % 4) + e (and sc[4 j + 2 + e] eight tokens down); the
+    epilogue names o[mb][i] dim 64 mb + row. Every element exactly once; the 8 lanes sharing a
+    column are the shuffle group xor 4, 8, 16; lanes 0..3 hold every column."""
+    seen_s, seen_o = set(), set()
+    for w in range(4):
+        for lane in range(32):
+            for i in range(n // 2):
+                row = 16 * w + lane // 4 + 8 * ((i % 4) // 2)
+                col = 8 * (i // 4) + 2 * (lane % 4) + i % 2
+                j, e, hi = i // 4, i % 2, (i % 4) // 2
+                assert (16 * w + lane // 4 + 8 * hi, 8 * j + 2 * (lane % 4) + e) == (row, col)
+                seen_s.add((row, col))
+                for mb in range(8):
+                    seen_o.add((64 * mb + row, col))
+            group = {lane ^ x for x in (0, 4, 8, 12, 16, 20, 24, 28)}
+            assert {g % 4 for g in group} == {lane % 4} and len(group) == 8
+    assert len(seen_s) == 64 * n and len(seen_o) == 512 * n
+    assert {8 * j + 2 * lane + e for j in range(n // 8) for lane in range(4) for e in range(2)} == set(range(n))
+
+
+# -- build ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("h,t,n", [(12, 1, 16), (128, 1, 32), (16, 8, 32)])
+def test_compiles_to_bf16_wgmma_without_spills(h, t, n):
+    s = wg(h, t)
+    assert s.rows == n
+    r = build_one(s)
+    res = {x["function"]: x for x in r.resources}
+    assert set(res) == {"k3gen_mla_decode", "k3gen_mla_decode_combine"}
+    k = res["k3gen_mla_decode"]
+    assert k["local"] == 0 and k["stack"] == 0 and k["registers"] <= s.max_registers, k
+    sass = k["sass"]
+    assert sass.get("HGMMA", 0) == 36 + 32, sass        # QK 36 k16 steps, PV 8 x 4
+    assert "HMMA" not in sass and sass.get("LDGSTS", 0) > 0, sass
+    from k3gen.compile.inspect import sass_text
+    text = sass_text(r.cubin)
+    assert len(re.findall(rf"HGMMA\.64x{n}x16\.F32\.BF16", text)) == 68
+    assert "USETMAXREG" in text
+    # The MMAs are issued back to back: one wait per GEMM, not one per instruction.
+    assert text.count("WARPGROUP.DEPBAR") <= 4
