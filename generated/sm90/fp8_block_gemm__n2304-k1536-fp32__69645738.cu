@@ -8,6 +8,8 @@
 // Algorithm: include/k3gen/fp8_gemm_wgmma.cuh. Launch (spec.plan): grid (split, ceil(M / nt),
 // 18), 384 threads, cluster (split, 1, 1) when split > 1,
 // dynamic shared memory spec.smem_bytes_nt(nt); W and x are TMA tensor maps (spec.tma_boxes).
+// Streaming mode (plan.ctas > 0): grid (ctas, 1, 1), no cluster, FP32 partial slots `part` and
+// zeroed counters `cnt` (spec.workspace_floats / workspace_counters); else both are null.
 #include <cuda_bf16.h>
 
 #include "k3gen/fp8_gemm_wgmma.cuh"
@@ -43,7 +45,7 @@ static_assert(k3gen::fp8gemm90::smem_bytes(128, Config::kRingBytes, Config::kMax
 
 extern "C" __global__ void __launch_bounds__(384, 1) k3gen_fp8_block_gemm(
     const __grid_constant__ k3gen::sm90::TmaMap w_map, const __grid_constant__ k3gen::sm90::TmaMap x_map,
-    const void* x_scales, const void* w_scales, __nv_bfloat16* out, int m, int nt) {
-  const k3gen::fp8gemm90::Params p{x_scales, w_scales, out, m};
+    const void* x_scales, const void* w_scales, __nv_bfloat16* out, int m, int nt, float* part, int* cnt) {
+  const k3gen::fp8gemm90::Params p{x_scales, w_scales, out, m, part, cnt};
   k3gen::fp8gemm90::gemm_dispatch<Config>(&w_map, &x_map, p, nt);
 }
