@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from k3gen.build import build_one
+from k3gen.build import build_one, lower
 from k3gen.errors import SpecError, TargetError
 from k3gen.ir import evaluate
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
@@ -53,6 +53,25 @@ def test_shared_memory_plan_fits(kv, mt):
     assert s.smem_bytes <= SMEM_LIMIT and s.stages >= 2
     # Loads in flight per SM: at least one 64-token tile beyond the one being computed.
     assert (s.stages - 1) * s.raw_stage_bytes >= 18 * 1024
+
+
+def test_two_ctas_per_sm_for_fp8_and_nvfp4_single_tile():
+    # FP8/NVFP4 with one query tile move Q to shared memory so two CTAs share an SM: each must fit
+    # half the SM's shared memory (minus the 1 KB every resident CTA reserves) with a 2-deep ring.
+    for kv in (KvDtype.FP8, KvDtype.NVFP4):
+        kw = {"max_drafts": 3} if kv is KvDtype.NVFP4 else {}
+        s = MlaDecodeSpec(target=SM90, heads=12, kv=kv, **kw)
+        assert s.ctas_per_sm == 2 and not s.q_in_registers
+        assert 2 * (s.smem_bytes + 1024) <= 228 * 1024 and s.stages >= 2
+        assert s.smem_bytes >= s.stages * s.raw_stage_bytes + s.rows * (576 * 2 + 64)   # Q rows included
+        src = lower(s).source
+        assert "__launch_bounds__(256, 2)" in src and "kCtasPerSm = 2" in src
+        t = MlaDecodeSpec(target=SM90, heads=12, tokens=4, kv=kv, **kw)   # two tiles: one CTA per SM
+        assert t.ctas_per_sm == 1 and "__launch_bounds__(256, 1)" in lower(t).source
+    b = MlaDecodeSpec(target=SM90, heads=12)
+    assert b.ctas_per_sm == 1 and b.q_in_registers and b.stages == 3
+    # The split planner then sees twice the CTA slots: B = 128 at H = 12 splits in two.
+    assert choose_splits(128, 8192, 12, 2 * 132) == 2
 
 
 def test_bytes_per_token():

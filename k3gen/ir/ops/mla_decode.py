@@ -46,6 +46,7 @@ from ..spec import OpSpec, register_op
 TILE_TOKENS = 64              # KV tokens per pipeline stage
 THREADS = 256                 # 8 warps
 SMEM_LIMIT = 227 * 1024       # opt-in shared memory per block on SM90 / SM100
+SMEM_PER_SM = 228 * 1024      # shared memory per SM, shared by its resident CTAs
 MAX_TOKENS = 8
 SOFTMAX_SCALE = 192 ** -0.5
 _PAD = 8                      # BF16 elements of padding per shared probability row
@@ -102,9 +103,9 @@ class MlaDecodeSpec(OpSpec):
         if self.m_tiles not in (1, 2):
             raise SpecError("m_tiles", self.m_tiles, [1, 2], "registers: 32 FP32 accumulators per tile")
         self.layout  # page and draft checks live in KvLayout
-        if self.smem_bytes > SMEM_LIMIT:
+        if self.smem_bytes > self.smem_limit:
             raise SpecError("m_tiles", self.m_tiles, "a smaller value",
-                            f"{self.smem_bytes} B of shared memory > {SMEM_LIMIT}")
+                            f"{self.smem_bytes} B of shared memory > {self.smem_limit}")
 
     @property
     def layout(self) -> KvLayout:
@@ -153,21 +154,42 @@ class MlaDecodeSpec(OpSpec):
         return TILE_TOKENS * (MLA_ROW // 2 + 16) + 9 * 32 * 8
 
     @property
+    def ctas_per_sm(self) -> int:
+        """Resident CTAs per SM the mma schedule is built for (launch bounds and shared memory).
+        FP8/NVFP4 with one query tile: 2. Their fragment decode makes them issue/latency-bound at 8
+        warps per SM (H200 ncu: DRAM 39% / 15%, 38% of FP8 stall samples on fixed-latency
+        dependencies), so Q moves from registers (144 per thread) to shared memory for a second
+        CTA; BF16 keeps Q in registers and a 3-deep ring of 72 KB tiles at one CTA per SM."""
+        if self.schedule == "mma" and self.kv is not KvDtype.BF16 and self.m_tiles == 1:
+            return 2
+        return 1
+
+    @property
+    def q_in_registers(self) -> bool:
+        return self.m_tiles == 1 and self.ctas_per_sm == 1
+
+    @property
+    def smem_limit(self) -> int:
+        """Dynamic shared memory one CTA may use: the per-block cap, or its share of the SM's
+        228 KB (each resident CTA also reserves 1 KB)."""
+        return min(SMEM_LIMIT, SMEM_PER_SM // self.ctas_per_sm - 1024)
+
+    @property
     def stages(self) -> int:
         """cp.async ring depth: as many stages as fit, 2..4 (BF16 tiles are their own buffer)."""
         if self.schedule == "wgmma":
             return WG_STAGES
         fixed = self._fixed_smem()
         for s in (4, 3, 2):
-            if fixed + s * self.raw_stage_bytes <= SMEM_LIMIT:
+            if fixed + s * self.raw_stage_bytes <= self.smem_limit:
                 return s
         return 2
 
     def _fixed_smem(self) -> int:
         r = self.rows
-        # One 16-row query tile lives in registers (staged once through the last ring stage);
-        # two tiles are re-read from shared memory per KV tile.
-        q = 0 if self.m_tiles == 1 else r * (MLA_ROW * 2 + (0 if self.kv is KvDtype.BF16 else 64))
+        # Register Q (one 16-row tile at one CTA per SM) is staged once through the last ring
+        # stage; otherwise the query rows are re-read from shared memory per KV tile.
+        q = 0 if self.q_in_registers else r * (MLA_ROW * 2 + (0 if self.kv is KvDtype.BF16 else 64))
         s = r * (TILE_TOKENS + 4) * 4                 # FP32 scores
         p = r * (TILE_TOKENS + _PAD) * 2              # BF16 probabilities
         stats = r * 4 * 4                             # m, l, alpha, causal limit
@@ -242,8 +264,9 @@ class MlaDecodeSpec(OpSpec):
 
 def choose_splits(batch: int, max_len: int, heads: int, sm_count: int, tokens: int = 1,
                   rows_per_cta: int | None = None, max_splits: int = 132) -> int:
-    """KV splits per (sequence, row group): enough CTAs for about one wave of `sm_count` (one CTA
-    per SM: the pipeline takes most of the shared memory), at least 2 KV tiles per split.
+    """KV splits per (sequence, row group): enough CTAs for about one wave of `sm_count` CTA slots
+    (SMs x MlaDecodeSpec.ctas_per_sm: the pipeline takes most of the shared memory), at least 2 KV
+    tiles per split.
 
     Depends only on the batch size and the largest length, so a graph captured with it stays
     valid for any lengths up to that maximum (each CTA splits its own sequence's tiles on the

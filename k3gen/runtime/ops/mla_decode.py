@@ -57,12 +57,16 @@ class MlaDecode(Launcher):
         f = self._kernel.function(device)
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check(driver.cuFuncSetAttribute(f, attr, self.spec.smem_bytes), "cuFuncSetAttribute")
+        if self.spec.ctas_per_sm > 1:   # two ~110 KB CTAs per SM need the largest carve-out
+            _check(driver.cuFuncSetAttribute(
+                f, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),
+                "cuFuncSetAttribute(carveout)")
         self._smem_set.add(device)
 
     # -- planning (outside graphs) ---------------------------------------------------------------
     def splits_for(self, batch: int, max_len: int) -> int:
         s = self.spec
-        return choose_splits(batch, max_len, s.heads, self.sm_count, s.tokens, s.rows)
+        return choose_splits(batch, max_len, s.heads, self.sm_count * s.ctas_per_sm, s.tokens, s.rows)
 
     def plan(self, batch: int, max_len: int, *, splits: int | None = None, device=None) -> SplitPlan:
         """Choose the split count for `batch` sequences of up to `max_len` tokens and allocate

@@ -43,14 +43,17 @@ struct Geo {
   static constexpr int kRaw = C::kKv == Kv::kBf16 ? kTileBytes
                               : C::kKv == Kv::kFp8 ? kTok * (kRow + 32) + kTok * kFp8Scales * 4
                                                    : kTok * (kRow / 2 + 16) + kNvSwzBytes;
-  // MT = 1: Q lives in registers. FP8/NVFP4 keep f16 query rows of 1216 B.
-  static constexpr int kQ = C::kMT == 1 ? 0 : R * (C::kKv == Kv::kBf16 ? kRow * 2 : kRow * 2 + 64);
+  // kQReg (MT = 1 at one CTA per SM): Q lives in registers (144 of them), staged once through the
+  // last ring stage. Otherwise Q stays in shared memory (FP8/NVFP4: f16 rows of 1216 B) and is
+  // re-read per tile: that is what lets FP8/NVFP4 run two CTAs per SM (C::kCtasPerSm).
+  static constexpr bool kQReg = C::kMT == 1 && C::kCtasPerSm == 1;
+  static constexpr int kQ = kQReg ? 0 : R * (C::kKv == Kv::kBf16 ? kRow * 2 : kRow * 2 + 64);
   static constexpr int kS = R * kSStride * 4;
   static constexpr int kP = R * kPStride * 2;
   static constexpr int kStats = R * 4 * 4;
   static constexpr int kFixed = kQ + kS + kP + kStats;
   static constexpr int kSmem = kFixed + C::kStages * kRaw;
-  static_assert(C::kMT != 1 || kRaw >= 16 * (kRow * 2 + 64), "MT = 1 stages Q through the last ring stage");
+  static_assert(!kQReg || kRaw >= 16 * (kRow * 2 + 64), "register Q is staged through the last ring stage");
 };
 
 // 16-byte chunk index of (row, chunk) in a [rows][576] BF16 shared tile. Rows are 1152 B (a
@@ -228,7 +231,7 @@ __device__ void decode(const Params& p) {
 
   // Query rows (zero past H*T), stats, causal limits. MT = 1 stages Q in the last ring stage
   // (first written after the barrier of iteration 0) and keeps its A fragments in registers.
-  if constexpr (MT == 1) sQ = reinterpret_cast<__nv_bfloat16*>(sRaw + (S - 1) * G::kRaw);
+  if constexpr (G::kQReg) sQ = reinterpret_cast<__nv_bfloat16*>(sRaw + (S - 1) * G::kRaw);
   float qmul = 1.f;   // FP8/NVFP4: 2^-E of the f16 query
   if constexpr (kF16) {
     qmul = f8::stage_q<C>(p, b, r0, reinterpret_cast<unsigned char*>(sQ), sS);
@@ -261,17 +264,17 @@ __device__ void decode(const Params& p) {
   // row & 7 == lane & 7, and logical chunk 2k + j (2k a multiple of 4, j < 4) maps to 2k ^ (j ^ (lane & 7)).
   const int yB = (lane >> 3) ^ (lane & 7);         // QK B: 4 matrices = chunks 2k .. 2k+3
   const int yA = (lane >> 4) ^ (lane & 7);         // A (Q) and PV V: 2 chunks per matrix pair
-  unsigned qf[MT == 1 && !kF8 ? kRow / 16 : 1][4];   // BF16: ldmatrix A fragments; NVFP4: f16 per group
-  uint4 qh[MT == 1 && kF8 ? kRow / 32 : 1][2];   // FP8: f16 query rows g, g + 8, natural order
+  unsigned qf[G::kQReg && !kF8 ? kRow / 16 : 1][4];   // BF16: ldmatrix A fragments; NVFP4: f16 per group
+  uint4 qh[G::kQReg && kF8 ? kRow / 32 : 1][2];   // FP8: f16 query rows g, g + 8, natural order
   int fexp = 0;                                   // FP8: the running output is in units of 2^fexp
-  if constexpr (MT == 1 && kF8) {
+  if constexpr (G::kQReg && kF8) {
     const unsigned char* sq = reinterpret_cast<const unsigned char*>(sQ) + (lane >> 2) * f8::kQRowB + (lane & 3) * 16;
 #pragma unroll
     for (int k = 0; k < kRow / 32; ++k) {
       qh[k][0] = *reinterpret_cast<const uint4*>(sq + k * 64);
       qh[k][1] = *reinterpret_cast<const uint4*>(sq + 8 * f8::kQRowB + k * 64);
     }
-  } else if constexpr (MT == 1 && kNv) {
+  } else if constexpr (G::kQReg && kNv) {
     const unsigned char* sq = reinterpret_cast<const unsigned char*>(sQ) + (lane >> 2) * f8::kQRowB + (lane & 3) * 8;
 #pragma unroll
     for (int k = 0; k < kRow / 16; ++k) {
@@ -279,7 +282,7 @@ __device__ void decode(const Params& p) {
       const uint2 qb = *reinterpret_cast<const uint2*>(sq + 8 * f8::kQRowB + k * 32);
       qf[k][0] = qa.x; qf[k][1] = qb.x; qf[k][2] = qa.y; qf[k][3] = qb.y;
     }
-  } else if constexpr (MT == 1) {
+  } else if constexpr (G::kQReg) {
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < kRow / 16; ++k) ldsm_x4(aQ + (lane & 15) * (kRow * 2) + ((2 * k) ^ yA) * 16, qf[k]);
@@ -369,7 +372,7 @@ __device__ void decode(const Params& p) {
       for (int k = 0; k < (kF16 ? 0 : kRow / 16); k += 2) {
         unsigned bf[4];
         ldsm_x4(bRow + ((2 * k) ^ yB) * 16, bf);
-        if constexpr (MT == 1) {
+        if constexpr (G::kQReg) {
           // MT = 1 has only this chain per warp: four accumulators (pairs of k steps alternate).
           float (&a0)[4] = (k & 2) ? acc3[0] : acc[0];
           float (&a1)[4] = (k & 2) ? acc4[0] : acc2[0];
@@ -390,7 +393,7 @@ __device__ void decode(const Params& p) {
       for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][i] += acc2[m][i];
-      if constexpr (MT == 1 && !kF16)
+      if constexpr (G::kQReg && !kF16)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[0][i] += acc3[0][i] + acc4[0][i];
       const int col = warp * 8 + (lane & 3) * 2;

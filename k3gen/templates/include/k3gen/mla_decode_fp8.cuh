@@ -97,7 +97,8 @@ __device__ __forceinline__ void zero_rows(unsigned char* stage, int nv) {
 }
 
 // acc = sum over groups of s[token][group] * (q . codes) for tokens 8w + 2c, 8w + 2c + 1 (C layout).
-// qh: MT == 1 query fragments in registers ([K][row g | row g + 8]); else read from sq.
+// qh: query fragments in registers when QR > 1 (MT = 1 at one CTA per SM; [K][row g | row g + 8]);
+// else read from sq.
 template <class C, int QR>
 __device__ __forceinline__ void qk(float (&acc)[C::kMT][4], const unsigned char* stage, const uint4 (&qh)[QR][2],
                                    const unsigned char* sq, int warp, int lane) {
@@ -121,7 +122,7 @@ __device__ __forceinline__ void qk(float (&acc)[C::kMT][4], const unsigned char*
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         uint4 qa, qb;
-        if constexpr (MT == 1) {
+        if constexpr (QR > 1) {
           qa = qh[K][0];
           qb = qh[K][1];
         } else {

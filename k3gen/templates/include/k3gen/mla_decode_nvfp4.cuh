@@ -66,7 +66,7 @@ __device__ __forceinline__ void zero_rows(unsigned char* stage, int nv) {
 }
 
 // acc = q . (code * scale_code) for tokens 8w + 2c, 8w + 2c + 1 (C layout), all 576 dims.
-// qn: MT == 1 query fragments ([step][a0 | a1 | a2 | a3]); else read from sq (f16 rows).
+// qn: query fragments in registers when QR > 1 ([step][a0 | a1 | a2 | a3]); else read from sq (f16 rows).
 template <class C, int QR>
 __device__ __forceinline__ void qk(float (&acc)[C::kMT][4], const unsigned char* stage, const unsigned (&qn)[QR][4],
                                    const unsigned char* sq, int warp, int lane) {
@@ -91,7 +91,7 @@ __device__ __forceinline__ void qk(float (&acc)[C::kMT][4], const unsigned char*
     b1 = hmul2(b1, s2);
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-      if constexpr (MT == 1) {
+      if constexpr (QR > 1) {
         f8::mma_f16(d[m], qn[G][0], qn[G][1], qn[G][2], qn[G][3], b0, b1);
       } else {
         const uint2 qa = *reinterpret_cast<const uint2*>(sq + (m * 16 + g) * f8::kQRowB + G * 32 + c * 8);
