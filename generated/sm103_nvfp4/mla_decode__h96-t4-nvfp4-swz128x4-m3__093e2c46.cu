@@ -23,6 +23,7 @@ struct Config {
   static constexpr k3gen::mla::Kv kKv = k3gen::mla::Kv::kNvfp4;
   static constexpr int kPage = 128;
   static constexpr int kStages = 4;
+  static constexpr int kCtasPerSm = 1;
   static constexpr bool kFp8PerTensor = false;
   static constexpr bool kSwizzle = true;
   static constexpr int kRing = 19;

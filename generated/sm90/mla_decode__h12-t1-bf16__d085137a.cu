@@ -21,6 +21,7 @@ struct Config {
   static constexpr k3gen::mla::Kv kKv = k3gen::mla::Kv::kBf16;
   static constexpr int kPage = 64;
   static constexpr int kStages = 3;
+  static constexpr int kCtasPerSm = 1;
   static constexpr bool kFp8PerTensor = false;
   static constexpr bool kSwizzle = false;
   static constexpr int kRing = 16;

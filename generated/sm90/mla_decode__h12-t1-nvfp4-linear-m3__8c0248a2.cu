@@ -6,7 +6,7 @@
 // mla_decode h12-t1-nvfp4-linear-m3 for sm_90a
 // Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
-//   k3gen_mla_decode          grid (1, splits, B), 256 threads, 93952 B dynamic smem
+//   k3gen_mla_decode          grid (1, splits, B), 256 threads, 113408 B dynamic smem
 //   k3gen_mla_decode_combine  grid (12, B), 128 threads (only when splits > 1)
 // Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv_codes  e4m3[num_pages, 128, 288]
@@ -24,6 +24,7 @@ struct Config {
   static constexpr k3gen::mla::Kv kKv = k3gen::mla::Kv::kNvfp4;
   static constexpr int kPage = 128;
   static constexpr int kStages = 4;
+  static constexpr int kCtasPerSm = 2;
   static constexpr bool kFp8PerTensor = false;
   static constexpr bool kSwizzle = false;
   static constexpr int kRing = 19;
@@ -32,7 +33,7 @@ struct Config {
 };
 
 using Geo = k3gen::mla::Geo<Config>;
-static_assert(Geo::kSmem == 93952, "shared memory plan differs from MlaDecodeSpec.smem_bytes");
+static_assert(Geo::kSmem == 113408, "shared memory plan differs from MlaDecodeSpec.smem_bytes");
 static_assert(Geo::kRaw == 21760, "stage size differs from MlaDecodeSpec.raw_stage_bytes");
 static_assert(Config::kStages >= 2 && Config::kStages <= 4, "cp.async ring depth");
 static_assert(Config::kMT == 1 || Config::kMT == 2, "query rows per CTA: 16 or 32");
@@ -46,7 +47,7 @@ static_assert(Config::kKv != k3gen::mla::Kv::kNvfp4 ||
 #error "mla_decode needs cvt.rn.f16x2.e4m3x2 (sm_89+)"
 #endif
 
-extern "C" __global__ void __launch_bounds__(256, 1) k3gen_mla_decode(
+extern "C" __global__ void __launch_bounds__(256, 2) k3gen_mla_decode(
     const __nv_bfloat16* q, const int* lengths, const int* block_table, long long bt_stride, int bt_cols,
     int num_pages, const int* ring_slot, int num_slots, const void* c0, const void* c1, const void* c2,
     const void* c3, float scale, __nv_bfloat16* out, float* part_o, float* part_lse, int splits) {
