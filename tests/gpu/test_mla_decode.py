@@ -67,8 +67,8 @@ FMT_SCHED = [(f, "mma") for f in FORMATS] + [("bf16", "wgmma")]
 
 def prebuild_specs():
     """Everything this module and `k3gen bench --op mla_decode` launch (scripts/prebuild_gpu.py)."""
-    from k3gen.bench_cases_mla import bench_specs
-    return list(WRITE_SPECS.values()) + list(ATTN_SPECS.values()) + bench_specs()
+    from k3gen.bench_cases_mla import bench_specs, heads_sweep_specs
+    return list(WRITE_SPECS.values()) + list(ATTN_SPECS.values()) + bench_specs() + heads_sweep_specs()
 
 
 @functools.lru_cache(maxsize=None)

@@ -237,3 +237,30 @@ def test_compiles_to_bf16_wgmma_without_spills(h, t, mt, n):
     assert "USETMAXREG" in text
     # The MMAs are issued back to back: one wait per GEMM, not one per instruction.
     assert text.count("WARPGROUP.DEPBAR") <= 4
+
+
+# -- schedule="auto" -------------------------------------------------------------------------------------
+def test_auto_schedule_resolves_by_rows_target_and_kv():
+    from k3gen.ir.ops.mla_decode import AUTO_WGMMA_ROWS
+    for h, t in ((6, 1), (12, 1), (16, 1), (8, 2), (12, 2), (32, 1), (96, 1), (128, 8)):
+        a = MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule="auto")
+        want = "wgmma" if h * t > AUTO_WGMMA_ROWS else "mma"
+        assert a.schedule == want, (h, t)
+        # Resolved at construction: the same kernel (slug, digest) as the explicit schedule.
+        assert a == MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule=want)
+        assert a.digest() == MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule=want).digest()
+    for kv in (KvDtype.FP8, KvDtype.NVFP4):
+        assert MlaDecodeSpec(target=SM90, heads=128, kv=kv, schedule="auto").schedule == "mma"
+    for t in ("sm103-nvfp4", "sm107-nvfp4"):
+        assert MlaDecodeSpec(target=TARGETS[t], heads=128, schedule="auto").schedule == "mma"
+    assert MlaDecodeSpec(target=SM90, heads=128).schedule == "mma"     # the default is unchanged
+
+
+def test_heads_sweep_bench_specs():
+    from k3gen import bench_cases
+    from k3gen.bench_cases_mla import HEADS_SWEEP, heads_sweep_specs
+    assert callable(bench_cases.mla_decode_heads)
+    full = heads_sweep_specs()
+    assert [(s.heads, s.schedule) for s in full] == [(h, s) for h in HEADS_SWEEP for s in ("mma", "wgmma")]
+    assert {s.rows for s in full if s.schedule == "wgmma"} == {16, 32, 64}
+    assert len(heads_sweep_specs(quick=True)) == 6

@@ -53,6 +53,12 @@ MAX_TOKENS = 8
 SOFTMAX_SCALE = 192 ** -0.5
 _PAD = 8                      # BF16 elements of padding per shared probability row
 SCHEDULES = ("mma", "wgmma")
+# schedule="auto" resolves to "wgmma" on wgmma targets for BF16 KV above this many query rows
+# (H * T): from the H200 figures of the N = 16 plan (mma.sync 87% of copy vs wgmma 81% at H12) and
+# the estimate that from 32 rows up the mma.sync kernel is compute-bound (it reached 130 TFLOP/s
+# at H128) while the KV stream alone needs ~290 TFLOP/s at 32 rows. To be confirmed by
+# `k3gen bench --op mla_decode_heads` before "auto" becomes the default.
+AUTO_WGMMA_ROWS = 16
 WG_THREADS = 384              # wgmma schedule: producer + 2 consumer warpgroups
 WG_STAGES = 2                 # one 72 KB tile per consumer warpgroup (a third does not fit with Q)
 WG_ALIGN = 1024               # SW128 operand tiles are 1024-byte aligned; the kernel aligns the base up
@@ -69,9 +75,15 @@ class MlaDecodeSpec(OpSpec):
     scale_layout: ScaleLayout | None = None  # NVFP4 only; defaults to the target's layout
     max_drafts: int = 0                   # NVFP4 HP tail ring = 16 + max_drafts rows
     m_tiles: int | None = None            # 16-row query tiles per CTA; default from H * T (and schedule)
-    schedule: str = "mma"                 # "mma" (mma.sync, every target) or "wgmma" (sm_90a, BF16 KV)
+    schedule: str = "mma"                 # "mma" (mma.sync, every target), "wgmma" (sm_90a, BF16 KV) or
+                                          # "auto" (resolved here by target, KV dtype and H * T)
 
     def __post_init__(self):
+        if (self.schedule == "auto" and isinstance(self.heads, int) and isinstance(self.tokens, int)
+                and hasattr(self.target, "mma")):
+            wg = (self.target.mma == "wgmma" and self.kv is KvDtype.BF16
+                  and self.heads * self.tokens > AUTO_WGMMA_ROWS)
+            object.__setattr__(self, "schedule", "wgmma" if wg else "mma")
         if self.scale_layout is None:
             object.__setattr__(self, "scale_layout", self.target.nvfp4_scale_layout
                                if self.kv is KvDtype.NVFP4 else ScaleLayout.LINEAR)
