@@ -6,6 +6,10 @@ dense, already-gathered BF16 KV (bmm, FP32 softmax, bmm; no paging, no causal ma
 the peer). FP8/NVFP4 rows carry `x_bf16`, the speed-up over the BF16-KV kernel at the same shape.
 BF16 KV runs both schedules (column `schedule`): the mma.sync kernel and the sm_90a wgmma one;
 wgmma rows carry `x_mma`, their speed-up over the mma.sync row of the same shape.
+
+`k3gen bench --op mla_decode_heads`: BF16 KV through both schedules over H in HEADS_SWEEP (T = 1,
+L = 8K, B = 32 and 128) - where the wgmma schedule overtakes mma.sync (MlaDecodeSpec's
+AUTO_WGMMA_ROWS, schedule="auto").
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ HEADS = (12, 96, 128)
 BATCHES = (1, 32, 128)
 LENGTHS = (1024, 8192, 32768)
 TOKENS = (1, 4)
+HEADS_SWEEP = (12, 16, 32, 64, 96, 128)
 MAX_SET_BYTES = 12 * 2**30     # skip shapes whose input sets would not fit comfortably
 
 
@@ -67,16 +72,31 @@ def _naive(q, kv, T: int, H: int):
     return torch.bmm(p, kv[:, :, :512])
 
 
-def mla_decode(ceiling: float, quick: bool = False) -> list:
+def heads_sweep_specs(quick: bool = False) -> list:
+    """mla_decode_heads: per H, the mma.sync spec then the wgmma one (BF16 KV, T = 1)."""
+    from .ir.ops.mla_decode import MlaDecodeSpec
+    from .targets import get_target
+    tgt = get_target("sm90")
+    heads = (12, 32, 128) if quick else HEADS_SWEEP
+    return [MlaDecodeSpec(target=tgt, heads=h, schedule=s) for h in heads for s in ("mma", "wgmma")]
+
+
+def mla_decode_heads(ceiling: float, quick: bool = False) -> list:
+    return mla_decode(ceiling, quick, specs=heads_sweep_specs(quick), batches=(128,) if quick else (32, 128),
+                      lengths=(8192,), op_name="mla_decode_heads")
+
+
+def mla_decode(ceiling: float, quick: bool = False, *, specs=None, batches=None, lengths=None,
+               op_name: str = "mla_decode") -> list:
     import torch
 
     from .runtime.ops.mla_decode import MlaDecode
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    batches = (1, 128) if quick else BATCHES
-    lengths = (8192,) if quick else LENGTHS
+    batches = batches or ((1, 128) if quick else BATCHES)
+    lengths = lengths or ((8192,) if quick else LENGTHS)
     rows, same, bf16_us, peer_cache = [], {}, {}, {}
-    for spec in bench_specs(quick):
+    for spec in specs or bench_specs(quick):
         H, T = spec.heads, spec.tokens
         op = MlaDecode(spec).load()
         for B in batches:
@@ -85,7 +105,7 @@ def mla_decode(ceiling: float, quick: bool = False) -> list:
                 n = sets_for(nbytes)
                 if n * nbytes > MAX_SET_BYTES:
                     n = max(1, MAX_SET_BYTES // nbytes)
-                print(f"  mla_decode {spec.slug()} B{B} L{L} ({n} sets)", flush=True)
+                print(f"  {op_name} {spec.slug()} B{B} L{L} ({n} sets)", flush=True)
                 pages_per = -(-L // spec.page)
                 plan = op.plan(B, L)
                 sets = []
@@ -102,7 +122,7 @@ def mla_decode(ceiling: float, quick: bool = False) -> list:
                 us = time_graph([lambda s=s: op(s["q"], s["cache"], s["bt"], s["lengths"], s["out"],
                                                 ring_slot=s["ring"], scale=scale, plan=plan) for s in sets])
                 extra = {"heads": H, "batch": B, "len": L, "tokens": T, "kv": spec.kv.value,
-                         "schedule": spec.schedule, "splits": plan.splits,
+                         "schedule": spec.schedule, "splits": plan.splits, "rows_per_cta": spec.rows,
                          "proj_8TBps_us": nbytes / 8e12 * 1e6,
                          "tflops": evaluate(spec.flops(), B=B, L=L) / us / 1e6}
                 del sets
@@ -129,6 +149,6 @@ def mla_decode(ceiling: float, quick: bool = False) -> list:
                 elif key in bf16_us:
                     extra["x_bf16"] = bf16_us[key] / us
                 name = f"{spec.kv.value}{'-wgmma' if spec.schedule == 'wgmma' else ''} H{H} T{T} B{B} L{L}"
-                rows.append(make_row("mla_decode", name, us, nbytes, ceiling,
+                rows.append(make_row(op_name, name, us, nbytes, ceiling,
                                      same, peer=peer, peer_us=peer_us, extra=extra))
     return rows

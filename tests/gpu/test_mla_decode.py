@@ -42,8 +42,10 @@ FORMATS = {
 }
 SHAPES = [(12, 1), (12, 2), (12, 4), (12, 8), (6, 1), (96, 1), (96, 4), (128, 1)]
 QUICK_SHAPES = [(12, 1), (12, 4), (96, 1), (16, 8)]
-# The wgmma schedule (sm_90a, BF16 KV only): N = 16 (H*T <= 16) and N = 32 query rows per CTA.
-WG_SHAPES = SHAPES + [(16, 1), (16, 2), (16, 8), (128, 2), (128, 4), (128, 8)]
+# The wgmma schedule (sm_90a, BF16 KV only): 16 (H*T <= 16), 32 (<= 32) or 64 query rows per CTA,
+# the last as two consumers of 32 rows; (40, 1): the second consumer half padding; (96, 1), (12, 8):
+# the last group's second consumer all padding (it only passes the stages on).
+WG_SHAPES = SHAPES + [(16, 1), (16, 2), (16, 8), (40, 1), (64, 1), (128, 2), (128, 4), (128, 8)]
 
 
 def _write_spec(fmt: str) -> KvCacheWriteSpec:
@@ -65,8 +67,8 @@ FMT_SCHED = [(f, "mma") for f in FORMATS] + [("bf16", "wgmma")]
 
 def prebuild_specs():
     """Everything this module and `k3gen bench --op mla_decode` launch (scripts/prebuild_gpu.py)."""
-    from k3gen.bench_cases_mla import bench_specs
-    return list(WRITE_SPECS.values()) + list(ATTN_SPECS.values()) + bench_specs()
+    from k3gen.bench_cases_mla import bench_specs, heads_sweep_specs
+    return list(WRITE_SPECS.values()) + list(ATTN_SPECS.values()) + bench_specs() + heads_sweep_specs()
 
 
 @functools.lru_cache(maxsize=None)
@@ -338,12 +340,16 @@ def test_typed_errors(sched):
 
 
 # -- compute-sanitizer (scripts/h200.sh runs `-k sanitize` under memcheck) ----------------------------
+# wgmma: every row plan (N = 64 split rows with an idle consumer, 64 with half, 16, 32).
+SANITIZE_SHAPES = {"mma": [(12, 4)], "wgmma": [(12, 4), (96, 1), (40, 1), (6, 1), (16, 2)]}
+
+
 @pytest.mark.parametrize("fmt,sched", FMT_SCHED, ids=lambda v: str(v))
 def test_sanitize_reduced_matrix(fmt, sched):
-    T = 4
-    b = Batch(fmt, [4, 17, 130, 257], T, seed=11)
-    op = attn(fmt, 12, T, sched)
-    q = b.query(12, 11)
-    ref = b.reference(q)
-    for splits in (1, 3):
-        assert_close(b.run(op, q, plan=op.plan(4, 257, splits=splits)), ref, f"sanitize {fmt} s{splits}")
+    for H, T in SANITIZE_SHAPES[sched]:
+        b = Batch(fmt, [4, 17, 130, 257], T, seed=11)
+        op = attn(fmt, H, T, sched)
+        q = b.query(H, 11)
+        ref = b.reference(q)
+        for splits in (1, 3):
+            assert_close(b.run(op, q, plan=op.plan(4, 257, splits=splits)), ref, f"sanitize {fmt} H{H} T{T} s{splits}")

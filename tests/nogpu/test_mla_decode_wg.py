@@ -39,6 +39,8 @@ def test_validation():
             MlaDecodeSpec(target=TARGETS[t], heads=12, schedule="wgmma")
     with pytest.raises(SpecError, match="m_tiles=3"):
         wg(m_tiles=3)
+    with pytest.raises(SpecError, match="m_tiles=4"):     # 64 rows per CTA: the wgmma schedule only
+        MlaDecodeSpec(target=SM90, heads=128, m_tiles=4)
 
 
 def test_default_schedule_and_slug():
@@ -47,20 +49,38 @@ def test_default_schedule_and_slug():
     for h, t in ((12, 1), (12, 4), (128, 1), (16, 8)):
         a, b = MlaDecodeSpec(target=SM90, heads=h, tokens=t), wg(h, t)
         assert b.slug() == a.slug() + "-wgmma" and b.digest() != a.digest()
-        assert b.threads == WG_THREADS and b.rows == a.rows and b.groups == a.groups
+        assert b.threads == WG_THREADS
+    # Query rows per CTA and per consumer (the wgmma N) by H * T.
+    for h, t, mt, rows, cols, groups in ((6, 1, 1, 16, 16, 1), (16, 1, 1, 16, 16, 1), (12, 2, 2, 32, 32, 1),
+                                         (16, 2, 2, 32, 32, 1), (33, 1, 4, 64, 32, 1), (64, 1, 4, 64, 32, 1),
+                                         (96, 1, 4, 64, 32, 2), (128, 1, 4, 64, 32, 2), (128, 8, 4, 64, 32, 16),
+                                         (12, 8, 4, 64, 32, 2)):
+        s = wg(h, t)
+        assert (s.m_tiles, s.rows, s.wg_cols, s.groups, s.wg_split_rows) == (mt, rows, cols, groups, mt == 4), (h, t)
+        assert "-mt" not in s.slug()
+    assert wg(128, 1, m_tiles=2).slug() == "h128-t1-bf16-mt2-wgmma"     # the N = 32 plan stays reachable
+    assert wg(128, 1, m_tiles=2).groups == 4
 
 
-@pytest.mark.parametrize("h,t", [(6, 1), (12, 1), (16, 1), (12, 2), (12, 8), (96, 4), (128, 1), (128, 8)])
-def test_shared_memory_plan(h, t):
-    s = wg(h, t)
+@pytest.mark.parametrize("h,t,mt", [(6, 1, None), (12, 1, None), (16, 1, None), (12, 2, None), (12, 8, None),
+                                    (96, 4, None), (128, 1, None), (128, 8, None), (128, 1, 2), (40, 1, None)])
+def test_shared_memory_plan(h, t, mt):
+    s = wg(h, t, m_tiles=mt)
     p = s.wg_smem()
-    n = s.rows
+    n, nc = s.rows, s.wg_cols
     assert s.stages == 2 and s.raw_stage_bytes == TILE
-    assert p["q"] == 2 * TILE and p["p"] == p["q"] + n * 1152 and p["red"] == p["p"] + 2 * n * 128
+    assert p["q"] == 2 * TILE and p["p"] == p["q"] + n * 1152 and p["red"] == p["p"] + 2 * nc * 128
+    assert p["stats"] == p["red"] + 2 * 4 * nc * 4
+    assert p["bars"] == p["stats"] + (0 if s.wg_split_rows else 2 * 2 * n * 4)
     for k in ("stages", "q", "p"):
         assert p[k] % 1024 == 0, k                       # SW128 atoms
-    assert s.smem_bytes == p["end"] + 1024 <= SMEM_LIMIT - 1024   # + the 1 KB the runtime reserves
-    assert n * (512 + 4) * 4 <= 2 * TILE                 # merge buffer in the stages
+    assert (nc * 128) % 1024 == 0                        # the second consumer's P tile and Q rows
+    # 227 KB is the opt-in maximum of dynamic shared memory per block on SM90 (the 1 KB the
+    # system reserves per block comes on top of it); the N = 64 plan leaves 992 bytes.
+    assert s.smem_bytes == p["end"] + 1024 <= SMEM_LIMIT
+    if not s.wg_split_rows:
+        assert s.smem_bytes <= SMEM_LIMIT - 1024
+    assert n * (512 + 4) * 4 <= 2 * TILE                 # merge/output buffer in the stages
     assert (s.smem_bytes + 1024) >> 4 < 1 << 14          # descriptor start-address field
 
 
@@ -96,30 +116,42 @@ def desc_mn(a):
     return encode_desc(a, SW128_MNMAJOR_1BLOCK)
 
 
-@pytest.mark.parametrize("n", [16, 32])
+SPECS_BY_N = {16: (12, 1), 32: (12, 2), 64: (128, 1)}    # CTA rows -> (H, T)
+
+
+@pytest.mark.parametrize("n", [16, 32, 64])
 def test_qk_operands(n):
     """S^T = K_tile Q^T: for both stages and all 36 k16 steps, the descriptors the kernel passes
-    (K tile: stage + (ks / 4) * 8192 + (ks % 4) * 32; Q: q + (ks / 4) * N * 128 + (ks % 4) * 32) read
-    the bytes holding K[token][16 ks + k] and Q[row][16 ks + k]."""
-    s = wg(12, 1) if n == 16 else wg(12, 4)
+    (K tile: stage + (ks / 4) * 8192 + (ks % 4) * 32; Q: q + (ks / 4) * N * 128 + c0 * 128 +
+    (ks % 4) * 32, c0 = the consumer's first row) read the bytes holding K[token][16 ks + k] and
+    Q[c0 + row][16 ks + k] as the Q staging loop stored them ([N][576], sw_off(N, ...))."""
+    s = wg(*SPECS_BY_N[n])
+    assert s.rows == n
     p = s.wg_smem()
+    nc = s.wg_cols
     for stage in (0, TILE):
         for ks in range(36):
             da = desc_k(stage + (ks >> 2) * BLK + (ks & 3) * 32)
-            db = desc_k(p["q"] + (ks >> 2) * n * 128 + (ks & 3) * 32)
             for k in range(16):
                 for tok in range(64):
                     assert wgmma_read_addr(da, tok, k, 2) == stage + elem(64, tok, 16 * ks + k), (ks, tok, k)
-                for r in range(n):
-                    assert wgmma_read_addr(db, r, k, 2) == p["q"] + elem(n, r, 16 * ks + k), (ks, r, k)
+    for cons in range(2):
+        c0 = cons * nc if s.wg_split_rows else 0
+        for ks in range(36):
+            db = desc_k(p["q"] + (ks >> 2) * n * 128 + c0 * 128 + (ks & 3) * 32)
+            for k in range(16):
+                for r in range(nc):
+                    assert wgmma_read_addr(db, r, k, 2) == p["q"] + elem(n, c0 + r, 16 * ks + k), (ks, r, k)
 
 
-@pytest.mark.parametrize("n", [16, 32])
+@pytest.mark.parametrize("n", [16, 32, 64])
 def test_pv_operands(n):
     """O^T += V^T P^T: A = the same KV tile read MN-major (stage + mb * 8192 + ks * 2048) holds
-    V[16 ks + k][64 mb + m]; B = P at p + ks * 32 holds P[col][16 ks + k] where the softmax stored it."""
-    s = wg(12, 1) if n == 16 else wg(12, 4)
+    V[16 ks + k][64 mb + m]; B = P at p + c * NC * 128 + ks * 32 holds P[col][16 ks + k] where the
+    softmax stored it; the two consumers' P tiles do not overlap and end before red."""
+    s = wg(*SPECS_BY_N[n])
     p = s.wg_smem()
+    n = s.wg_cols
     for stage in (0, TILE):
         for mb in range(8):
             for ks in range(4):
@@ -138,6 +170,7 @@ def test_pv_operands(n):
                     # plus ((tok / 8) ^ (col % 8)) * 16
                     st = ap + (col >> 3) * 1024 + (col & 7) * 128 + (tok & 7) * 2 + (((tok >> 3) ^ (col & 7)) << 4)
                     assert wgmma_read_addr(db, col, k, 2) == st
+                    assert p["p"] + cons * n * 128 <= st < p["p"] + (cons + 1) * n * 128 <= p["red"]
 
 
 def test_mn_major_reading_does_not_depend_on_lbo():
@@ -185,10 +218,11 @@ def test_fragment_mappings(n):
 
 
 # -- build ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("h,t,n", [(12, 1, 16), (128, 1, 32), (16, 8, 32)])
-def test_compiles_to_bf16_wgmma_without_spills(h, t, n):
-    s = wg(h, t)
-    assert s.rows == n
+@pytest.mark.parametrize("h,t,mt,n", [(12, 1, None, 16), (16, 2, None, 32), (128, 1, None, 32), (16, 8, None, 32),
+                                      (96, 1, None, 32), (128, 1, 2, 32)])
+def test_compiles_to_bf16_wgmma_without_spills(h, t, mt, n):
+    s = wg(h, t, m_tiles=mt)
+    assert s.wg_cols == n
     r = build_one(s)
     res = {x["function"]: x for x in r.resources}
     assert set(res) == {"k3gen_mla_decode", "k3gen_mla_decode_combine"}
@@ -203,3 +237,30 @@ def test_compiles_to_bf16_wgmma_without_spills(h, t, n):
     assert "USETMAXREG" in text
     # The MMAs are issued back to back: one wait per GEMM, not one per instruction.
     assert text.count("WARPGROUP.DEPBAR") <= 4
+
+
+# -- schedule="auto" -------------------------------------------------------------------------------------
+def test_auto_schedule_resolves_by_rows_target_and_kv():
+    from k3gen.ir.ops.mla_decode import AUTO_WGMMA_ROWS
+    for h, t in ((6, 1), (12, 1), (16, 1), (8, 2), (12, 2), (32, 1), (96, 1), (128, 8)):
+        a = MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule="auto")
+        want = "wgmma" if h * t > AUTO_WGMMA_ROWS else "mma"
+        assert a.schedule == want, (h, t)
+        # Resolved at construction: the same kernel (slug, digest) as the explicit schedule.
+        assert a == MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule=want)
+        assert a.digest() == MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule=want).digest()
+    for kv in (KvDtype.FP8, KvDtype.NVFP4):
+        assert MlaDecodeSpec(target=SM90, heads=128, kv=kv, schedule="auto").schedule == "mma"
+    for t in ("sm103-nvfp4", "sm107-nvfp4"):
+        assert MlaDecodeSpec(target=TARGETS[t], heads=128, schedule="auto").schedule == "mma"
+    assert MlaDecodeSpec(target=SM90, heads=128).schedule == "mma"     # the default is unchanged
+
+
+def test_heads_sweep_bench_specs():
+    from k3gen import bench_cases
+    from k3gen.bench_cases_mla import HEADS_SWEEP, heads_sweep_specs
+    assert callable(bench_cases.mla_decode_heads)
+    full = heads_sweep_specs()
+    assert [(s.heads, s.schedule) for s in full] == [(h, s) for h in HEADS_SWEEP for s in ("mma", "wgmma")]
+    assert {s.rows for s in full if s.schedule == "wgmma"} == {16, 32, 64}
+    assert len(heads_sweep_specs(quick=True)) == 6

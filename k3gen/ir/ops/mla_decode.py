@@ -30,6 +30,9 @@ written yet: those targets compile this mma.sync kernel.
 of a tile on the wgmma M side (S^T = K_tile Q^T, O^T += V^T P^T, both operands from shared memory)
 with a cp.async producer warpgroup and two consumer warpgroups that take alternate tiles (each its
 own online-softmax state, merged at the end), so one's softmax runs under the other's MMAs.
+Above 32 query rows (H * T > 32) a CTA covers 64 rows (`m_tiles` 4) and the two consumers split the
+rows instead (32 each, both on every tile, nothing to merge): half the CTAs per sequence re-read the
+KV of the N = 32 plan, and the 227 KB still hold two stages, the 64-row Q and both P tiles.
 """
 from __future__ import annotations
 
@@ -51,6 +54,12 @@ MAX_TOKENS = 8
 SOFTMAX_SCALE = 192 ** -0.5
 _PAD = 8                      # BF16 elements of padding per shared probability row
 SCHEDULES = ("mma", "wgmma")
+# schedule="auto" resolves to "wgmma" on wgmma targets for BF16 KV above this many query rows
+# (H * T): from the H200 figures of the N = 16 plan (mma.sync 87% of copy vs wgmma 81% at H12) and
+# the estimate that from 32 rows up the mma.sync kernel is compute-bound (it reached 130 TFLOP/s
+# at H128) while the KV stream alone needs ~290 TFLOP/s at 32 rows. To be confirmed by
+# `k3gen bench --op mla_decode_heads` before "auto" becomes the default.
+AUTO_WGMMA_ROWS = 16
 WG_THREADS = 384              # wgmma schedule: producer + 2 consumer warpgroups
 WG_STAGES = 2                 # one 72 KB tile per consumer warpgroup (a third does not fit with Q)
 WG_ALIGN = 1024               # SW128 operand tiles are 1024-byte aligned; the kernel aligns the base up
@@ -66,16 +75,28 @@ class MlaDecodeSpec(OpSpec):
     fp8_scales: Fp8ScaleGranularity = Fp8ScaleGranularity.PER_TOKEN_128
     scale_layout: ScaleLayout | None = None  # NVFP4 only; defaults to the target's layout
     max_drafts: int = 0                   # NVFP4 HP tail ring = 16 + max_drafts rows
-    m_tiles: int | None = None            # 16-row query tiles per CTA; default from H * T
-    schedule: str = "mma"                 # "mma" (mma.sync, every target) or "wgmma" (sm_90a, BF16 KV)
+    m_tiles: int | None = None            # 16-row query tiles per CTA; default from H * T (and schedule)
+    schedule: str = "mma"                 # "mma" (mma.sync, every target), "wgmma" (sm_90a, BF16 KV) or
+                                          # "auto" (resolved here by target, KV dtype and H * T)
 
     def __post_init__(self):
+        if (self.schedule == "auto" and isinstance(self.heads, int) and isinstance(self.tokens, int)
+                and hasattr(self.target, "mma")):
+            wg = (self.target.mma == "wgmma" and self.kv is KvDtype.BF16
+                  and self.heads * self.tokens > AUTO_WGMMA_ROWS)
+            object.__setattr__(self, "schedule", "wgmma" if wg else "mma")
         if self.scale_layout is None:
             object.__setattr__(self, "scale_layout", self.target.nvfp4_scale_layout
                                if self.kv is KvDtype.NVFP4 else ScaleLayout.LINEAR)
         if self.m_tiles is None and isinstance(self.heads, int) and isinstance(self.tokens, int):
-            object.__setattr__(self, "m_tiles", 1 if self.heads * self.tokens <= 16 else 2)
+            object.__setattr__(self, "m_tiles", self._default_m_tiles())
         super().__post_init__()
+
+    def _default_m_tiles(self) -> int:
+        ht = self.heads * self.tokens
+        if ht <= 16:
+            return 1
+        return 4 if self.schedule == "wgmma" and ht > 32 else 2
 
     def validate(self) -> None:
         if not isinstance(self.heads, int) or isinstance(self.heads, bool) or not 1 <= self.heads <= 128:
@@ -100,8 +121,10 @@ class MlaDecodeSpec(OpSpec):
             if self.kv is not KvDtype.BF16:
                 raise SpecError("schedule", self.schedule, ["mma"],
                                 f"the wgmma schedule reads BF16 KV tiles directly ({self.kv} KV: use 'mma')")
-        if self.m_tiles not in (1, 2):
-            raise SpecError("m_tiles", self.m_tiles, [1, 2], "registers: 32 FP32 accumulators per tile")
+        allowed = [1, 2, 4] if self.schedule == "wgmma" else [1, 2]
+        if self.m_tiles not in allowed:
+            raise SpecError("m_tiles", self.m_tiles, allowed, "registers: 32 FP32 accumulators per tile"
+                            + ("; wgmma 4: two consumers of 32 rows" if self.schedule == "wgmma" else ""))
         self.layout  # page and draft checks live in KvLayout
         if self.smem_bytes > self.smem_limit:
             raise SpecError("m_tiles", self.m_tiles, "a smaller value",
@@ -136,6 +159,17 @@ class MlaDecodeSpec(OpSpec):
     def rows(self) -> int:
         """Query rows per CTA."""
         return 16 * self.m_tiles
+
+    @property
+    def wg_split_rows(self) -> bool:
+        """wgmma schedule: the two consumers take half the rows each (every tile) rather than
+        alternate tiles (all rows)."""
+        return self.schedule == "wgmma" and self.m_tiles == 4
+
+    @property
+    def wg_cols(self) -> int:
+        """wgmma schedule: query rows per consumer = the N of its m64nNk16 instructions."""
+        return self.rows // 2 if self.wg_split_rows else self.rows
 
     @property
     def groups(self) -> int:
@@ -205,15 +239,16 @@ class MlaDecodeSpec(OpSpec):
         """Shared-memory plan of the wgmma schedule (byte offsets from the 1024-aligned base;
         mirrored by mla_decode_wg.cuh's WgGeo, checked by static_asserts in the template).
         stages: 2 x 64 x 576 BF16 KV tiles as 9 SW128 K-major blocks of [64 tok][64 dims];
-        q: [rows][576] as 9 SW128 blocks of [rows][64 dims]; p: one [rows][64 tok] SW128 tile per
-        consumer; red: row maxima [2 consumers][2 parities][4 warps][rows]; stats: m, l per
-        consumer and row; bars: full[2], empty[2]. The final merge buffer [rows][516] FP32 reuses
-        the stages."""
-        r = self.rows
+        q: [rows][576] as 9 SW128 blocks of [rows][64 dims]; p: one [cols][64 tok] SW128 tile per
+        consumer (cols = wg_cols); red: column maxima [2 consumers][4 warps][cols] (one buffer: a
+        consumer's warps all pass the P barrier between reading it and rewriting it); stats: m, l
+        per consumer and row, only when the consumers' states are merged (alternate tiles); bars:
+        full[2], empty[2]. The final [rows][516] FP32 output buffer reuses the stages."""
+        r, n = self.rows, self.wg_cols
         plan, off = {}, 0
         for name, size in (("stages", WG_STAGES * self.raw_stage_bytes), ("q", r * MLA_ROW * 2),
-                           ("p", 2 * r * TILE_TOKENS * 2), ("red", 2 * 2 * 4 * r * 4), ("stats", 2 * 2 * r * 4),
-                           ("bars", 4 * 8)):
+                           ("p", 2 * n * TILE_TOKENS * 2), ("red", 2 * 4 * n * 4),
+                           ("stats", 0 if self.wg_split_rows else 2 * 2 * r * 4), ("bars", 4 * 8)):
             plan[name] = off
             off += size
         plan["end"] = off
@@ -235,7 +270,7 @@ class MlaDecodeSpec(OpSpec):
             s += "-" + ("tensor" if self.fp8_scales is Fp8ScaleGranularity.PER_TENSOR else "tok128")
         if self.kv is KvDtype.NVFP4:
             s += f"-{self.scale_layout.value}-m{self.max_drafts}"
-        if self.m_tiles != (1 if self.heads * self.tokens <= 16 else 2):
+        if self.m_tiles != self._default_m_tiles():
             s += f"-mt{self.m_tiles}"
         if self.schedule != "mma":
             s += f"-{self.schedule}"

@@ -3,13 +3,17 @@
 // tests/nogpu/test_mla_decode_wg.py against the PTX layouts (k3gen/ir/sm90_tiles.py).
 //
 // Grid (groups, splits, B) as the mma.sync kernel, 384 threads = 3 warpgroups, N = 16 * kMT query
-// rows per CTA (row r = t * H + h), one CTA per SM.
+// rows per CTA (row r = t * H + h), one CTA per SM. NC = the query rows (wgmma N) of one consumer.
 //   warpgroup 0 (producer): cp.async of the split's 64-token tiles into 2 stages; rows past the
 //     sequence end and rows of bad pages are zero-filled; each thread's copies arrive on the
 //     stage's `full` mbarrier (cp.async.mbarrier.arrive.noinc, 128 arrivals).
-//   warpgroups 1 and 2 (consumers): consumer c takes the tiles it = c, c + 2, ... of the split, so
+//   warpgroups 1 and 2 (consumers), two ways to share the work (kSplitRows, from kMT):
+//   - kMT 1, 2 (N = NC = 16, 32): consumer c takes the tiles it = c, c + 2, ... of the split, so
 //     stage it % 2 always belongs to consumer c and each consumer has its own online-softmax state
 //     (merged at the end): one consumer's softmax runs while the other's MMAs hold the tensor cores.
+//   - kMT 4 (N = 64, NC = 32): both consumers take every tile, consumer c the query rows
+//     32 c .. 32 c + 31; a stage is refilled once both released it. Per FLOP this halves the
+//     KV re-reads (CTAs per sequence) of the N = 32 plan; the states are disjoint (no merge).
 // Per tile, tokens on the wgmma M side (64 = one instruction's M):
 //   QK: S^T[64 tok x N] = K_tile[64 x 576] * Q^T, A = the KV tile (K-major), B = Q (K-major),
 //       36 x m64nNk16;
@@ -44,17 +48,19 @@ static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file
 
 template <class C>
 struct WgGeo {
+  static constexpr bool kSplitRows = C::kMT == 4;
   static constexpr int N = 16 * C::kMT;
+  static constexpr int NC = kSplitRows ? N / 2 : N;
   static constexpr int HT = C::kHeads * C::kTokens;
   static constexpr int kQOff = kStages * kTileBytes;
   static constexpr int kPOff = kQOff + N * kRow * 2;
-  static constexpr int kRedOff = kPOff + 2 * N * 128;
-  static constexpr int kStatsOff = kRedOff + 2 * 2 * 4 * N * 4;
-  static constexpr int kBarOff = kStatsOff + 2 * 2 * N * 4;
+  static constexpr int kRedOff = kPOff + 2 * NC * 128;
+  static constexpr int kStatsOff = kRedOff + 2 * 4 * NC * 4;
+  static constexpr int kBarOff = kStatsOff + (kSplitRows ? 0 : 2 * 2 * N * 4);
   static constexpr int kEnd = kBarOff + 4 * 8;
   static constexpr int kSmem = kEnd + 1024;
   static_assert(N * kOStride * 4 <= kStages * kTileBytes, "the merge buffer reuses the stages");
-  static_assert(kQOff % 1024 == 0 && kPOff % 1024 == 0 && (N * 128) % 1024 == 0, "SW128 atoms are 1024-aligned");
+  static_assert(kQOff % 1024 == 0 && kPOff % 1024 == 0 && (NC * 128) % 1024 == 0, "SW128 atoms are 1024-aligned");
 };
 
 // Byte offset of 16-byte chunk c (of 72) of row `row` in a [rows][576] BF16 operand (9 SW128 blocks).
@@ -84,15 +90,16 @@ __device__ __forceinline__ void load_tile(const Params& p, int b, int len, int t
 template <class C>
 __device__ void decode(const Params& p) {
   using G = WgGeo<C>;
-  constexpr int N = G::N, HT = G::HT, NJ = N / 8, NA = N / 2;   // NA: accumulators per m64 block
-  using MmaQK = sm90::WgmmaBf16<N, 0>;
-  using MmaPV = sm90::WgmmaBf16<N, 1>;
+  constexpr bool kSplitRows = G::kSplitRows;
+  constexpr int N = G::N, NC = G::NC, HT = G::HT, NJ = NC / 8, NA = NC / 2;   // NA: accumulators per m64 block
+  using MmaQK = sm90::WgmmaBf16<NC, 0>;
+  using MmaPV = sm90::WgmmaBf16<NC, 1>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const unsigned base = smem_u32(smem);
   const unsigned aQ = base + G::kQOff;
-  float* red = reinterpret_cast<float*>(smem + G::kRedOff);      // [consumer][parity][warp][N]
-  float* stats = reinterpret_cast<float*>(smem + G::kStatsOff);  // [consumer][m, l][N]
+  float* red = reinterpret_cast<float*>(smem + G::kRedOff);      // [consumer][warp][NC]
+  float* stats = reinterpret_cast<float*>(smem + G::kStatsOff);  // [consumer][m, l][N] (alternate tiles)
   const unsigned bar = base + G::kBarOff;                        // full[0..1], empty[0..1]
 
   const int tid = threadIdx.x, wgi = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
@@ -107,7 +114,7 @@ __device__ void decode(const Params& p) {
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       sm90::mbar_init(bar + 8 * s, 128);
-      sm90::mbar_init(bar + 16 + 8 * s, 128);
+      sm90::mbar_init(bar + 16 + 8 * s, kSplitRows ? 256 : 128);   // every consumer reading the stage
     }
     sm90::fence_mbar_init();
   }
@@ -135,9 +142,11 @@ __device__ void decode(const Params& p) {
 
   sm90::setmaxnreg_inc<kConsumerRegs>();
   const int c = wgi - 1;
-  const unsigned aP = base + G::kPOff + c * N * 128;
-  unsigned char* sP = smem + G::kPOff + c * N * 128;
-  // This thread's columns (query rows) col(j, e) = 8 j + 2 (lane % 4) + e, tokens 16 warp + lane / 4 (+ 8).
+  const int c0 = kSplitRows ? c * NC : 0;   // this consumer's first query row in the CTA
+  const unsigned aP = base + G::kPOff + c * NC * 128;
+  unsigned char* sP = smem + G::kPOff + c * NC * 128;
+  // This thread's columns (query rows r0 + c0 + col) col(j, e) = 8 j + 2 (lane % 4) + e, tokens
+  // 16 warp + lane / 4 (+ 8).
   float o[8][NA];
   float m[NJ][2], l[NJ][2];
   int lim[NJ][2];
@@ -149,7 +158,7 @@ __device__ void decode(const Params& p) {
   for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int r = r0 + 8 * j + 2 * (lane & 3) + e;
+      const int r = r0 + c0 + 8 * j + 2 * (lane & 3) + e;
       m[j][e] = K3GEN_MLA_NEG_INF;
       l[j][e] = 0.f;
       lim[j][e] = len - C::kTokens + (r < HT ? r / C::kHeads : C::kTokens - 1);
@@ -157,11 +166,18 @@ __device__ void decode(const Params& p) {
   const float qk_scale = C::kSoftmaxScale * kLog2e;
   const int tk0 = 16 * warp + (lane >> 2);
 
-  for (int it = c; it < n; it += 2) {
+  // A consumer whose rows are all padding (the last group of H * T % 64 <= 32) only passes the
+  // stages on: its arrival must follow the stage's fill so it counts toward that phase.
+  const bool idle = kSplitRows && r0 + c0 >= HT;
+  for (int it = kSplitRows ? 0 : c; it < n; it += kSplitRows ? 1 : 2) {
     const int s = it & 1;
     const int tile = t_begin + it;
     const unsigned aKV = base + s * kTileBytes;
     sm90::mbar_wait(bar + 8 * s, (it >> 1) & 1);
+    if (idle) {
+      sm90::mbar_arrive(bar + 16 + 8 * s);
+      continue;
+    }
     sm90::fence_proxy_async();   // the stage was written by cp.async (generic proxy)
 
     float sc[NA];
@@ -170,8 +186,8 @@ __device__ void decode(const Params& p) {
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kRow / 16; ++ks)
-      MmaQK::mma(sc, desc_k(aKV + (ks >> 2) * kBlk + (ks & 3) * 32), desc_k(aQ + (ks >> 2) * N * 128 + (ks & 3) * 32),
-                 ks);
+      MmaQK::mma(sc, desc_k(aKV + (ks >> 2) * kBlk + (ks & 3) * 32),
+                 desc_k(aQ + (ks >> 2) * N * 128 + c0 * 128 + (ks & 3) * 32), ks);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
 #pragma unroll
@@ -194,13 +210,13 @@ __device__ void decode(const Params& p) {
         x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
         mx[j][e] = x;
       }
-    // Parity-double-buffered: a buffer is rewritten two tiles later, after the next barrier.
-    float* rd = red + ((c * 2 + ((it >> 1) & 1)) * 4) * N;
+    // One buffer: every warp reads it before the P barrier below, and rewrites it only after.
+    float* rd = red + c * 4 * NC;
     if (lane < 4) {
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) rd[warp * N + 8 * j + 2 * lane + e] = mx[j][e];
+        for (int e = 0; e < 2; ++e) rd[warp * NC + 8 * j + 2 * lane + e] = mx[j][e];
     }
     sm90::barrier_sync_divergent(1 + c, 128);
 #pragma unroll
@@ -208,7 +224,7 @@ __device__ void decode(const Params& p) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = 8 * j + 2 * (lane & 3) + e;
-        const float tmax = fmaxf(fmaxf(rd[col], rd[N + col]), fmaxf(rd[2 * N + col], rd[3 * N + col]));
+        const float tmax = fmaxf(fmaxf(rd[col], rd[NC + col]), fmaxf(rd[2 * NC + col], rd[3 * NC + col]));
         const float m_new = fmaxf(m[j][e], tmax);
         float alpha = 1.f, p0 = 0.f, p1 = 0.f;
         if (m_new != K3GEN_MLA_NEG_INF) {
@@ -247,65 +263,95 @@ __device__ void decode(const Params& p) {
     sm90::mbar_arrive(bar + 16 + 8 * s);   // the stage may be refilled
   }
 
-  // Full denominators: 8 lanes per column, then the 4 warps (through the parity-0 row of red).
-  float* rl = red + (c * 2) * 4 * N;
-  sm90::barrier_sync_divergent(1 + c, 128);   // every warp is done with red
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float x = l[j][e];
-      x += __shfl_xor_sync(0xffffffffu, x, 4);
-      x += __shfl_xor_sync(0xffffffffu, x, 8);
-      x += __shfl_xor_sync(0xffffffffu, x, 16);
-      if (lane < 4) rl[warp * N + 8 * j + 2 * lane + e] = x;
-    }
-  sm90::barrier_sync_divergent(1 + c, 128);
-  if (warp == 0 && lane < 4) {
+  // Full denominators: 8 lanes per column, then the 4 warps (through red).
+  float* rl = red + c * 4 * NC;
+  if (!idle) {
+    sm90::barrier_sync_divergent(1 + c, 128);   // every warp is done with red
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * lane + e;
-        stats[(c * 2) * N + col] = m[j][e];
-        stats[(c * 2 + 1) * N + col] = rl[col] + rl[N + col] + rl[2 * N + col] + rl[3 * N + col];
+        float x = l[j][e];
+        x += __shfl_xor_sync(0xffffffffu, x, 4);
+        x += __shfl_xor_sync(0xffffffffu, x, 8);
+        x += __shfl_xor_sync(0xffffffffu, x, 16);
+        if (lane < 4) rl[warp * NC + 8 * j + 2 * lane + e] = x;
       }
+    sm90::barrier_sync_divergent(1 + c, 128);
   }
-  // Both consumers past their last wgmma: the stages become the merge buffer [N][516] FP32.
-  sm90::barrier_sync_divergent(3, 256);
-  float* buf = reinterpret_cast<float*>(smem);
   float wself[NJ][2];
+  float* buf = reinterpret_cast<float*>(smem);
+  if constexpr (kSplitRows) {
+    // Disjoint rows: each consumer normalizes its own columns.
 #pragma unroll
-  for (int j = 0; j < NJ; ++j)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = 8 * j + 2 * (lane & 3) + e;
-      const float m0 = stats[col], l0 = stats[N + col], m1 = stats[2 * N + col], l1 = stats[3 * N + col];
-      const float mm = fmaxf(m0, m1);
-      const float w0 = m0 == K3GEN_MLA_NEG_INF ? 0.f : exp2f(m0 - mm);
-      const float w1 = m1 == K3GEN_MLA_NEG_INF ? 0.f : exp2f(m1 - mm);
-      const float lt = l0 * w0 + l1 * w1;
-      wself[j][e] = lt > 0.f ? (c == 0 ? w0 : w1) / lt : 0.f;
-      if (c == 0 && warp == 0 && lane < 4 && p.splits > 1 && r0 + col < HT)
-        p.part_lse[(static_cast<long long>(b) * p.splits + split) * HT + r0 + col] =
-            lt > 0.f ? mm + log2f(lt) : K3GEN_MLA_NEG_INF;
-    }
-  // O^T fragment (m64 block mb, register i): dim 64 mb + 16 warp + lane / 4 + 8 ((i % 4) / 2),
-  // column 8 (i / 4) + 2 (lane % 4) + i % 2.
-  for (int pass = 1; pass >= 0; --pass) {
-    if (c == pass) {
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * (lane & 3) + e;
+        const float lt = idle ? 0.f : rl[col] + rl[NC + col] + rl[2 * NC + col] + rl[3 * NC + col];
+        wself[j][e] = lt > 0.f ? 1.f / lt : 0.f;
+        if (!idle && warp == 0 && lane < 4 && p.splits > 1 && r0 + c0 + col < HT)
+          p.part_lse[(static_cast<long long>(b) * p.splits + split) * HT + r0 + c0 + col] =
+              lt > 0.f ? m[j][e] + log2f(lt) : K3GEN_MLA_NEG_INF;
+      }
+    // Both consumers past their last wgmma: the stages become the output buffer [N][516] FP32.
+    sm90::barrier_sync_divergent(3, 256);
+    if (!idle) {
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
         for (int i = 0; i < NA; ++i) {
           const int dim = 64 * mb + 16 * warp + (lane >> 2) + 8 * ((i & 3) >> 1);
-          const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-          const float v = o[mb][i] * wself[i >> 2][i & 1];
-          float& d = buf[col * kOStride + dim];
-          d = pass == 1 ? v : d + v;
+          const int col = c0 + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+          buf[col * kOStride + dim] = o[mb][i] * wself[i >> 2][i & 1];
         }
     }
     sm90::barrier_sync_divergent(3, 256);
+  } else {
+    if (warp == 0 && lane < 4) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = 8 * j + 2 * lane + e;
+          stats[(c * 2) * N + col] = m[j][e];
+          stats[(c * 2 + 1) * N + col] = rl[col] + rl[NC + col] + rl[2 * NC + col] + rl[3 * NC + col];
+        }
+    }
+    // Both consumers past their last wgmma: the stages become the merge buffer [N][516] FP32.
+    sm90::barrier_sync_divergent(3, 256);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * (lane & 3) + e;
+        const float m0 = stats[col], l0 = stats[N + col], m1 = stats[2 * N + col], l1 = stats[3 * N + col];
+        const float mm = fmaxf(m0, m1);
+        const float w0 = m0 == K3GEN_MLA_NEG_INF ? 0.f : exp2f(m0 - mm);
+        const float w1 = m1 == K3GEN_MLA_NEG_INF ? 0.f : exp2f(m1 - mm);
+        const float lt = l0 * w0 + l1 * w1;
+        wself[j][e] = lt > 0.f ? (c == 0 ? w0 : w1) / lt : 0.f;
+        if (c == 0 && warp == 0 && lane < 4 && p.splits > 1 && r0 + col < HT)
+          p.part_lse[(static_cast<long long>(b) * p.splits + split) * HT + r0 + col] =
+              lt > 0.f ? mm + log2f(lt) : K3GEN_MLA_NEG_INF;
+      }
+    // O^T fragment (m64 block mb, register i): dim 64 mb + 16 warp + lane / 4 + 8 ((i % 4) / 2),
+    // column 8 (i / 4) + 2 (lane % 4) + i % 2.
+    for (int pass = 1; pass >= 0; --pass) {
+      if (c == pass) {
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+          for (int i = 0; i < NA; ++i) {
+            const int dim = 64 * mb + 16 * warp + (lane >> 2) + 8 * ((i & 3) >> 1);
+            const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+            const float v = o[mb][i] * wself[i >> 2][i & 1];
+            float& d = buf[col * kOStride + dim];
+            d = pass == 1 ? v : d + v;
+          }
+      }
+      sm90::barrier_sync_divergent(3, 256);
+    }
   }
   // Rows out, 4 columns per thread.
   for (int i = tid - 128; i < N * (kLat / 4); i += 256) {
