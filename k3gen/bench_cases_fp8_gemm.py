@@ -1,7 +1,7 @@
 """Launch-plan sweep of the sm90 wgmma FP8 block GEMM (`k3gen bench --op fp8_block_gemm_sweep`, or
 scripts/sweep_gemm.py for a table): on the shapes that carry the performance bars, every candidate
 plan of one cubin (the plan is a launch-time choice: cluster split-K `split`, or the streaming mode
-with `ctas` persistent CTAs) timed like the bench (graph replay over rotated weight sets), next to
+with `ctas` persistent CTAs, and the L2 prefetch distance `pf` of the weight stream) timed like the bench (graph replay over rotated weight sets), next to
 cuBLASLt block FP8 and a same-size copy from the same run. Rows carry extra.mode/split/ctas and
 extra.default (the plan the launcher picks today), so the table shows whether choose_split90
 picks the fastest candidate.
@@ -15,6 +15,7 @@ SWEEP_SHAPES = {"o_proj TP1": (7168, 12288), "kda_qkvg TP8": (6144, 7168),
                 "q_b TP8": (2304, 1536), "o_proj TP8": (7168, 1536)}
 SWEEP_MS = (1, 8, 32, 128)
 SPLITS = (1, 2, 4, 7, 8)
+PF_DISTANCES = (4, 16)   # Plan.pf = ring depth + these: blocks requested from DRAM beyond the ring
 
 
 def sweep_specs(recipes=None) -> list:
@@ -29,11 +30,17 @@ def sweep_specs(recipes=None) -> list:
 
 def candidates(op, m: int) -> list[tuple[str, dict]]:
     """(label, call kwargs) of every plan worth timing for M tokens; the default plan first."""
-    from .ir.ops.fp8_block_gemm import MAX_SPLIT, work_items
+    from .ir.ops.fp8_block_gemm import MAX_SPLIT, nt_for, work_items
     s, sms = op.spec, op.sm_count
     out = [("default", {})]
     cap = min(MAX_SPLIT, s.k_blocks)
     out += [(f"cluster split={sp}", {"split": sp}) for sp in SPLITS if sp <= cap]
+    # L2 prefetch of the weight stream past the ring (Plan.pf) on the default plan and on split 2.
+    ring = s.stages_nt(nt_for(m))
+    for pf in PF_DISTANCES:
+        out.append((f"default pf={ring + pf}", {"pf": ring + pf}))
+        if 2 <= cap:
+            out.append((f"cluster split=2 pf={ring + pf}", {"split": 2, "pf": ring + pf}))
     items = work_items(s.n, s.k, m)
     for c in sorted({sms, sms - 4, 128, 120, 112, 96, 66}, reverse=True):
         if 1 <= c <= min(sms, items):
@@ -84,7 +91,8 @@ def fp8_block_gemm_sweep(ceiling: float, quick: bool = False, recipe=None) -> li
                 us = time_graph([lambda a=a, w=w, kw=kw: op(a[0], a[1], w[0], w[1], a[2], **kw)
                                  for a, w in zip(acts, weights)])
                 extra = {"n": n, "k": k, "m": m, "recipe": recipe.value, "mode": "stream" if plan.ctas else "cluster",
-                         "split": plan.split, "ctas": plan.ctas, "nt": plan.nt, "default": plan == default,
+                         "split": plan.split, "ctas": plan.ctas, "nt": plan.nt, "pf": plan.pf,
+                         "default": plan == default,
                          "bar_us": nbytes / (0.8 * ceiling * 1e6) if nbytes >= 32 * 2**20 else None}
                 rows.append(make_row("fp8_block_gemm_sweep", f"{name} N{n} K{k} M{m} {label}", us, nbytes, ceiling,
                                      same, peer=peer, peer_us=peer_us, extra=extra))

@@ -206,6 +206,24 @@ def test_graph_replay(n, k, m, recipe, streaming):
     _check(out, xc, xs, wc, ws, recipe)
 
 
+@pytest.mark.parametrize("recipe", tuple(ScaleRecipe), ids=lambda r: r.value)
+def test_l2_prefetch_changes_nothing(recipe):
+    """Plan.pf only adds L2 prefetches: bitwise the same output in both modes, also when the
+    prefetch distance runs past the CTA's K range and the tensor (ragged N/K, M = 33)."""
+    m, (n, k) = 33, RING
+    xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=71)
+    op = _op(n, k, recipe)
+    for kw in ({}, {"split": 1}, {"split": 3}, {"ctas": 7}):
+        ref = _poisoned(m, n)
+        op(xc, xs, wc, ws, ref, **kw)
+        _check(ref, xc, xs, wc, ws, recipe)
+        for pf in (1, 12, 64):
+            out = _poisoned(m, n)
+            op(xc, xs, wc, ws, out, pf=pf, **kw)
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref), (kw, pf)
+
+
 def test_recipe_mismatch_and_shape_checks():
     op = _op(2304, 1536, ScaleRecipe.FP32)
     xc, xs, wc, ws = _inputs(4, 2304, 1536, ScaleRecipe.UE8M0, seed=3)

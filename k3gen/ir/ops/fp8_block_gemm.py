@@ -72,6 +72,7 @@ RING_BYTES = 192 * 1024             # TMA ring budget (one CTA per SM; 227 KB is
 MAX_STAGES90 = 8
 ALIGN90 = 1024
 SPLIT90_MAX = 4                     # cluster split-K of the wgmma flavour (see choose_split90)
+PF_MAX = 64                         # L2 prefetch distance cap (K blocks) of Plan.pf
 # Streaming mode (one persistent CTA per SM walking a contiguous range of the (tile, K block) list)
 # is opt-in (`ctas=`): on the H200 it measured 5-15% slower than a one-wave cluster split on every
 # K3 shape (sweep 2026-11-29 23:48; e.g. o_proj TP1 M = 1: 29.6 us vs 26.9 us at split 2).
@@ -160,6 +161,7 @@ class Plan:
     grid: tuple[int, int, int]
     smem: int
     ctas: int = 0
+    pf: int = 0        # L2 prefetch distance of the weight stream in K blocks (0: off)
 
 
 @register_op("fp8_block_gemm")
@@ -251,7 +253,8 @@ class Fp8BlockGemmSpec(OpSpec):
     @staticmethod
     def smem_bytes_nt(nt: int) -> int:
         s = Fp8BlockGemmSpec.stages_nt(nt)
-        return ALIGN90 + s * (BN90 * BLOCK + nt * BLOCK) + 16 * s
+        # the ring, full + empty barriers, and one FP32 scale slot of nt tokens per stage
+        return ALIGN90 + s * (BN90 * BLOCK + nt * BLOCK + 16 + 4 * nt)
 
     def max_smem_bytes(self) -> int:
         if self.mma == "wgmma":
@@ -265,15 +268,19 @@ class Fp8BlockGemmSpec(OpSpec):
         return {"w": {"dims": (self.k, self.n), "strides": (self.k,), "box": (BLOCK, min(BN90, self.n))},
                 "x": {"dims": (self.k, m), "strides": (self.k,), "box": (BLOCK, min(nt, m))}}
 
-    def plan(self, m: int, sms: int, split: int | None = None, ctas: int | None = None) -> Plan:
+    def plan(self, m: int, sms: int, split: int | None = None, ctas: int | None = None, pf: int = 0) -> Plan:
         """`split` forces the cluster mode, `ctas` the (opt-in) streaming mode, capped at the work
-        items; neither: the cluster mode with choose_split90."""
+        items; neither: the cluster mode with choose_split90. `pf` > 0: the producer also asks L2
+        for the weight block pf K blocks ahead of each TMA load (experiment knob; useful past the
+        ring depth stages_nt(nt))."""
+        if not isinstance(pf, int) or isinstance(pf, bool) or not 0 <= pf <= PF_MAX:
+            raise SpecError("pf", pf, f"0..{PF_MAX}", "L2 prefetch distance in K blocks")
         nt = nt_for(m)
         if split is None and ctas:
             ctas = min(ctas, work_items(self.n, self.k, m))
-            return Plan(nt, 1, (ctas, 1, 1), self.smem_bytes_nt(nt), ctas)
+            return Plan(nt, 1, (ctas, 1, 1), self.smem_bytes_nt(nt), ctas, pf)
         split = split or choose_split90(self.n, self.k, m, sms)
-        return Plan(nt, split, (split, cdiv(m, nt), cdiv(self.n, BN90)), self.smem_bytes_nt(nt))
+        return Plan(nt, split, (split, cdiv(m, nt), cdiv(self.n, BN90)), self.smem_bytes_nt(nt), 0, pf)
 
     @staticmethod
     def workspace_floats(max_ctas: int) -> int:

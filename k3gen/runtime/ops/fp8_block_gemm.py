@@ -98,9 +98,9 @@ class Fp8BlockGemm(Launcher):
             return s.plan(m, self.sm_count).split
         return choose_split(s.n, s.k, m, s.bm, self.sm_count)
 
-    def plan_for(self, m: int, *, split: int | None = None, ctas: int | None = None):
+    def plan_for(self, m: int, *, split: int | None = None, ctas: int | None = None, pf: int = 0):
         """The wgmma flavour's launch plan for M tokens (what __call__ launches)."""
-        return self.spec.plan(m, self.sm_count, split, ctas)
+        return self.spec.plan(m, self.sm_count, split, ctas, pf)
 
     def _tma_map(self, t, geom: dict) -> bytes:
         key = (t.data_ptr(), t.device.index, geom["dims"], geom["box"])
@@ -140,10 +140,13 @@ class Fp8BlockGemm(Launcher):
         return m
 
     def __call__(self, x_codes, x_scales, w_codes, w_scales, out, *, split: int | None = None,
-                 ctas: int | None = None):
+                 ctas: int | None = None, pf: int = 0):
         """out[M, N] (BF16) = dequant(x_codes, x_scales) @ dequant(w_codes, w_scales)^T; returns out.
         wgmma flavour: `split` forces the cluster split-K mode, `ctas` the streaming mode with that
-        many persistent CTAs (ctas=0: the cluster mode with the planned split)."""
+        many persistent CTAs (ctas=0: the cluster mode with the planned split); `pf` the L2 prefetch
+        distance of the weight stream in K blocks (0: off)."""
+        if pf and self.spec.mma != "wgmma":
+            raise SpecError("pf", pf, [0], "L2 prefetch is a knob of the wgmma flavour")
         import torch
         m = self.check(x_codes, x_scales, w_codes, w_scales, out)
         if m == 0:
@@ -165,7 +168,7 @@ class Fp8BlockGemm(Launcher):
         self.load()._allow_smem(dev)  # a launcher called before load() loads itself (never in capture)
         stream = torch.cuda.current_stream(out.device).cuda_stream
         if self.spec.mma == "wgmma":
-            plan = self.spec.plan(m, self.sm_count, split, ctas)
+            plan = self.spec.plan(m, self.sm_count, split, ctas, pf)
             boxes = self.spec.tma_boxes(m, plan.nt)
             if plan.ctas and work_items(self.spec.n, self.spec.k, m) >= 2 ** 31:
                 raise SpecError("M", m, "fewer than 2^31 work items", "32-bit work index of the streaming mode")
@@ -173,7 +176,8 @@ class Fp8BlockGemm(Launcher):
             args = (ArgPack().add(self._tma_map(w_codes, boxes["w"])).add(self._tma_map(x_codes, boxes["x"]))
                     .add(PTR(x_scales.data_ptr())).add(PTR(w_scales.data_ptr())).add(PTR(out.data_ptr()))
                     .add(I32(m)).add(I32(plan.nt))
-                    .add(PTR(part.data_ptr() if plan.ctas else 0)).add(PTR(cnt.data_ptr() if plan.ctas else 0)))
+                    .add(PTR(part.data_ptr() if plan.ctas else 0)).add(PTR(cnt.data_ptr() if plan.ctas else 0))
+                    .add(I32(plan.pf)))
             grid, block = plan.grid, (self.spec.threads, 1, 1)
             if plan.split == 1:
                 self.kernel.launch(grid, block, args.address(), None, dev, stream, plan.smem)

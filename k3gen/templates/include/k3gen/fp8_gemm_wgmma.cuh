@@ -51,11 +51,15 @@ __host__ __device__ constexpr int stage_bytes(int nt) { return kWTile + nt * kBl
 __host__ __device__ constexpr int ring_stages(int nt, int ring_bytes, int max_stages) {
   return ring_bytes / stage_bytes(nt) < max_stages ? ring_bytes / stage_bytes(nt) : max_stages;
 }
-// Dynamic shared memory of variant nt: alignment slack, the ring, then full/empty barriers.
+// Dynamic shared memory of variant nt: alignment slack, the ring, full/empty barriers, then one
+// slot of nt combined scales (x_scale[token] * w_scale[tile], FP32) per stage.
 __host__ __device__ constexpr int smem_bytes(int nt, int ring_bytes, int max_stages) {
-  return kAlign + ring_stages(nt, ring_bytes, max_stages) * stage_bytes(nt) +
-         2 * 8 * ring_stages(nt, ring_bytes, max_stages);
+  return kAlign + ring_stages(nt, ring_bytes, max_stages) * (stage_bytes(nt) + 2 * 8 + 4 * nt);
 }
+// The full barrier of a stage completes on the TMA lane's arrival (+ tx bytes) and the 32 arrivals
+// of the scale warp, which writes the stage's combined scales into shared memory.
+constexpr int kScaleWarp = kConsumerWarps + 1;
+constexpr unsigned kFullArrivals = 1 + 32;
 
 struct Params {
   const void* xs;          // [M, KB] scales
@@ -64,64 +68,125 @@ struct Params {
   int m;
   float* part;             // streaming mode: [2 * gridDim.x][NT][kBn] FP32 partial tiles (else null)
   int* cnt;                // streaming mode: [gridDim.x] arrival counters, zero between launches
+  int pf;                  // L2 prefetch distance of the weight stream in K blocks (0: off)
 };
 
-// Per-token and per-tile scales of K block kb for the token columns this thread's fragments hold
-// (d[4j + e] and d[4j + 2 + e] are token 8j + 2 (lane % 4) + e); tokens past the tile read 0.
+// Scale warp: the nt combined scales of K block kb into a stage's slot (0 past the token tile, as
+// the register path had). One FP32 product per (token, block), as before: results are unchanged.
 template <class C, int NT>
-__device__ __forceinline__ void load_scales(const Params& p, long long ws_row, int kb, int m0, int mrem, int t4,
-                                            float (&xs)[NT / 4], float& ws) {
+__device__ __forceinline__ void stage_scales(const Params& p, float* slot, long long ws_row, int kb, int m0, int mrem,
+                                             int lane) {
   constexpr int KB = (C::kK + kBlock - 1) / kBlock;
-  ws = fp8gemm::scale_value<C::kUe8m0>(p.ws, ws_row + kb);
+  const float ws = fp8gemm::scale_value<C::kUe8m0>(p.ws, ws_row + kb);
 #pragma unroll
-  for (int q = 0; q < NT / 4; ++q) {
-    const int c = 8 * (q >> 1) + 2 * t4 + (q & 1);
-    xs[q] = c < mrem ? fp8gemm::scale_value<C::kUe8m0>(p.xs, static_cast<long long>(m0 + c) * KB + kb) : 0.f;
-  }
+  for (int t = lane; t < NT; t += 32)
+    slot[t] = t < mrem ? fp8gemm::scale_value<C::kUe8m0>(p.xs, static_cast<long long>(m0 + t) * KB + kb) * ws : 0.f;
 }
 
-// One K block of one consumer warpgroup: four wgmmas into a fresh `part`, release the stage, then
-// total += part * (x_scale[token] * w_scale[tile]).
+// Four m64nNTk32 wgmmas of one K block into `acc` (scale-d = 0 on the first: a fresh partial),
+// committed as one group.
 template <class C, int NT>
-__device__ __forceinline__ void consume_block(unsigned st, unsigned full, unsigned parity, unsigned empty, int wg,
-                                              int lane, float (&part)[NT / 2], float (&total)[NT / 2],
-                                              const float (&xs)[NT / 4], float ws) {
-  constexpr int NA = NT / 2;
+__device__ __forceinline__ void issue_block(unsigned st, int wg, float (&acc)[NT / 2]) {
   using Mma = sm90::WgmmaE4m3<NT>;
-  sm90::mbar_wait(full, parity);
   const unsigned long long da =
       sm90::wgmma_desc<C::kDescLbo, C::kDescSbo, C::kDescLayout>(st + wg * 64 * kBlock);
   const unsigned long long db = sm90::wgmma_desc<C::kDescLbo, C::kDescSbo, C::kDescLayout>(st + kWTile);
 #pragma unroll
-  for (int q = 0; q < NA; ++q) sm90::fence_operand(part[q]);
+  for (int q = 0; q < NT / 2; ++q) sm90::fence_operand(acc[q]);
   sm90::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kBlock / 32; ++ks)   // 32 bytes of K per wgmma: start address + 32 (>> 4 = 2)
-    Mma::mma(part, da + 2 * ks, db + 2 * ks, ks > 0 ? 1 : 0);
+    Mma::mma(acc, da + 2 * ks, db + 2 * ks, ks > 0 ? 1 : 0);
   sm90::wgmma_commit();
-  sm90::wgmma_wait<0>();
+}
+
+// total += acc * (x_scale[token] * w_scale[tile]) with the stage's combined scales: d[4j + e] and
+// d[4j + 2 + e] are token 8j + 2 (lane % 4) + e, so one 8-byte shared load serves four values.
+template <int NT>
+__device__ __forceinline__ void promote(const float* slot, int t4, float (&acc)[NT / 2], float (&total)[NT / 2]) {
 #pragma unroll
-  for (int q = 0; q < NA; ++q) sm90::fence_operand(part[q]);
-  __syncwarp();
-  if (lane == 0) sm90::mbar_arrive(empty);   // this warp no longer reads the stage
+  for (int q = 0; q < NT / 2; ++q) sm90::fence_operand(acc[q]);
 #pragma unroll
-  for (int j = 0; j < NA / 4; ++j) {
-    const float s0 = xs[2 * j] * ws, s1 = xs[2 * j + 1] * ws;   // x_scale * w_scale
-    total[4 * j + 0] = fmaf(part[4 * j + 0], s0, total[4 * j + 0]);
-    total[4 * j + 1] = fmaf(part[4 * j + 1], s1, total[4 * j + 1]);
-    total[4 * j + 2] = fmaf(part[4 * j + 2], s0, total[4 * j + 2]);
-    total[4 * j + 3] = fmaf(part[4 * j + 3], s1, total[4 * j + 3]);
+  for (int j = 0; j < NT / 8; ++j) {
+    const float2 sc = *reinterpret_cast<const float2*>(slot + 8 * j + 2 * t4);
+    total[4 * j + 0] = fmaf(acc[4 * j + 0], sc.x, total[4 * j + 0]);
+    total[4 * j + 1] = fmaf(acc[4 * j + 1], sc.y, total[4 * j + 1]);
+    total[4 * j + 2] = fmaf(acc[4 * j + 2], sc.x, total[4 * j + 2]);
+    total[4 * j + 3] = fmaf(acc[4 * j + 3], sc.y, total[4 * j + 3]);
   }
 }
 
-template <class C, int NT>
+// Ring positions i0 .. i0 + nk - 1 of one consumer warpgroup into `total`. A stage is released
+// after its promotion (its scale slot is read there).
+// kOverlap = false: wait, four wgmmas, wait for them, promote: the tensor pipe idles during the
+//   promotion and the wgmma latency.
+// kOverlap = true: two partial accumulators; block i + 1's wgmmas are issued before block i is
+//   promoted (wgmma.wait_group 1 retires only block i), so the promotion runs under the next
+//   block's MMAs. 3 x NT / 2 accumulator registers (192 at NT = 128: the scales live in shared
+//   memory for this). The sum and its order are the same as without overlap.
+template <class C, int NT, bool kOverlap>
+__device__ __forceinline__ void consume_range(unsigned base, unsigned full0, unsigned empty0, const float* scl,
+                                              int i0, int nk, int wg, int lane, float (&pa)[NT / 2],
+                                              float (&pb)[NT / 2], float (&total)[NT / 2]) {
+  constexpr int S = ring_stages(NT, C::kRingBytes, C::kMaxStages);
+  constexpr int kStage = stage_bytes(NT);
+  const int t4 = lane & 3;
+  auto ready = [&](int i) {   // waits for ring position i, returns its stage base
+    const int s = i % S;
+    sm90::mbar_wait_asm(full0 + 8 * s, (i / S) & 1);
+    return base + s * kStage;
+  };
+  auto release = [&](int i) {
+    __syncwarp();
+    if (lane == 0) sm90::mbar_arrive(empty0 + 8 * (i % S));   // this warp no longer reads the stage
+  };
+  if constexpr (!kOverlap) {
+    for (int j = 0; j < nk; ++j) {
+      const int i = i0 + j;
+      issue_block<C, NT>(ready(i), wg, pa);
+      sm90::wgmma_wait<0>();
+      promote<NT>(scl + (i % S) * NT, t4, pa, total);
+      release(i);
+    }
+  } else {
+    // Every path leaves one known accumulator in flight (pa at the loop head) or none, so ptxas
+    // can track the wgmma groups without serializing them (the last block is drained after the
+    // loop by an unconditional wait).
+    if (nk <= 0) return;
+    issue_block<C, NT>(ready(i0), wg, pa);
+    int j = 0;
+    for (; j + 1 < nk; j += 2) {
+      issue_block<C, NT>(ready(i0 + j + 1), wg, pb);
+      sm90::wgmma_wait<1>();
+      promote<NT>(scl + ((i0 + j) % S) * NT, t4, pa, total);
+      release(i0 + j);
+      if (j + 2 >= nk) {
+        sm90::wgmma_wait<0>();
+        promote<NT>(scl + ((i0 + j + 1) % S) * NT, t4, pb, total);
+        release(i0 + j + 1);
+        j += 2;
+        break;
+      }
+      issue_block<C, NT>(ready(i0 + j + 2), wg, pa);
+      sm90::wgmma_wait<1>();
+      promote<NT>(scl + ((i0 + j + 1) % S) * NT, t4, pb, total);
+      release(i0 + j + 1);
+    }
+    sm90::wgmma_wait<0>();
+    if (j < nk) {   // nk odd: block nk - 1 is in pa
+      promote<NT>(scl + ((i0 + j) % S) * NT, t4, pa, total);
+      release(i0 + j);
+    }
+  }
+}
+
+template <class C, int NT, bool kOverlap>
 __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMap* xmap, const Params& p) {
   constexpr int N = C::kN, K = C::kK;
   constexpr int KB = (K + kBlock - 1) / kBlock;
   constexpr int S = ring_stages(NT, C::kRingBytes, C::kMaxStages);
   constexpr int kStage = stage_bytes(NT);
   constexpr int NA = NT / 2;                  // accumulator floats per thread
-  constexpr int NS = NT / 4;                  // distinct tokens per thread
   constexpr int RS = kBn + kRedPad;
   static_assert(S >= 2, "double buffering at least");
   static_assert(NT % 8 == 0 && NT <= 128, "wgmma N");
@@ -133,6 +198,7 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
   const unsigned base = (raw + kAlign - 1) & ~static_cast<unsigned>(kAlign - 1);
   unsigned char* smem = smem_raw + (base - raw);
   const unsigned full0 = base + S * kStage, empty0 = full0 + 8 * S;
+  float* scl = reinterpret_cast<float*>(smem_raw + (base - raw) + S * (kStage + 16));   // [S][NT] scale slots
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int split = gridDim.x, rank = blockIdx.x;
@@ -142,7 +208,7 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
 
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(full0 + 8 * s, 1);
+      sm90::mbar_init(full0 + 8 * s, kFullArrivals);
       sm90::mbar_init(empty0 + 8 * s, kConsumerWarps);
     }
     sm90::fence_mbar_init();
@@ -167,10 +233,19 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
         sm90::mbar_arrive_expect_tx(bar, (kWRows + xrows) * kBlock);
         sm90::tma_load_2d(st, wmap, (kb0 + i) * kBlock, n0, bar);
         sm90::tma_load_2d(st + kWTile, xmap, (kb0 + i) * kBlock, m0, bar);
+        if (p.pf > 0 && i + p.pf < nk) sm90::tma_prefetch_l2_2d(wmap, (kb0 + i + p.pf) * kBlock, n0);
       }
       // The last stage's phase stays complete once reached (nothing re-arms it): waiting for it
       // here turns a hang of the consumers' (watchdog-free) waits into a trap.
       if (nk > 0) sm90::mbar_wait_or_trap(full0 + 8 * ((nk - 1) % S), ((nk - 1) / S) & 1);
+    } else if (warp == kScaleWarp) {
+      const long long ws_row = static_cast<long long>(n0 / kBlock) * KB;
+      for (int i = 0; i < nk; ++i) {
+        const int s = i % S;
+        if (i >= S) sm90::mbar_wait(empty0 + 8 * s, ((i / S) - 1) & 1);
+        stage_scales<C, NT>(p, scl + s * NT, ws_row, kb0 + i, m0, mrem, lane);
+        sm90::mbar_arrive(full0 + 8 * s);
+      }
     }
     __syncwarp();
     // Every TMA write has been waited for and every wgmma has completed past this barrier (the
@@ -186,20 +261,10 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
 #pragma unroll
     for (int i = 0; i < NA; ++i) total[i] = 0.f;
     const int t4 = lane & 3;
-    float part[NA];
+    float pa[NA], pb[NA];
 #pragma unroll
-    for (int i = 0; i < NA; ++i) part[i] = 0.f;
-    // Scales of the block being promoted. The loads for block i + 1 are issued right after block
-    // i's promotion and first used one barrier wait and four wgmmas later, so their latency hides.
-    float xs[NS], ws = 0.f;
-    const long long ws_row = static_cast<long long>(n0 / kBlock) * KB;
-    load_scales<C, NT>(p, ws_row, kb0, m0, mrem, t4, xs, ws);
-    for (int i = 0; i < nk; ++i) {
-      const int s = i % S;
-      consume_block<C, NT>(base + s * kStage, full0 + 8 * s, (i / S) & 1, empty0 + 8 * s, wg, lane, part, total, xs,
-                           ws);
-      if (i + 1 < nk) load_scales<C, NT>(p, ws_row, kb0 + i + 1, m0, mrem, t4, xs, ws);
-    }
+    for (int i = 0; i < NA; ++i) pa[i] = pb[i] = 0.f;
+    consume_range<C, NT, kOverlap>(base, full0, empty0, scl, 0, nk, wg, lane, pa, pb, total);
 
     sm90::fence_proxy_async();
     sm90::barrier_sync_divergent(1, kThreads);   // pairs with the producer's: the ring is free
@@ -263,7 +328,7 @@ __device__ __forceinline__ int range_start(int c, int g, int l) {
   return static_cast<int>(static_cast<long long>(c) * l / g);
 }
 
-template <class C, int NT>
+template <class C, int NT, bool kOverlap>
 __device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90::TmaMap* xmap, const Params& p) {
   constexpr int N = C::kN, K = C::kK;
   constexpr int KB = (K + kBlock - 1) / kBlock;
@@ -279,6 +344,7 @@ __device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90
   const unsigned raw = sm90::smem_addr(smem_raw);
   const unsigned base = (raw + kAlign - 1) & ~static_cast<unsigned>(kAlign - 1);
   const unsigned full0 = base + S * kStage, empty0 = full0 + 8 * S;
+  float* scl = reinterpret_cast<float*>(smem_raw + (base - raw) + S * (kStage + 16));   // [S][NT] scale slots
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = gridDim.x, c = blockIdx.x;
@@ -287,7 +353,7 @@ __device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90
 
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(full0 + 8 * s, 1);
+      sm90::mbar_init(full0 + 8 * s, kFullArrivals);
       sm90::mbar_init(empty0 + 8 * s, kConsumerWarps);
     }
     sm90::fence_mbar_init();
@@ -309,9 +375,22 @@ __device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90
         sm90::mbar_arrive_expect_tx(bar, (kWRows + xrows) * kBlock);
         sm90::tma_load_2d(st, wmap, kb * kBlock, (tile % NTILES) * kBn, bar);
         sm90::tma_load_2d(st + kWTile, xmap, kb * kBlock, (tile / NTILES) * NT, bar);
+        if (p.pf > 0 && x + p.pf < x1) {
+          const int tq = (x + p.pf) / KB;
+          sm90::tma_prefetch_l2_2d(wmap, (x + p.pf - tq * KB) * kBlock, (tq % NTILES) * kBn);
+        }
       }
       const int n = x1 - x0;   // see gemm(): turns a consumer hang into a trap
       if (n > 0) sm90::mbar_wait_or_trap(full0 + 8 * ((n - 1) % S), ((n - 1) / S) & 1);
+    } else if (warp == kScaleWarp) {
+      for (int x = x0, i = 0; x < x1; ++x, ++i) {
+        const int tile = x / KB, kb = x - tile * KB;
+        const int s = i % S;
+        if (i >= S) sm90::mbar_wait(empty0 + 8 * s, ((i / S) - 1) & 1);
+        const int m0 = (tile / NTILES) * NT, n0 = (tile % NTILES) * kBn;
+        stage_scales<C, NT>(p, scl + s * NT, static_cast<long long>(n0 / kBlock) * KB, kb, m0, p.m - m0, lane);
+        sm90::mbar_arrive(full0 + 8 * s);
+      }
     }
     return;   // no CTA-wide barrier follows: the consumers synchronise among themselves (id 2)
   }
@@ -319,25 +398,19 @@ __device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90
   sm90::setmaxnreg_inc<kConsumerRegs>();
   const int wg = warp >> 2, t4 = lane & 3;
   const int r = wg * 64 + (warp & 3) * 16 + (lane >> 2);   // fragment row (and row + 8)
-  float total[NA], part[NA], xs[NT / 4], ws = 0.f;
+  float total[NA], pa[NA], pb[NA];
 #pragma unroll
-  for (int q = 0; q < NA; ++q) part[q] = 0.f;
+  for (int q = 0; q < NA; ++q) pa[q] = pb[q] = 0.f;
   int i = 0;   // ring position, continuous across segments
   for (int x = x0; x < x1;) {
     const int tile = x / KB, kb0 = x - tile * KB;
     const int nk = (KB - kb0) < (x1 - x) ? (KB - kb0) : (x1 - x);
     const int m0 = (tile / NTILES) * NT, n0 = (tile % NTILES) * kBn;
     const int mrem = p.m - m0;
-    const long long ws_row = static_cast<long long>(n0 / kBlock) * KB;
 #pragma unroll
     for (int q = 0; q < NA; ++q) total[q] = 0.f;
-    load_scales<C, NT>(p, ws_row, kb0, m0, mrem, t4, xs, ws);
-    for (int j = 0; j < nk; ++j, ++i) {
-      const int s = i % S;
-      consume_block<C, NT>(base + s * kStage, full0 + 8 * s, (i / S) & 1, empty0 + 8 * s, wg, lane, part, total, xs,
-                           ws);
-      if (j + 1 < nk) load_scales<C, NT>(p, ws_row, kb0 + j + 1, m0, mrem, t4, xs, ws);
-    }
+    consume_range<C, NT, kOverlap>(base, full0, empty0, scl, i, nk, wg, lane, pa, pb, total);
+    i += nk;
 
     if (nk == KB) {   // the whole tile: BF16 straight from the fragments
 #pragma unroll
@@ -412,27 +485,35 @@ __device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90
   }
 }
 
-// One kernel, five token-tile variants; nt is uniform over the grid. A workspace selects the
-// streaming mode, none the cluster split-K mode.
-template <class C>
-__device__ __forceinline__ void gemm_dispatch(const sm90::TmaMap* wmap, const sm90::TmaMap* xmap, const Params& p,
-                                              int nt) {
+// One kernel, five token-tile variants; nt is uniform over the grid. A workspace selects the streaming mode, none the cluster split-K mode.
+template <class C, bool kOverlap>
+__device__ __forceinline__ void gemm_dispatch_nt(const sm90::TmaMap* wmap, const sm90::TmaMap* xmap, const Params& p,
+                                                 int nt) {
   if (p.part != nullptr) {
     switch (nt) {
-      case 8: gemm_stream<C, 8>(wmap, xmap, p); return;
-      case 16: gemm_stream<C, 16>(wmap, xmap, p); return;
-      case 32: gemm_stream<C, 32>(wmap, xmap, p); return;
-      case 64: gemm_stream<C, 64>(wmap, xmap, p); return;
-      default: gemm_stream<C, 128>(wmap, xmap, p); return;
+      case 8: gemm_stream<C, 8, kOverlap>(wmap, xmap, p); return;
+      case 16: gemm_stream<C, 16, kOverlap>(wmap, xmap, p); return;
+      case 32: gemm_stream<C, 32, kOverlap>(wmap, xmap, p); return;
+      case 64: gemm_stream<C, 64, kOverlap>(wmap, xmap, p); return;
+      default: gemm_stream<C, 128, kOverlap>(wmap, xmap, p); return;
     }
   }
   switch (nt) {
-    case 8: gemm<C, 8>(wmap, xmap, p); break;
-    case 16: gemm<C, 16>(wmap, xmap, p); break;
-    case 32: gemm<C, 32>(wmap, xmap, p); break;
-    case 64: gemm<C, 64>(wmap, xmap, p); break;
-    default: gemm<C, 128>(wmap, xmap, p); break;
+    case 8: gemm<C, 8, kOverlap>(wmap, xmap, p); break;
+    case 16: gemm<C, 16, kOverlap>(wmap, xmap, p); break;
+    case 32: gemm<C, 32, kOverlap>(wmap, xmap, p); break;
+    case 64: gemm<C, 64, kOverlap>(wmap, xmap, p); break;
+    default: gemm<C, 128, kOverlap>(wmap, xmap, p); break;
   }
+}
+
+// kOverlap = true is not instantiated: ptxas 12.x serializes every wgmma of the kernel with it
+// (C7514, "non wgmma instructions reading accumulator registers ... between start and end of the
+// pipeline stage") and spills, even at NT <= 64; see the report of branch gemm128.
+template <class C>
+__device__ __forceinline__ void gemm_dispatch(const sm90::TmaMap* wmap, const sm90::TmaMap* xmap, const Params& p,
+                                              int nt) {
+  gemm_dispatch_nt<C, false>(wmap, xmap, p, nt);
 }
 
 }  // namespace fp8gemm90

@@ -50,6 +50,17 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
   while (!mbar_try_wait(bar, parity)) {
   }
 }
+// The same wait with its poll loop inside one asm block: ptxas sees no data-dependent branch in
+// the C++ control flow, so wgmmas may stay in flight across it (a C++ poll loop around
+// mbar_try_wait is a divergent path to ptxas, which then serializes every wgmma of the kernel).
+__device__ __forceinline__ void mbar_wait_asm(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
 // A phase that never completes (a tx count that does not match the bytes a TMA delivers, a lost
 // arrival) would hang the GPU; past ~2^28 polls (seconds, far beyond any legitimate wait) this
 // wait traps instead, so the launch fails with an error the caller sees. It costs a register, so
@@ -71,6 +82,14 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap* map, int
           dst),
       "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
+}
+// Pulls the box at (c0, c1) into L2 only (no shared memory, no barrier): starts DRAM reads of a
+// block the ring has no stage for yet.
+__device__ __forceinline__ void tma_prefetch_l2_2d(const TmaMap* map, int c0, int c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(
+                   reinterpret_cast<unsigned long long>(map)),
+               "r"(c0), "r"(c1)
+               : "memory");
 }
 // Orders this thread's generic-proxy shared accesses with the async proxy (TMA, wgmma).
 __device__ __forceinline__ void fence_proxy_async() {
