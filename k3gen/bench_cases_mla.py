@@ -34,7 +34,9 @@ def bench_specs(quick: bool = False) -> list:
     from .targets import get_target
     tgt = get_target("sm90")
     heads, tokens = ((12, 128), (1,)) if quick else (HEADS, TOKENS)
-    specs = [MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=kv, **kw)
+    # Explicit schedules: the "bf16" rows are mma.sync, the "bf16-wgmma" rows wgmma, whatever the
+    # default ("auto") picks for the shape.
+    specs = [MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=kv, schedule="mma", **kw)
              for kv, kw in _kv_formats() for h in heads for t in tokens]
     # The wgmma schedule right after the BF16 rows (BF16 KV only).
     return specs[:len(heads) * len(tokens)] + [

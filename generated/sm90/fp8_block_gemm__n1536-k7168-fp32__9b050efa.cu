@@ -10,6 +10,7 @@
 // dynamic shared memory spec.smem_bytes_nt(nt); W and x are TMA tensor maps (spec.tma_boxes).
 // Streaming mode (plan.ctas > 0): grid (ctas, 1, 1), no cluster, FP32 partial slots `part` and
 // zeroed counters `cnt` (spec.workspace_floats / workspace_counters); else both are null.
+// pf: L2 prefetch distance of the weight stream in K blocks (0 = off; launch-time, Plan.pf).
 #include <cuda_bf16.h>
 
 #include "k3gen/fp8_gemm_wgmma.cuh"
@@ -29,15 +30,15 @@ static_assert(384 == k3gen::fp8gemm90::kThreads, "spec and header agree on the C
 // The descriptor bits the kernel builds are the ones the CPU test checks against the PTX layout.
 static_assert(k3gen::sm90::wgmma_desc<Config::kDescLbo, Config::kDescSbo, Config::kDescLayout>(115744u) ==
               4611686293305367618ull, "wgmma descriptor encoding");
-static_assert(k3gen::fp8gemm90::smem_bytes(8, Config::kRingBytes, Config::kMaxStages) == 140416,
+static_assert(k3gen::fp8gemm90::smem_bytes(8, Config::kRingBytes, Config::kMaxStages) == 140672,
               "launcher and kernel agree on the shared memory of nt = 8");
-static_assert(k3gen::fp8gemm90::smem_bytes(16, Config::kRingBytes, Config::kMaxStages) == 148608,
+static_assert(k3gen::fp8gemm90::smem_bytes(16, Config::kRingBytes, Config::kMaxStages) == 149120,
               "launcher and kernel agree on the shared memory of nt = 16");
-static_assert(k3gen::fp8gemm90::smem_bytes(32, Config::kRingBytes, Config::kMaxStages) == 164992,
+static_assert(k3gen::fp8gemm90::smem_bytes(32, Config::kRingBytes, Config::kMaxStages) == 166016,
               "launcher and kernel agree on the shared memory of nt = 32");
-static_assert(k3gen::fp8gemm90::smem_bytes(64, Config::kRingBytes, Config::kMaxStages) == 197760,
+static_assert(k3gen::fp8gemm90::smem_bytes(64, Config::kRingBytes, Config::kMaxStages) == 199808,
               "launcher and kernel agree on the shared memory of nt = 64");
-static_assert(k3gen::fp8gemm90::smem_bytes(128, Config::kRingBytes, Config::kMaxStages) == 197728,
+static_assert(k3gen::fp8gemm90::smem_bytes(128, Config::kRingBytes, Config::kMaxStages) == 200800,
               "launcher and kernel agree on the shared memory of nt = 128");
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "the wgmma flavour of fp8_block_gemm needs sm_90a"
@@ -45,7 +46,8 @@ static_assert(k3gen::fp8gemm90::smem_bytes(128, Config::kRingBytes, Config::kMax
 
 extern "C" __global__ void __launch_bounds__(384, 1) k3gen_fp8_block_gemm(
     const __grid_constant__ k3gen::sm90::TmaMap w_map, const __grid_constant__ k3gen::sm90::TmaMap x_map,
-    const void* x_scales, const void* w_scales, __nv_bfloat16* out, int m, int nt, float* part, int* cnt) {
-  const k3gen::fp8gemm90::Params p{x_scales, w_scales, out, m, part, cnt};
+    const void* x_scales, const void* w_scales, __nv_bfloat16* out, int m, int nt, float* part, int* cnt,
+    int pf) {
+  const k3gen::fp8gemm90::Params p{x_scales, w_scales, out, m, part, cnt, pf};
   k3gen::fp8gemm90::gemm_dispatch<Config>(&w_map, &x_map, p, nt);
 }

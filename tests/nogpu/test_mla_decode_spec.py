@@ -42,8 +42,9 @@ def test_nvfp4_not_on_original_target_and_defaults():
     assert MlaDecodeSpec(target=SM103, heads=12, kv=KvDtype.NVFP4).scale_layout is ScaleLayout.SWIZZLE_128X4
     assert MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.NVFP4).scale_layout is ScaleLayout.LINEAR
     assert MlaDecodeSpec(target=SM90, heads=12).m_tiles == 1
-    assert MlaDecodeSpec(target=SM90, heads=12, tokens=4).m_tiles == 2
-    assert MlaDecodeSpec(target=SM90, heads=128, tokens=8).groups == 32
+    assert MlaDecodeSpec(target=SM90, heads=12, tokens=4, schedule="mma").m_tiles == 2
+    assert MlaDecodeSpec(target=SM90, heads=128, tokens=8, schedule="mma").groups == 32
+    assert MlaDecodeSpec(target=SM90, heads=12, tokens=4).m_tiles == 4   # auto: wgmma, 64 rows per CTA
 
 
 @pytest.mark.parametrize("kv", list(KvDtype), ids=str)
@@ -200,5 +201,6 @@ def test_compiles_without_spills(target, kv, heads, tokens):
     for x in r.resources:
         assert x["local"] == 0 and x["stack"] == 0 and x["registers"] <= spec.max_registers, x
         if x["function"] == "k3gen_mla_decode":
-            assert x["sass"].get("HMMA", 0) > 0, "QK/PV must run on tensor cores"
+            mma = "HGMMA" if spec.schedule == "wgmma" else "HMMA"   # "auto" picks wgmma for BF16 128 x 8
+            assert x["sass"].get(mma, 0) > 0, "QK/PV must run on tensor cores"
             assert x["sass"].get("LDGSTS", 0) > 0, "KV tiles stream through cp.async"

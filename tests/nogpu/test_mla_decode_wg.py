@@ -40,14 +40,14 @@ def test_validation():
     with pytest.raises(SpecError, match="m_tiles=3"):
         wg(m_tiles=3)
     with pytest.raises(SpecError, match="m_tiles=4"):     # 64 rows per CTA: the wgmma schedule only
-        MlaDecodeSpec(target=SM90, heads=128, m_tiles=4)
+        MlaDecodeSpec(target=SM90, heads=128, m_tiles=4, schedule="mma")
 
 
 def test_default_schedule_and_slug():
     base = MlaDecodeSpec(target=SM90, heads=12)
     assert base.schedule == "mma" and base.threads == 256
     for h, t in ((12, 1), (12, 4), (128, 1), (16, 8)):
-        a, b = MlaDecodeSpec(target=SM90, heads=h, tokens=t), wg(h, t)
+        a, b = MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule="mma"), wg(h, t)
         assert b.slug() == a.slug() + "-wgmma" and b.digest() != a.digest()
         assert b.threads == WG_THREADS
     # Query rows per CTA and per consumer (the wgmma N) by H * T.
@@ -188,7 +188,7 @@ def test_template_checks_the_encoder_and_the_plan():
     assert m and int(m.group(2)) == desc_mn(int(m.group(1)))
     assert '#include "k3gen/mla_decode_wg.cuh"' in src and "wg::decode<Config>" in src
     assert f"WgGeo::kSmem == {s.smem_bytes}" in src
-    plain = lower(MlaDecodeSpec(target=SM90, heads=96, tokens=4)).source
+    plain = lower(MlaDecodeSpec(target=SM90, heads=96, tokens=4, schedule="mma")).source
     assert "mla_decode_wg.cuh" not in plain and "k3gen::mla::decode<Config>" in plain
 
 
@@ -253,7 +253,9 @@ def test_auto_schedule_resolves_by_rows_target_and_kv():
         assert MlaDecodeSpec(target=SM90, heads=128, kv=kv, schedule="auto").schedule == "mma"
     for t in ("sm103-nvfp4", "sm107-nvfp4"):
         assert MlaDecodeSpec(target=TARGETS[t], heads=128, schedule="auto").schedule == "mma"
-    assert MlaDecodeSpec(target=SM90, heads=128).schedule == "mma"     # the default is unchanged
+    # "auto" is the default (the threshold was confirmed on the H200, see AUTO_WGMMA_ROWS).
+    assert MlaDecodeSpec(target=SM90, heads=128).schedule == "wgmma"
+    assert MlaDecodeSpec(target=SM90, heads=12).schedule == "mma"
 
 
 def test_heads_sweep_bench_specs():

@@ -54,11 +54,9 @@ MAX_TOKENS = 8
 SOFTMAX_SCALE = 192 ** -0.5
 _PAD = 8                      # BF16 elements of padding per shared probability row
 SCHEDULES = ("mma", "wgmma")
-# schedule="auto" resolves to "wgmma" on wgmma targets for BF16 KV above this many query rows
-# (H * T): from the H200 figures of the N = 16 plan (mma.sync 87% of copy vs wgmma 81% at H12) and
-# the estimate that from 32 rows up the mma.sync kernel is compute-bound (it reached 130 TFLOP/s
-# at H128) while the KV stream alone needs ~290 TFLOP/s at 32 rows. To be confirmed by
-# `k3gen bench --op mla_decode_heads` before "auto" becomes the default.
+# schedule="auto" (the default) resolves to "wgmma" on wgmma targets for BF16 KV above this many
+# query rows (H * T). Measured on the H200 (bench mla_decode_heads, 2026-11-30 00:23, T1 B128
+# L8K): H12 mma.sync 329 us vs wgmma 357 us; H32 571 vs 400 us; H128 2252 vs 1053 us.
 AUTO_WGMMA_ROWS = 16
 WG_THREADS = 384              # wgmma schedule: producer + 2 consumer warpgroups
 WG_STAGES = 2                 # one 72 KB tile per consumer warpgroup (a third does not fit with Q)
@@ -76,7 +74,7 @@ class MlaDecodeSpec(OpSpec):
     scale_layout: ScaleLayout | None = None  # NVFP4 only; defaults to the target's layout
     max_drafts: int = 0                   # NVFP4 HP tail ring = 16 + max_drafts rows
     m_tiles: int | None = None            # 16-row query tiles per CTA; default from H * T (and schedule)
-    schedule: str = "mma"                 # "mma" (mma.sync, every target), "wgmma" (sm_90a, BF16 KV) or
+    schedule: str = "auto"                # "mma" (mma.sync, every target), "wgmma" (sm_90a, BF16 KV) or
                                           # "auto" (resolved here by target, KV dtype and H * T)
 
     def __post_init__(self):
