@@ -146,9 +146,12 @@ class KernelOps(Ops):
         from k3gen.ir.ops.mla_decode import MlaDecodeSpec
         lay = self.kv_layout
         nvfp4 = lay.kv is KvDtype.NVFP4
-        spec = MlaDecodeSpec(target=self.target, heads=self.heads_mla, tokens=T, kv=lay.kv,
-                             fp8_scales=lay.fp8_scales, scale_layout=lay.scale_layout if nvfp4 else None,
-                             max_drafts=lay.max_drafts)
+        kw = dict(target=self.target, heads=self.heads_mla, kv=lay.kv, fp8_scales=lay.fp8_scales,
+                  scale_layout=lay.scale_layout if nvfp4 else None, max_drafts=lay.max_drafts)
+        # Verify uses the decode step's schedule (the one "auto" picks at T = 1), whose rows are
+        # bitwise independent of the query tiling: speculative decoding then reproduces greedy
+        # decoding except at exact ties, instead of at any near-tie two schedules round apart.
+        spec = MlaDecodeSpec(tokens=T, schedule=MlaDecodeSpec(tokens=1, **kw).schedule, **kw)
         if spec.layout.tensors() != lay.tensors() or spec.page != lay.page:
             raise SpecError("kv_layout", str(lay), [str(spec.layout)], "mla_decode reads the cache's own layout")
         return spec

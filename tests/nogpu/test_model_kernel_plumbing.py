@@ -138,3 +138,14 @@ def test_kernel_specs_cover_every_launch(tk):
     gemms = {(s.n, s.k) for s in specs if s.op == "fp8_block_gemm"}
     assert (sh.mla_heads * 192, cfg.q_lora) in gemms
     assert {s.k for s in specs if s.op == "act_quant_fp8"} == {k for _, k in gemms}
+
+
+@pytest.mark.parametrize("heads", [2, 12, 24, 96])
+def test_verify_attention_uses_the_decode_schedule(heads):
+    # "auto" would give verify (T = 1 + M) wgmma above 16 query rows while decode keeps mma.sync;
+    # the model pins every T to the decode step's schedule so spec decoding reproduces greedy.
+    from k3gen.ir.ops.mla_decode import MlaDecodeSpec
+    t = TargetConfig(kv="bf16", ssm="fp32", max_drafts=3, path="kernel")
+    ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), heads, heads, 3)
+    want = MlaDecodeSpec(target=t.target, heads=heads, tokens=1).schedule
+    assert [ops.mla_decode_spec(T).schedule for T in ops.attention_tokens()] == [want, want]

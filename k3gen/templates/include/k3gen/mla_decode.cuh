@@ -354,16 +354,15 @@ __device__ void decode(const Params& p) {
 
     // QK: warp w -> tokens 8w..8w+7 of every row.
     {
-      // Independent accumulator chains (even/odd k16 step, and for MT = 1 pairs of steps): one
-      // chain of 36 dependent MMAs per tile was the latency floor of the QK phase.
-      float acc[MT][4], acc2[MT][4], acc3[1][4], acc4[1][4];
+      // Four independent accumulator chains per query tile (k16 steps 4i, 4i+1, 4i+2, 4i+3): one
+      // chain of 36 dependent MMAs per tile was the latency floor of the QK phase. Every MT uses
+      // the same chains and the same final sum, so a row's score is bitwise the same whatever
+      // the query tiling (decode T = 1 and verify T = 1 + M agree exactly).
+      float acc[MT][4], acc2[MT][4], acc3[MT][4], acc4[MT][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc3[0][i] = acc4[0][i] = 0.f;
+      for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
-        acc2[m][0] = acc2[m][1] = acc2[m][2] = acc2[m][3] = 0.f;
-      }
+        for (int i = 0; i < 4; ++i) acc[m][i] = acc2[m][i] = acc3[m][i] = acc4[m][i] = 0.f;
       const unsigned bRow = aKV + (warp * 8 + (lane & 7)) * (kRow * 2);
       const unsigned aRow = aQ + (lane & 15) * (kRow * 2);
       if constexpr (kF8) f8::qk<C>(acc, stage, qh, reinterpret_cast<const unsigned char*>(sQ), warp, lane);
@@ -372,30 +371,27 @@ __device__ void decode(const Params& p) {
       for (int k = 0; k < (kF16 ? 0 : kRow / 16); k += 2) {
         unsigned bf[4];
         ldsm_x4(bRow + ((2 * k) ^ yB) * 16, bf);
-        if constexpr (G::kQReg) {
-          // MT = 1 has only this chain per warp: four accumulators (pairs of k steps alternate).
-          float (&a0)[4] = (k & 2) ? acc3[0] : acc[0];
-          float (&a1)[4] = (k & 2) ? acc4[0] : acc2[0];
-          mma_bf16(a0, qf[k], bf[0], bf[1]);
-          mma_bf16(a1, qf[k + 1], bf[2], bf[3]);
-        } else {
 #pragma unroll
-          for (int m = 0; m < MT; ++m) {
+        for (int m = 0; m < MT; ++m) {
+          float (&a0)[4] = (k & 2) ? acc3[m] : acc[m];
+          float (&a1)[4] = (k & 2) ? acc4[m] : acc2[m];
+          if constexpr (G::kQReg) {
+            mma_bf16(a0, qf[k], bf[0], bf[1]);
+            mma_bf16(a1, qf[k + 1], bf[2], bf[3]);
+          } else {
             unsigned a[4];
             ldsm_x4(aRow + m * 16 * (kRow * 2) + ((2 * k) ^ yA) * 16, a);
-            mma_bf16(acc[m], a, bf[0], bf[1]);
+            mma_bf16(a0, a, bf[0], bf[1]);
             ldsm_x4(aRow + m * 16 * (kRow * 2) + ((2 * k + 2) ^ yA) * 16, a);
-            mma_bf16(acc2[m], a, bf[2], bf[3]);
+            mma_bf16(a1, a, bf[2], bf[3]);
           }
         }
       }
+      if constexpr (!kF16)
 #pragma unroll
-      for (int m = 0; m < MT; ++m)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[m][i] += acc2[m][i];
-      if constexpr (G::kQReg && !kF16)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[0][i] += acc3[0][i] + acc4[0][i];
+          for (int i = 0; i < 4; ++i) acc[m][i] = (acc[m][i] + acc2[m][i]) + (acc3[m][i] + acc4[m][i]);
       const int col = warp * 8 + (lane & 3) * 2;
       const int pos = tile * kTok + col;
 #pragma unroll
