@@ -116,12 +116,6 @@ def work_items(n: int, k: int, m: int) -> int:
     return max(1, cdiv(m, nt_for(max(m, 1)))) * cdiv(n, BN90) * cdiv(k, BLOCK)
 
 
-def choose_ctas(n: int, k: int, m: int, sms: int) -> int:
-    """Persistent CTAs of a requested streaming launch: one per SM (the ring takes most of the
-    shared memory), never more CTAs than work items."""
-    return min(sms, work_items(n, k, m))
-
-
 def stream_ranges(items: int, ctas: int) -> list[tuple[int, int]]:
     """The kernel's static split of the work list: CTA c owns [c L / G, (c + 1) L / G)."""
     return [(c * items // ctas, (c + 1) * items // ctas) for c in range(ctas)]
