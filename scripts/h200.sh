@@ -6,13 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/k3gen-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export K3GEN_GPU=1 K3GEN_PREBUILT=$PWD/build-out K3GEN_DISABLE_JIT=1 K3GEN_CACHE_DIR=/tmp/k3gen-cache
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/smi.txt"
 python3 -m k3gen collect-env | tee "$OUT/env.txt"
 rc=0
