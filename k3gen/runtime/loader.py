@@ -105,6 +105,13 @@ class CudaKernel:
             self.function(device), driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             nbytes), "cuFuncSetAttribute(max dynamic smem)")
 
+    def prefer_max_smem(self, device: int) -> None:
+        """Largest shared-memory carve-out: two CTAs of ~110 KB per SM need all 228 KB of it."""
+        from cuda.bindings import driver
+        _check(driver.cuFuncSetAttribute(
+            self.function(device), driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            100), "cuFuncSetAttribute(carveout)")
+
     def num_regs(self, device: int = 0) -> int:
         from cuda.bindings import driver
         return _check(driver.cuFuncGetAttribute(

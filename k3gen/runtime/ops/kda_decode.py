@@ -37,22 +37,21 @@ def choose_split(batch: int, heads: int, sms: int, max_split: int = 8) -> int:
 
 SCHEDULES = ("rows", "stream")
 STREAM_ENTRY = "k3gen_kda_decode_stream"
-# Stages of the stream kernel's ring (include/k3gen/kda_decode_stream.cuh, StreamStages): a CTA's
-# range may only change heads every >= stages-1 items, so smaller batches take the row schedule.
-STREAM_MIN_BATCH = 4
 
 
-def choose_schedule(batch: int, heads: int, sms: int, aligned: bool) -> str:
-    """The row schedule, always, for now.
+def choose_schedule(batch: int, heads: int, sms: int, aligned: bool, bf16_state: bool) -> str:
+    """"stream" for BF16 state from 40 items per SM up (where q|k|v|g rows are bulk-copyable),
+    else "rows".
 
-    Measured on the H200 (bench/NOTES.md, 2026-11-29 20:44, extra.schedule_us): the stream
-    schedule (one persistent CTA per SM, bulk-copy ring) is 0-4% slower with FP32 state and
-    15-27% slower with BF16 state at every B*H >= 132: one 8-warp CTA per SM leaves the per-item
-    dependency chain (conv, gate, three reductions, RMSNorm) exposed, where the row schedule's two
-    CTAs per SM overlap two chains. It stays selectable (schedule="stream") for that work.
+    Measured on the H200 (bench/NOTES.md 2026-11-30 01:37, extra.schedule_us; stream = two
+    persistent CTAs per SM, one stage each): with BF16 state the stream kernel is 4-5% faster from
+    ~6K (sequence, head) items up (H12 B512 132.3 vs 139.8 us, H96 B128 255.9 vs 265.4) and 4-13%
+    slower below ~1.5K (H12 B128, B32); with FP32 state the two are within 3% everywhere, the rows
+    mostly ahead. The stream kernel's per-item rate is higher (its next state lands under the
+    current item's update) but it pays a larger fixed cost (the first item's load is not hidden)
+    that only many items amortize.
     """
-    del batch, heads, sms, aligned
-    return "rows"
+    return "stream" if aligned and bf16_state and batch * heads >= 40 * sms else "rows"
 
 
 class KdaDecode(Launcher):
@@ -66,7 +65,9 @@ class KdaDecode(Launcher):
             dev = self.device_index
             stream = self._kernel.sibling(STREAM_ENTRY)
             self._stream_smem = stream.read_i32(STREAM_ENTRY + "_smem", dev)
+            self._stream_ctas = stream.read_i32(STREAM_ENTRY + "_ctas", dev)
             stream.set_max_dynamic_smem(self._stream_smem, dev)
+            stream.prefer_max_smem(dev)
             self._stream = stream
         return self
 
@@ -74,7 +75,8 @@ class KdaDecode(Launcher):
         return choose_split(batch, self.spec.heads, self.sm_count, self.spec.max_split)
 
     def schedule_for(self, batch: int, qkvg, conv) -> str:
-        return choose_schedule(batch, self.spec.heads, self.sm_count, _bulk_aligned(qkvg, conv))
+        return choose_schedule(batch, self.spec.heads, self.sm_count, _bulk_aligned(qkvg, conv),
+                               self.spec.ssm is SsmDtype.BF16)
 
     # -- checks -------------------------------------------------------------------------------
     def check(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w,
@@ -136,8 +138,6 @@ class KdaDecode(Launcher):
                 raise SpecError("qkvg/conv", (qkvg.data_ptr() % 16, qkvg.stride(0), conv.data_ptr() % 16),
                                 "16-byte aligned bases and qkvg row stride a multiple of 8",
                                 "the stream schedule bulk-copies them")
-            if B < STREAM_MIN_BATCH:
-                raise SpecError("batch", B, f">= {STREAM_MIN_BATCH}", "stream schedule")
         if schedule == "stream":
             return self._launch_stream(qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log,
                                        norm_w, out, B, num_slots)
@@ -168,7 +168,7 @@ class KdaDecode(Launcher):
         types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR, I32)
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        grid = (min(B * self.spec.heads, self.sm_count), 1, 1)
+        grid = (min(B * self.spec.heads, self._stream_ctas * self.sm_count), 1, 1)
         self._stream.launch(grid, (self.spec.threads, 1, 1), args, types, dev, stream, smem=self._stream_smem)
         return out
 

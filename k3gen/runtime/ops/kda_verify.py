@@ -55,13 +55,7 @@ class KdaVerify(Launcher):
             self._prefetch = self._kernel.sibling(PREFETCH_ENTRY)
             self._prefetch_smem = self._prefetch.read_i32(PREFETCH_ENTRY + "_smem", dev)
             self._prefetch.set_max_dynamic_smem(self._prefetch_smem, dev)
-            # Two CTAs of ~110 KB per SM need the largest shared-memory carve-out.
-            from cuda.bindings import driver
-            from ..loader import _check
-            _check(driver.cuFuncSetAttribute(
-                self._prefetch.function(dev),
-                driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),
-                "cuFuncSetAttribute(carveout)")
+            self._prefetch.prefer_max_smem(dev)
         return self
 
     def schedule_for(self, batch: int) -> str:

@@ -57,10 +57,8 @@ class MlaDecode(Launcher):
         f = self._kernel.function(device)
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check(driver.cuFuncSetAttribute(f, attr, self.spec.smem_bytes), "cuFuncSetAttribute")
-        if self.spec.ctas_per_sm > 1:   # two ~110 KB CTAs per SM need the largest carve-out
-            _check(driver.cuFuncSetAttribute(
-                f, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),
-                "cuFuncSetAttribute(carveout)")
+        if self.spec.ctas_per_sm > 1:
+            self._kernel.prefer_max_smem(device)
         self._smem_set.add(device)
 
     # -- planning (outside graphs) ---------------------------------------------------------------
