@@ -121,15 +121,29 @@ def mla_prefill(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float
 
 
 # -- MoE and MLP -----------------------------------------------------------------------------------
+# The PyTorch stand-ins multiply in FP64 and round to FP32: cuBLAS picks its FP32 reduction order by
+# the number of rows, so an FP32 row of a verify step (B*T rows) could differ in its last bits from
+# the same row of a decode step (B rows), and a random model amplifies that into different tokens.
+# FP64 products rounded to FP32 are row-invariant but for values within ~1e-16 of a rounding edge
+# (the 2026-11-30 H200 run: speculative == greedy fails with FP32 stand-ins, holds with row-by-row
+# ones; scripts/diag_spec_greedy.py). The generated kernels are row-invariant by construction.
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.double() @ b.double()).float()
+
+
+def _ein(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.einsum(eq, a.double(), b.double()).float()
+
+
 def _glu(x, gate_w, up_w, down_w):
-    h = F.silu(x @ gate_w.float().T) * (x @ up_w.float().T)
-    return h.to(BF16).float() @ down_w.float().T
+    h = F.silu(_mm(x, gate_w.T)) * _mm(x, up_w.T)
+    return _mm(h.to(BF16), down_w.T)
 
 
 def route(w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig):
     """Sigmoid scores; top-k on scores + correction bias; weights = the chosen scores renormalized
     (times routed_scale). Returns (expert ids [M, k], weights [M, k] FP32)."""
-    scores = torch.sigmoid(xn.float() @ w.router.T)
+    scores = torch.sigmoid(_mm(xn, w.router.T))
     sel = torch.topk(scores + w.bias, cfg.top_k, dim=-1).indices
     wts = scores.gather(1, sel)
     return sel, wts / wts.sum(-1, keepdim=True) * cfg.routed_scale
@@ -142,12 +156,11 @@ def moe(ops: Ops, w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig) -> torch.Te
     ops._mark("moe_torch_dequant", "torch" if ops.kind == "kernel" else "ref")
     sel, wts = route(w, xn, cfg)
     dense = torch.zeros(xn.shape[0], cfg.experts, dtype=torch.float32, device=xn.device).scatter(1, sel, wts)
-    xl = (xn.float() @ w.latent_down.float().T).to(BF16).float()                  # [M, latent]
-    h = F.silu(torch.einsum("ml,eil->mei", xl, w.w1_dequant.float())) * \
-        torch.einsum("ml,eil->mei", xl, w.w3_dequant.float())
-    ye = torch.einsum("mei,eli->mel", h.to(BF16).float(), w.w2_dequant.float())
-    y_lat = torch.einsum("me,mel->ml", dense, ye).to(BF16).float()
-    routed = y_lat @ w.latent_up.float().T
+    xl = _mm(xn, w.latent_down.T).to(BF16).float()                                # [M, latent]
+    h = F.silu(_ein("ml,eil->mei", xl, w.w1_dequant)) * _ein("ml,eil->mei", xl, w.w3_dequant)
+    ye = _ein("mei,eli->mel", h.to(BF16), w.w2_dequant)
+    y_lat = _ein("me,mel->ml", dense, ye).to(BF16).float()
+    routed = _mm(y_lat, w.latent_up.T)
     return routed + _glu(xn.float(), w.shared_gate, w.shared_up, w.shared_down)
 
 
