@@ -7,8 +7,9 @@
 // Algorithm: include/k3gen/kda_decode.cuh. Contract: k3gen/ir/ops/kda_decode.py.
 // Launch: grid (split, 24, B), 256 threads, cluster (split, 1, 1);
 // split in 1, 2, 4, 8 up to 8, chosen by the launcher.
-// Large batches: k3gen_kda_decode_stream, grid (persistent CTAs), same threads, dynamic shared
-// memory k3gen_kda_decode_stream_smem bytes (include/k3gen/kda_decode_stream.cuh).
+// Large batches: k3gen_kda_decode_stream, grid (persistent CTAs, at most
+// k3gen_kda_decode_stream_ctas per SM), same threads, dynamic shared memory
+// k3gen_kda_decode_stream_smem bytes (include/k3gen/kda_decode_stream.cuh).
 #include <cuda_bf16.h>
 
 #include "k3gen/kda_decode_stream.cuh"
@@ -45,8 +46,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_decode(
 }
 
 extern "C" __constant__ int k3gen_kda_decode_stream_smem = k3gen::kda::stream_smem_bytes<Config>();
+extern "C" __constant__ int k3gen_kda_decode_stream_ctas =
+    k3gen::kda::StreamStages<Config::kBf16State>::kCtasPerSm;
 
-extern "C" __global__ void __launch_bounds__(256, 1) k3gen_kda_decode_stream(
+extern "C" __global__ void __launch_bounds__(256,
+                                             k3gen::kda::StreamStages<Config::kBf16State>::kCtasPerSm)
+    k3gen_kda_decode_stream(
     const __nv_bfloat16* qkvg, long long qkvg_stride, const __nv_bfloat16* fa, long long fa_stride,
     const __nv_bfloat16* beta_logit, long long beta_stride, const int* slots,
     void* ssm, __nv_bfloat16* conv, int num_slots,
