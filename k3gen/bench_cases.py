@@ -137,16 +137,18 @@ def kda_decode(ceiling: float, quick: bool = False) -> list:
                         slots=torch.randperm(B, device="cuda", generator=gen).to(torch.int32),
                         out=torch.empty(B, H, K, device="cuda", dtype=torch.bfloat16)))
 
-                def launches(split=None, schedule=None):
+                def launches(split=None, schedule=None, pdl=None):
                     return [lambda s=s: op(s["qkvg"], s["fa"], s["beta_logit"], s["ssm"], s["conv"], s["slots"],
                                            w.conv_w, w.fb_w, w.dt_bias, w.a_log, w.norm_w, s["out"], split=split,
-                                           schedule=schedule)
+                                           schedule=schedule, pdl=pdl)
                             for s in sets]
                 us = time_graph(launches())
                 extra = {"split": op.split_for(B), "schedule": op.schedule_for(B, sets[0]["qkvg"], sets[0]["conv"]),
                          "heads": H, "batch": B, "ssm": ssm.value, "proj_8TBps_us": nbytes / 8e12 * 1e6}
                 if not quick and B * H < 4 * op.sm_count:
                     extra["split_us"] = {s: time_graph(launches(s)) for s in SPLITS}
+                if B <= 8:  # the row schedule's PDL prologue overlap, measured against plain launches
+                    extra["pdl_off_us"] = time_graph(launches(pdl=False))
                 if B >= 4 and B * H >= op.sm_count:  # both schedules, to check choose_schedule
                     extra["schedule_us"] = {sc: time_graph(launches(1 if sc == "rows" else None, sc))
                                             for sc in ("rows", "stream")}

@@ -49,6 +49,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("K3GEN_NVRTC_EXTRA", str, "", "Extra NVRTC flags (space separated); part of the cache key."),
     Setting("K3GEN_GPU", bool, False,
             "Run the GPU test tier (tests marked gpu). Off by default: CI must never touch the driver."),
+    Setting("K3GEN_PDL", bool, True,
+            "Launch the kernels that support it with programmatic dependent launch (their weight-only "
+            "prologue overlaps the previous kernel's tail)."),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -64,6 +67,7 @@ class Settings:
     jobs: int
     nvrtc_extra: str
     gpu_tests: bool
+    pdl: bool
 
 
 def settings() -> Settings:

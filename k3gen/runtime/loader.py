@@ -124,9 +124,12 @@ class CudaKernel:
         _check(driver.cuLaunchKernel(f, *grid, *block, smem, stream, _params(args, types), 0), f"launch {self.entry}")
 
     def launch_cluster(self, grid: tuple[int, int, int], block: tuple[int, int, int],
-                       cluster: tuple[int, int, int], args: tuple, types: tuple, device: int, stream: int,
-                       smem: int = 0) -> None:
-        """Launch with a thread-block cluster shape (cuLaunchKernelEx); graph-capturable."""
+                       cluster: tuple[int, int, int] | None, args: tuple, types: tuple, device: int, stream: int,
+                       smem: int = 0, pdl: bool = False) -> None:
+        """Launch through cuLaunchKernelEx (graph-capturable) with an optional thread-block cluster
+        shape and, with `pdl`, programmatic dependent launch: the kernel may start while the
+        previous kernel on the stream finishes, and must `griddepcontrol.wait` before reading
+        anything that kernel writes."""
         from cuda.bindings import driver
         f = self.function(device)
         cfg = driver.CUlaunchConfig()
@@ -134,12 +137,20 @@ class CudaKernel:
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
         cfg.sharedMemBytes = smem
         cfg.hStream = stream
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
-        cfg.attrs = [attr]
-        cfg.numAttrs = 1
-        _check(driver.cuLaunchKernelEx(cfg, f, _params(args, types), 0), f"cluster launch {self.entry}")
+        attrs = []
+        if cluster is not None:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+            attrs.append(attr)
+        if pdl:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(attr)
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
+        _check(driver.cuLaunchKernelEx(cfg, f, _params(args, types), 0), f"launch {self.entry}")
 
 
 PTR = ctypes.c_void_p

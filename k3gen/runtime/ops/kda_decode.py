@@ -107,7 +107,7 @@ class KdaDecode(Launcher):
 
     # -- launch -------------------------------------------------------------------------------
     def __call__(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w, out, *,
-                 split: int | None = None, schedule: str | None = None):
+                 split: int | None = None, schedule: str | None = None, pdl: bool | None = None):
         """One decode step for `slots.shape[0]` sequences; returns `out`.
 
         qkvg [B, >= 4D] BF16 (row stride free, unit inner stride), fa [B, 128] BF16 and
@@ -118,6 +118,8 @@ class KdaDecode(Launcher):
         (sequence, head) (1, 2, 4, 8 up to spec.max_split); by default it depends on B only.
         `schedule` forces "rows" or "stream" (both give the same bits); by default it depends on
         B and on whether the q|k|v|g rows are 16-byte aligned (the stream kernel bulk-copies them).
+        `pdl` (default: setting K3GEN_PDL, on) launches the row schedule with programmatic
+        dependent launch: its weight loads overlap the previous kernel's tail.
         """
         import torch
         if split is not None and (split not in SPLITS or split > self.spec.max_split):
@@ -151,10 +153,8 @@ class KdaDecode(Launcher):
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
         grid, block = (split, self.spec.heads, B), (self.spec.threads, 1, 1)
-        if split == 1:
-            self.kernel.launch(grid, block, args, types, dev, stream)
-        else:
-            self.kernel.launch_cluster(grid, block, (split, 1, 1), args, types, dev, stream)
+        self.kernel.launch_cluster(grid, block, (split, 1, 1) if split > 1 else None, args, types, dev, stream,
+                                   pdl=settings().pdl if pdl is None else pdl)
         return out
 
     def _launch_stream(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w, out,

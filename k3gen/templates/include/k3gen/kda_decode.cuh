@@ -164,8 +164,9 @@ __device__ __forceinline__ void step(const Params& p, Smem& sm) {
   const int h = blockIdx.y, b = blockIdx.z;
   const int v0 = rank * R;
 
-  // ---- slot-independent loads, issued while the slot is in flight -----------------------------
-  const int slot = __ldg(p.slots + b);
+  // ---- prologue on weights only: with PDL (KdaDecode launches small batches with it) this runs
+  // while the previous kernel finishes; everything another kernel may write is read after the wait.
+  griddep_launch_dependents();
   if (tid == 0) {
     mbar_init(&sm.bar[kBarFb], 1);
     if constexpr (S > 1) {
@@ -188,28 +189,33 @@ __device__ __forceinline__ void step(const Params& p, Smem& sm) {
   __syncthreads();
   if constexpr (S > 1) cluster_arrive_relaxed();  // paired with the wait before the first push
 
-  const __nv_bfloat16* xrow = p.qkvg + b * p.qkvg_stride;
   const int sec = tid >> 7, ch = tid & (kDim - 1);  // thread -> q (sec 0) or k (sec 1) channel
   const int cq = sec * D + h * kDim + ch;           // its conv channel
   const uint2 cw_qk = __ldg(reinterpret_cast<const uint2*>(p.conv_w) + cq);
-  const __nv_bfloat16 x_qk = xrow[cq];
   const bool has_row = tid < R;                     // thread -> v channel / output row v0 + tid
   const int cv = 2 * D + h * kDim + v0 + (has_row ? tid : 0);
   uint2 cw_v = make_uint2(0u, 0u);
-  __nv_bfloat16 x_v = __float2bfloat16(0.0f), x_go = __float2bfloat16(0.0f);
   float nw = 0.0f;
   if (has_row) {
     cw_v = __ldg(reinterpret_cast<const uint2*>(p.conv_w) + cv);
+    nw = __ldg(p.norm_w + v0 + tid);
+  }
+  const float a_gate = expf(__ldg(p.a_log + h));
+
+  griddep_wait();
+  const int slot = __ldg(p.slots + b);
+  const __nv_bfloat16* xrow = p.qkvg + b * p.qkvg_stride;
+  const __nv_bfloat16 x_qk = xrow[cq];
+  __nv_bfloat16 x_v = __float2bfloat16(0.0f), x_go = __float2bfloat16(0.0f);
+  if (has_row) {
     x_v = xrow[cv];
     x_go = xrow[cv + D];
-    nw = __ldg(p.norm_w + v0 + tid);
   }
   float fa[8];
   const __nv_bfloat16* farow = p.fa + b * p.fa_stride + 8 * hl;  // rows may be 2-byte aligned only
 #pragma unroll
   for (int e = 0; e < 8; ++e) fa[e] = __bfloat162float(farow[e]);
   const float beta_logit = __bfloat162float(p.beta[b * p.beta_stride + h]);
-  const float a_gate = expf(__ldg(p.a_log + h));
 
   if (slot < 0 || slot >= p.num_slots) {  // padded row: zeros out, no state touched
     if (has_row) p.out[(static_cast<long long>(b) * H + h) * kDim + v0 + tid] = __float2bfloat16(0.0f);
