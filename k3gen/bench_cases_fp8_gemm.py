@@ -96,6 +96,13 @@ def fp8_block_gemm_sweep(ceiling: float, quick: bool = False, recipe=None) -> li
                          "bar_us": nbytes / (0.8 * ceiling * 1e6) if nbytes >= 32 * 2**20 else None}
                 rows.append(make_row("fp8_block_gemm_sweep", f"{name} N{n} K{k} M{m} {label}", us, nbytes, ceiling,
                                      same, peer=peer, peer_us=peer_us, extra=extra))
+            # The default plan once more without programmatic dependent launch (what PDL buys).
+            us = time_graph([lambda a=a, w=w: op(a[0], a[1], w[0], w[1], a[2], pdl=False)
+                             for a, w in zip(acts, weights)])
+            rows.append(make_row("fp8_block_gemm_sweep", f"{name} N{n} K{k} M{m} default no-PDL", us, nbytes,
+                                 ceiling, same, peer=peer, peer_us=peer_us,
+                                 extra={"n": n, "k": k, "m": m, "recipe": recipe.value, "pdl": False,
+                                        "default": False, "split": default.split, "ctas": default.ctas}))
             del acts
         del weights
         torch.cuda.empty_cache()

@@ -235,6 +235,17 @@ def test_compiles_without_spills(target, ssm, gate):
         assert op in sass, op
 
 
+def test_split_choice_with_and_without_pdl():
+    from k3gen.runtime.ops.kda_decode import choose_split
+    # (heads, batch) -> split with PDL / without (bench/NOTES.md 2026-11-30 01:54 and 2026-11-29)
+    for (H, B), (on, off) in {(12, 1): (8, 8), (24, 1): (8, 4), (96, 1): (2, 1), (12, 8): (2, 1),
+                              (24, 8): (1, 1), (12, 32): (1, 1)}.items():
+        assert choose_split(B, H, 132, 8, pdl=True) == on, (H, B)
+        assert choose_split(B, H, 132, 8, pdl=False) == off, (H, B)
+    assert choose_split(1, 12, 132, 2, pdl=True) == 2      # capped by the spec's max_split
+    assert choose_split(4, 12, 132, pdl=False) == 2 and choose_split(512, 96, 132) == 1
+
+
 def test_stream_schedule_for_many_bf16_items():
     from k3gen.runtime.ops.kda_decode import choose_schedule
     assert choose_schedule(440, 12, 132, True, True) == "stream"
@@ -286,14 +297,6 @@ def test_launcher_split_override_is_checked():
         op(**_launch_args(), split=4)
     with pytest.raises(SpecError, match="split=3"):
         op(**_launch_args(), split=3)
-
-
-def test_split_heuristic():
-    from k3gen.runtime.ops.kda_decode import choose_split
-    # The H200 measurements behind the rule (see choose_split's docstring).
-    assert choose_split(1, 12, 132) == 8 and choose_split(1, 24, 132) == 4 and choose_split(1, 96, 132) == 1
-    assert choose_split(8, 12, 132) == 1 and choose_split(4, 12, 132) == 2 and choose_split(32, 12, 132) == 1
-    assert choose_split(1, 12, 132, max_split=2) == 2 and choose_split(512, 96, 132) == 1
 
 
 def test_validate_slots():

@@ -15,6 +15,7 @@ import collections
 import ctypes
 import threading
 
+from ...config import settings
 from ...errors import DeviceError, SpecError
 from ...ir.dtypes import ScaleRecipe
 from ...ir.ops.fp8_block_gemm import MAX_SPLIT, cdiv, choose_split, nt_for, work_items
@@ -140,11 +141,13 @@ class Fp8BlockGemm(Launcher):
         return m
 
     def __call__(self, x_codes, x_scales, w_codes, w_scales, out, *, split: int | None = None,
-                 ctas: int | None = None, pf: int = 0):
+                 ctas: int | None = None, pf: int = 0, pdl: bool | None = None):
         """out[M, N] (BF16) = dequant(x_codes, x_scales) @ dequant(w_codes, w_scales)^T; returns out.
         wgmma flavour: `split` forces the cluster split-K mode, `ctas` the streaming mode with that
         many persistent CTAs (ctas=0: the cluster mode with the planned split); `pf` the L2 prefetch
-        distance of the weight stream in K blocks (0: off)."""
+        distance of the weight stream in K blocks (0: off); `pdl` (default: setting K3GEN_PDL, on)
+        launches with programmatic dependent launch, so the first weight tiles stream while the
+        previous kernel finishes (the token tiles and scales are read after griddepcontrol.wait)."""
         if pf and self.spec.mma != "wgmma":
             raise SpecError("pf", pf, [0], "L2 prefetch is a knob of the wgmma flavour")
         import torch
@@ -179,11 +182,8 @@ class Fp8BlockGemm(Launcher):
                     .add(PTR(part.data_ptr() if plan.ctas else 0)).add(PTR(cnt.data_ptr() if plan.ctas else 0))
                     .add(I32(plan.pf)))
             grid, block = plan.grid, (self.spec.threads, 1, 1)
-            if plan.split == 1:
-                self.kernel.launch(grid, block, args.address(), None, dev, stream, plan.smem)
-            else:
-                self.kernel.launch_cluster(grid, block, (plan.split, 1, 1), args.address(), None, dev, stream,
-                                           plan.smem)
+            self.kernel.launch_cluster(grid, block, (plan.split, 1, 1) if plan.split > 1 else None, args.address(),
+                                       None, dev, stream, plan.smem, pdl=settings().pdl if pdl is None else pdl)
             return out
         split = split or self.split_for(m)
         args = (x_codes.data_ptr(), x_scales.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),

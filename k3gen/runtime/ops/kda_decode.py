@@ -20,16 +20,21 @@ I64 = ctypes.c_longlong
 MAX_GRID_Z = 65535
 
 
-def choose_split(batch: int, heads: int, sms: int, max_split: int = 8) -> int:
-    """CTAs per (sequence, head): split a head's rows over a cluster only while the whole grid
-    stays under ~3/4 of a wave of one CTA per SM.
+def choose_split(batch: int, heads: int, sms: int, max_split: int = 8, pdl: bool = True) -> int:
+    """CTAs per (sequence, head): split a head's rows over a cluster while the grid stays small.
 
-    Measured on the H200 (k3gen bench kda_decode, extra.split_us): H=12 B=1 is fastest at split 8,
-    H=24 B=1 at 4, and every grid of >= 96 (sequence, head) pairs at split 1 (split 4 at H=12 B=8
-    cost 24%, at H=96 B=1 27%): past that size the cluster exchange costs more than the shorter
-    per-CTA chain saves.
+    With programmatic dependent launch (the default), measured on the H200 (bench/NOTES.md
+    2026-11-30 01:54, extra.split_us): the largest split with (sequence, head) pairs x split
+    <= 1.5 SMs: H12 B1 split 8 (3.30 us), H24 B1 8 (3.51 vs 4.05 at 4), H96 B1 and H12 B8 2
+    (6.76 vs 7.89, 6.61 vs 7.94), H24 B8 1. Without PDL (2026-11-29): split only while the grid
+    stays under ~3/4 of a wave of one CTA per SM (H12 B1 8, H24 B1 4, >= 96 pairs 1); the cluster
+    exchange then cost more than the shorter per-CTA chain saved.
     """
     s = 1
+    if pdl:
+        while s < max_split and batch * heads * 2 * s * 2 <= 3 * sms:
+            s *= 2
+        return s
     while s < max_split and batch * heads * (2 * s) * 4 <= 3 * sms:
         s *= 2
     return s
@@ -71,8 +76,9 @@ class KdaDecode(Launcher):
             self._stream = stream
         return self
 
-    def split_for(self, batch: int) -> int:
-        return choose_split(batch, self.spec.heads, self.sm_count, self.spec.max_split)
+    def split_for(self, batch: int, pdl: bool | None = None) -> int:
+        pdl = settings().pdl if pdl is None else pdl
+        return choose_split(batch, self.spec.heads, self.sm_count, self.spec.max_split, pdl)
 
     def schedule_for(self, batch: int, qkvg, conv) -> str:
         return choose_schedule(batch, self.spec.heads, self.sm_count, _bulk_aligned(qkvg, conv),
@@ -143,8 +149,9 @@ class KdaDecode(Launcher):
         if schedule == "stream":
             return self._launch_stream(qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log,
                                        norm_w, out, B, num_slots)
+        pdl = settings().pdl if pdl is None else pdl
         if split is None:
-            split = self.split_for(B)
+            split = self.split_for(B, pdl)
         args = (qkvg.data_ptr(), qkvg.stride(0), fa.data_ptr(), fa.stride(0), beta_logit.data_ptr(),
                 beta_logit.stride(0), slots.data_ptr(), ssm.data_ptr(), conv.data_ptr(), num_slots,
                 conv_w.data_ptr(), fb_w.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), norm_w.data_ptr(),
@@ -154,7 +161,7 @@ class KdaDecode(Launcher):
         stream = torch.cuda.current_stream(out.device).cuda_stream
         grid, block = (split, self.spec.heads, B), (self.spec.threads, 1, 1)
         self.kernel.launch_cluster(grid, block, (split, 1, 1) if split > 1 else None, args, types, dev, stream,
-                                   pdl=settings().pdl if pdl is None else pdl)
+                                   pdl=pdl)
         return out
 
     def _launch_stream(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w, out,

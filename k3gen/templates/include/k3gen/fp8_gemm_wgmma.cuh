@@ -29,6 +29,7 @@
 #include <cuda_bf16.h>
 
 #include "k3gen/fp8_gemm.cuh"
+#include "k3gen/pdl.cuh"
 #include "k3gen/sm90_async.cuh"
 
 namespace k3gen {
@@ -214,6 +215,7 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
     sm90::fence_mbar_init();
   }
   __syncthreads();
+  griddep_launch_dependents();   // under PDL the next kernel's weight-only prologue may start
 
   float* red = reinterpret_cast<float*>(smem);   // after the main loop: red[token][row]
   if (warp >= kConsumerWarps) {
@@ -226,12 +228,24 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
     if (warp == kConsumerWarps && lane == 0) {
       sm90::tma_prefetch_map(wmap);
       sm90::tma_prefetch_map(xmap);
-      for (int i = 0; i < nk; ++i) {
-        const int s = i % S;
-        if (i >= S) sm90::mbar_wait_or_trap(empty0 + 8 * s, ((i / S) - 1) & 1);
-        const unsigned st = base + s * kStage, bar = full0 + 8 * s;
+      // Weights first: the first S stages' weight tiles are requested before griddepcontrol.wait
+      // (no kernel writes weights), so under PDL they stream while the previous kernel (the
+      // activation quantizer) finishes; the token tiles follow the wait.
+      const int pre = nk < S ? nk : S;
+      for (int i = 0; i < pre; ++i) {
+        const unsigned st = base + i * kStage, bar = full0 + 8 * i;
         sm90::mbar_arrive_expect_tx(bar, (kWRows + xrows) * kBlock);
         sm90::tma_load_2d(st, wmap, (kb0 + i) * kBlock, n0, bar);
+      }
+      griddep_wait();
+      for (int i = 0; i < nk; ++i) {
+        const int s = i % S;
+        const unsigned st = base + s * kStage, bar = full0 + 8 * s;
+        if (i >= S) {
+          sm90::mbar_wait_or_trap(empty0 + 8 * s, ((i / S) - 1) & 1);
+          sm90::mbar_arrive_expect_tx(bar, (kWRows + xrows) * kBlock);
+          sm90::tma_load_2d(st, wmap, (kb0 + i) * kBlock, n0, bar);
+        }
         sm90::tma_load_2d(st + kWTile, xmap, (kb0 + i) * kBlock, m0, bar);
         if (p.pf > 0 && i + p.pf < nk) sm90::tma_prefetch_l2_2d(wmap, (kb0 + i + p.pf) * kBlock, n0);
       }
@@ -240,6 +254,7 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
       if (nk > 0) sm90::mbar_wait_or_trap(full0 + 8 * ((nk - 1) % S), ((nk - 1) / S) & 1);
     } else if (warp == kScaleWarp) {
       const long long ws_row = static_cast<long long>(n0 / kBlock) * KB;
+      griddep_wait();   // the token scales come from the previous kernel
       for (int i = 0; i < nk; ++i) {
         const int s = i % S;
         if (i >= S) sm90::mbar_wait(empty0 + 8 * s, ((i / S) - 1) & 1);
@@ -359,6 +374,7 @@ __device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90
     sm90::fence_mbar_init();
   }
   __syncthreads();
+  griddep_launch_dependents();   // under PDL the next kernel's weight-only prologue may start
 
   if (warp >= kConsumerWarps) {
     sm90::setmaxnreg_dec<kProducerRegs>();
@@ -367,6 +383,7 @@ __device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90
     if (warp == kConsumerWarps && lane == 0) {
       sm90::tma_prefetch_map(wmap);
       sm90::tma_prefetch_map(xmap);
+      griddep_wait();   // no weight prefetch ahead of it here: a PDL launch only waits correctly
       for (int x = x0, i = 0; x < x1; ++x, ++i) {
         const int tile = x / KB, kb = x - tile * KB;
         const int s = i % S;
@@ -383,6 +400,7 @@ __device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90
       const int n = x1 - x0;   // see gemm(): turns a consumer hang into a trap
       if (n > 0) sm90::mbar_wait_or_trap(full0 + 8 * ((n - 1) % S), ((n - 1) / S) & 1);
     } else if (warp == kScaleWarp) {
+      griddep_wait();
       for (int x = x0, i = 0; x < x1; ++x, ++i) {
         const int tile = x / KB, kb = x - tile * KB;
         const int s = i % S;

@@ -5,6 +5,8 @@
 
 #include <cuda_bf16.h>
 
+#include "k3gen/pdl.cuh"
+
 namespace k3gen {
 namespace kda {
 
@@ -144,16 +146,6 @@ __device__ __forceinline__ int half_rs_index(int hl) {
   for (int bit = 3, n = N; n > 1; --bit, n >>= 1) j = (j << 1) | ((hl >> bit) & 1);
   return j;
 }
-
-// ---- programmatic dependent launch (sm_90+) ----------------------------------------------------
-// Both are no-ops unless the launch carries the PDL attribute. launch_dependents lets the next
-// kernel on the stream start its own prologue once every CTA of this grid has issued it; wait
-// blocks until the previous kernel has completed and its writes are visible, so every read of
-// data another kernel may write (activations, slots, state pools) must follow it.
-__device__ __forceinline__ void griddep_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
 // ---- thread-block clusters (sm_90+): DSMEM exchange through mbarriers ------------------------
 // A CTA pushes values into peers' shared memory with st.async, which completes bytes on the
