@@ -36,7 +36,6 @@ struct StreamParams {
 template <bool kBf16>
 struct StreamStages {
   static constexpr int kStages = 1;
-  static constexpr int kFbBufs = kStages == 1 ? 1 : 2;
   static constexpr int kCtasPerSm = 2;
 };
 
