@@ -101,27 +101,6 @@ __device__ __forceinline__ void issue_block(unsigned st, int wg, float (&acc)[NT
   sm90::wgmma_commit();
 }
 
-// Both 64-row halves of one K block into acc0 / acc1, the two chains interleaved in one group.
-template <class C, int NT>
-__device__ __forceinline__ void issue_block_both(unsigned st, float (&acc0)[NT / 2], float (&acc1)[NT / 2]) {
-  using Mma = sm90::WgmmaE4m3<NT>;
-  const unsigned long long da0 = sm90::wgmma_desc<C::kDescLbo, C::kDescSbo, C::kDescLayout>(st);
-  const unsigned long long da1 = sm90::wgmma_desc<C::kDescLbo, C::kDescSbo, C::kDescLayout>(st + 64 * kBlock);
-  const unsigned long long db = sm90::wgmma_desc<C::kDescLbo, C::kDescSbo, C::kDescLayout>(st + kWTile);
-#pragma unroll
-  for (int q = 0; q < NT / 2; ++q) {
-    sm90::fence_operand(acc0[q]);
-    sm90::fence_operand(acc1[q]);
-  }
-  sm90::wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < kBlock / 32; ++ks) {
-    Mma::mma(acc0, da0 + 2 * ks, db + 2 * ks, ks > 0 ? 1 : 0);
-    Mma::mma(acc1, da1 + 2 * ks, db + 2 * ks, ks > 0 ? 1 : 0);
-  }
-  sm90::wgmma_commit();
-}
-
 // total += acc * (x_scale[token] * w_scale[tile]) with the stage's combined scales: d[4j + e] and
 // d[4j + 2 + e] are token 8j + 2 (lane % 4) + e, so one 8-byte shared load serves four values.
 template <int NT>
@@ -202,32 +181,6 @@ __device__ __forceinline__ void consume_range(unsigned base, unsigned full0, uns
   }
 }
 
-// Alternating stages (NT <= 64, the decode sizes): warpgroup wg takes ring positions wg, wg + 2,
-// ... whole, both 64-row halves (two wgmma groups on two accumulators), so the two warpgroups
-// work on two stages at once. Measured on the H200 (bench/NOTES.md 2026-11-30): at M <= 32 a CTA
-// of the split mode drew ~30 GB/s whatever its ring depth or an L2 prefetch did, i.e. the
-// per-stage wait -> wgmma -> wait -> promote -> release chain of both warpgroups on one stage
-// set the rate. Each stage is read by one warpgroup: its empty barrier counts 4 warps.
-template <class C, int NT>
-__device__ __forceinline__ void consume_alt(unsigned base, unsigned full0, unsigned empty0, const float* scl,
-                                            int nk, int wg, int lane, float (&total)[2][NT / 2]) {
-  constexpr int S = ring_stages(NT, C::kRingBytes, C::kMaxStages);
-  constexpr int kStage = stage_bytes(NT);
-  const int t4 = lane & 3;
-  float acc0[NT / 2], acc1[NT / 2];
-  for (int i = wg; i < nk; i += 2) {
-    const int s = i % S;
-    sm90::mbar_wait_asm(full0 + 8 * s, (i / S) & 1);
-    const unsigned st = base + s * kStage;
-    issue_block_both<C, NT>(st, acc0, acc1);
-    sm90::wgmma_wait<0>();
-    promote<NT>(scl + s * NT, t4, acc0, total[0]);
-    promote<NT>(scl + s * NT, t4, acc1, total[1]);
-    __syncwarp();
-    if (lane == 0) sm90::mbar_arrive(empty0 + 8 * s);
-  }
-}
-
 template <class C, int NT, bool kOverlap>
 __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMap* xmap, const Params& p) {
   constexpr int N = C::kN, K = C::kK;
@@ -240,7 +193,6 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
   static_assert(NT % 8 == 0 && NT <= 128, "wgmma N");
   static_assert(NT * RS * 4 <= S * kStage, "the reduction tile fits in the ring");
   static_assert(kStage % kAlign == 0, "every tile of every stage stays 1024-byte aligned");
-  constexpr bool kAlt = !kOverlap && NT <= 64;
 
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = sm90::smem_addr(smem_raw);
@@ -258,7 +210,7 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       sm90::mbar_init(full0 + 8 * s, kFullArrivals);
-      sm90::mbar_init(empty0 + 8 * s, kAlt ? kConsumerWarps / 2 : kConsumerWarps);
+      sm90::mbar_init(empty0 + 8 * s, kConsumerWarps);
     }
     sm90::fence_mbar_init();
   }
@@ -316,35 +268,6 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
     // output rows leave 16 bytes at a time.
     sm90::fence_proxy_async();
     sm90::barrier_sync_divergent(1, kThreads);
-  } else if constexpr (kAlt) {
-    // Consumer warpgroup wg: every other stage, all 128 weight rows; the two warpgroups' sums
-    // meet in the reduction tile in a fixed order (wg 0, then wg 1 adds).
-    sm90::setmaxnreg_inc<kConsumerRegs>();
-    const int wg = warp >> 2;
-    float total[2][NA];
-#pragma unroll
-    for (int i = 0; i < NA; ++i) total[0][i] = total[1][i] = 0.f;
-    consume_alt<C, NT>(base, full0, empty0, scl, nk, wg, lane, total);
-    sm90::fence_proxy_async();
-    sm90::barrier_sync_divergent(1, kThreads);   // pairs with the producer's: the ring is free
-    const int g = lane >> 2, t4 = lane & 3;
-    for (int pass = 0; pass < 2; ++pass) {
-      if (wg == pass) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = h * 64 + (warp & 3) * 16 + g;
-#pragma unroll
-          for (int j = 0; j < NA / 4; ++j) {
-            const int c = 8 * j + 2 * t4;
-            float* d[4] = {&red[c * RS + r], &red[(c + 1) * RS + r], &red[c * RS + r + 8],
-                           &red[(c + 1) * RS + r + 8]};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) *d[e] = pass == 0 ? total[h][4 * j + e] : *d[e] + total[h][4 * j + e];
-          }
-        }
-      }
-      if (pass == 0) sm90::barrier_sync_divergent(2, kConsumerWarps * 32);
-    }
   } else {
     // Consumer warpgroup wg: weight rows 64 wg .. 64 wg + 63 of the tile.
     sm90::setmaxnreg_inc<kConsumerRegs>();
