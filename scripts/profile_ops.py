@@ -1,6 +1,6 @@
 """Launch one op on a bench shape a few times for `ncu` (ncu measures; nothing is timed here).
 
-Usage: python scripts/profile_ops.py mla-bf16|mla-fp8|mla-nvfp4|mla-h128|gemm-m1|gemm-m128|gemm-qkvg-m8
+Usage: python scripts/profile_ops.py mla-bf16|mla-fp8|mla-nvfp4|mla-h128|gemm-m1|gemm-m1-stream|gemm-m128|gemm-qkvg-m8
 """
 import sys
 
@@ -31,7 +31,7 @@ def mla(kv: KvDtype, H=12, B=128, L=8192, T=1):
         op(q, cache, bt, lengths, out, ring_slot=ring, scale=1.0, plan=plan)
 
 
-def gemm(n, k, m):
+def gemm(n, k, m, **kw):
     from k3gen.ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
     from k3gen.runtime.ops.fp8_block_gemm import Fp8BlockGemm
     op = Fp8BlockGemm(Fp8BlockGemmSpec(target=get_target("sm90"), n=n, k=k, recipe=ScaleRecipe.FP32)).load()
@@ -41,9 +41,9 @@ def gemm(n, k, m):
     xc = torch.randint(0, 0x7E, (m, k), device="cuda", dtype=torch.uint8)
     xs = torch.rand(m, s.k_blocks, device="cuda") * 1e-2
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    print(f"gemm N{n} K{k} M{m}: split {op.split_for(m)}", flush=True)
+    print(f"gemm N{n} K{k} M{m}: plan {op.plan_for(m, **kw)}", flush=True)
     for _ in range(3):
-        op(xc, xs, wc, ws, y)
+        op(xc, xs, wc, ws, y, **kw)
 
 
 def verify(H=12, B=128, M=3):
@@ -72,6 +72,7 @@ CASES = {
     "mla-nvfp4": lambda: mla(KvDtype.NVFP4), "mla-h128": lambda: mla(KvDtype.BF16, H=128, B=32, L=8192),
     "gemm-m1": lambda: gemm(7168, 12288, 1), "gemm-m128": lambda: gemm(7168, 12288, 128),
     "gemm-qkvg-m8": lambda: gemm(6144, 7168, 8),
+    "gemm-m1-stream": lambda: gemm(7168, 12288, 1, ctas=132),   # the persistent mode on every SM
 }
 for name in sys.argv[1:]:
     CASES[name]()
