@@ -18,7 +18,7 @@ import threading
 from ...config import settings
 from ...errors import DeviceError, SpecError
 from ...ir.dtypes import ScaleRecipe
-from ...ir.ops.fp8_block_gemm import BLOCK, MAX_SPLIT, cdiv, choose_split, nt_for, work_items
+from ...ir.ops.fp8_block_gemm import MAX_SPLIT, cdiv, choose_split, nt_for, work_items
 from ..bind import Launcher
 from ..checks import check_tensor
 from ..loader import I32, PTR, ArgPack, _check
@@ -117,19 +117,7 @@ class Fp8BlockGemm(Launcher):
                 self._maps.popitem(last=False)
         return raw
 
-    def tile_weights(self, w_codes):
-        """W codes [N, K] -> the pre-tiled layout the wgmma kernel streams as contiguous 16 KB
-        tiles (`w_tiled=True`): [NB * KB * 128, 128] bytes, tile (nb, kb) at rows
-        (nb * KB + kb) * 128, zero-padded past N and K. A one-time re-layout at load time."""
-        import torch
-        s = self.spec
-        check_tensor("w_codes", w_codes, torch.uint8, (s.n, s.k))
-        nb, kb = s.n_blocks, s.k_blocks
-        padded = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.uint8, device=w_codes.device)
-        padded[:s.n, :s.k] = w_codes
-        return padded.view(nb, BLOCK, kb, BLOCK).permute(0, 2, 1, 3).contiguous().view(nb * kb * BLOCK, BLOCK)
-
-    def check(self, x_codes, x_scales, w_codes, w_scales, out, w_tiled: bool = False) -> int:
+    def check(self, x_codes, x_scales, w_codes, w_scales, out) -> int:
         import torch
         s = self.spec
         m = x_codes.shape[0] if x_codes.dim() == 2 else -1
@@ -141,10 +129,7 @@ class Fp8BlockGemm(Launcher):
                                 f"recipe {s.recipe.value}: FP32 scales are float32, UE8M0 scales uint8 bytes")
         check_tensor("x_codes", x_codes, torch.uint8, (m, s.k), align=16)
         check_tensor("x_scales", x_scales, sdt, (m, s.k_blocks))
-        if w_tiled:
-            check_tensor("w_codes", w_codes, torch.uint8, (s.n_blocks * s.k_blocks * BLOCK, BLOCK), align=16)
-        else:
-            check_tensor("w_codes", w_codes, torch.uint8, (s.n, s.k), align=16)
+        check_tensor("w_codes", w_codes, torch.uint8, (s.n, s.k), align=16)
         check_tensor("w_scales", w_scales, sdt, (s.n_blocks, s.k_blocks))
         check_tensor("out", out, torch.bfloat16, (m, s.n), align=16)
         devs = {t.device for t in (x_codes, x_scales, w_codes, w_scales, out)}
@@ -156,7 +141,7 @@ class Fp8BlockGemm(Launcher):
         return m
 
     def __call__(self, x_codes, x_scales, w_codes, w_scales, out, *, split: int | None = None,
-                 ctas: int | None = None, pf: int = 0, pdl: bool | None = None, w_tiled: bool = False):
+                 ctas: int | None = None, pf: int = 0, pdl: bool | None = None):
         """out[M, N] (BF16) = dequant(x_codes, x_scales) @ dequant(w_codes, w_scales)^T; returns out.
         wgmma flavour: `split` forces the cluster split-K mode, `ctas` the streaming mode with that
         many persistent CTAs (ctas=0: the cluster mode with the planned split); `pf` the L2 prefetch
@@ -166,9 +151,7 @@ class Fp8BlockGemm(Launcher):
         if pf and self.spec.mma != "wgmma":
             raise SpecError("pf", pf, [0], "L2 prefetch is a knob of the wgmma flavour")
         import torch
-        if w_tiled and (self.spec.mma != "wgmma" or ctas or pf):
-            raise SpecError("w_tiled", True, [False], "pre-tiled weights: the wgmma cluster mode without pf only")
-        m = self.check(x_codes, x_scales, w_codes, w_scales, out, w_tiled)
+        m = self.check(x_codes, x_scales, w_codes, w_scales, out)
         if m == 0:
             return out
         if self.spec.lowering == "cute":
@@ -190,9 +173,6 @@ class Fp8BlockGemm(Launcher):
         if self.spec.mma == "wgmma":
             plan = self.spec.plan(m, self.sm_count, split, ctas, pf)
             boxes = self.spec.tma_boxes(m, plan.nt)
-            if w_tiled:
-                rows = self.spec.n_blocks * self.spec.k_blocks * BLOCK
-                boxes["w"] = {"dims": (BLOCK, rows), "strides": (BLOCK,), "box": (BLOCK, BLOCK)}
             if plan.ctas and work_items(self.spec.n, self.spec.k, m) >= 2 ** 31:
                 raise SpecError("M", m, "fewer than 2^31 work items", "32-bit work index of the streaming mode")
             part, cnt = self._workspace(dev) if plan.ctas else (None, None)
@@ -200,7 +180,7 @@ class Fp8BlockGemm(Launcher):
                     .add(PTR(x_scales.data_ptr())).add(PTR(w_scales.data_ptr())).add(PTR(out.data_ptr()))
                     .add(I32(m)).add(I32(plan.nt))
                     .add(PTR(part.data_ptr() if plan.ctas else 0)).add(PTR(cnt.data_ptr() if plan.ctas else 0))
-                    .add(I32(plan.pf)).add(I32(1 if w_tiled else 0)))
+                    .add(I32(plan.pf)))
             grid, block = plan.grid, (self.spec.threads, 1, 1)
             self.kernel.launch_cluster(grid, block, (plan.split, 1, 1) if plan.split > 1 else None, args.address(),
                                        None, dev, stream, plan.smem, pdl=settings().pdl if pdl is None else pdl)

@@ -70,7 +70,6 @@ struct Params {
   float* part;             // streaming mode: [2 * gridDim.x][NT][kBn] FP32 partial tiles (else null)
   int* cnt;                // streaming mode: [gridDim.x] arrival counters, zero between launches
   int pf;                  // L2 prefetch distance of the weight stream in K blocks (0: off)
-  int w_tiled;             // cluster mode: W pre-tiled, [NB][KB][128][128] contiguous 16 KB tiles
 };
 
 // Scale warp: the nt combined scales of K block kb into a stage's slot (0 past the token tile, as
@@ -232,21 +231,11 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
       // Weights first: the first S stages' weight tiles are requested before griddepcontrol.wait
       // (no kernel writes weights), so under PDL they stream while the previous kernel (the
       // activation quantizer) finishes; the token tiles follow the wait.
-      // A pre-tiled W (p.w_tiled) is a [NB * KB * 128, 128] byte matrix whose 128-row boxes are
-      // contiguous 16 KB tiles (zero-padded at the N and K edges): DRAM sees long runs instead of
-      // one 128-byte piece of each of 128 rows 12 KB apart.
-      const int wrows = p.w_tiled ? kBn : kWRows;
-      auto load_w = [&](unsigned st, int kb, unsigned bar) {
-        if (p.w_tiled)
-          sm90::tma_load_2d(st, wmap, 0, ((n0 / kBn) * KB + kb) * kBn, bar);
-        else
-          sm90::tma_load_2d(st, wmap, kb * kBlock, n0, bar);
-      };
       const int pre = nk < S ? nk : S;
       for (int i = 0; i < pre; ++i) {
         const unsigned st = base + i * kStage, bar = full0 + 8 * i;
-        sm90::mbar_arrive_expect_tx(bar, (wrows + xrows) * kBlock);
-        load_w(st, kb0 + i, bar);
+        sm90::mbar_arrive_expect_tx(bar, (kWRows + xrows) * kBlock);
+        sm90::tma_load_2d(st, wmap, (kb0 + i) * kBlock, n0, bar);
       }
       griddep_wait();
       for (int i = 0; i < nk; ++i) {
@@ -254,8 +243,8 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
         const unsigned st = base + s * kStage, bar = full0 + 8 * s;
         if (i >= S) {
           sm90::mbar_wait_or_trap(empty0 + 8 * s, ((i / S) - 1) & 1);
-          sm90::mbar_arrive_expect_tx(bar, (wrows + xrows) * kBlock);
-          load_w(st, kb0 + i, bar);
+          sm90::mbar_arrive_expect_tx(bar, (kWRows + xrows) * kBlock);
+          sm90::tma_load_2d(st, wmap, (kb0 + i) * kBlock, n0, bar);
         }
         sm90::tma_load_2d(st + kWTile, xmap, (kb0 + i) * kBlock, m0, bar);
         if (p.pf > 0 && i + p.pf < nk) sm90::tma_prefetch_l2_2d(wmap, (kb0 + i + p.pf) * kBlock, n0);
