@@ -160,7 +160,11 @@ def test_split_plan_for_the_k3_shapes():
     assert choose_split90(6144, 7168, 8, SMS) == 2          # kda_qkvg TP8: 48 x 2
     assert choose_split90(2304, 1536, 1, SMS) == SPLIT90_MAX  # q_b TP8: 18 tiles x 4
     assert choose_split90(1536, 7168, 1, SMS) == SPLIT90_MAX  # q_a: 12 tiles
-    assert choose_split90(7168, 1536, 32, SMS) == 2         # o_proj TP8: 56 x 2 = 112
+    assert choose_split90(7168, 1536, 32, SMS) == 1         # o_proj TP8: 12 K blocks, 56 tiles: unsplit
+    assert choose_split90(7168, 1536, 1, SMS) == 1
+    assert choose_split90(2304, 1536, 8, SMS) == SPLIT90_MAX  # q_b TP8 at nt = 8
+    assert choose_split90(2304, 1536, 32, SMS) == 2         # ... and from nt = 32 on
+    assert choose_split90(1536, 7168, 128, SMS) == SPLIT90_MAX  # q_a: 56 K blocks, the one-wave rule
     assert choose_split90(49152, 7168, 128, SMS) == 1       # 384 tiles: more than a wave already
     assert choose_split90(64, 16, 1, SMS) == 1              # one K block
     for n, k in FP8_GEMM_TP8 + FP8_GEMM_TP1:

@@ -108,7 +108,17 @@ def choose_split90(n: int, k: int, m: int, sms: int, max_split: int = SPLIT90_MA
     splits past 4 lose to the rank-ordered DSMEM reduction (split 7: 37.6 us vs split 2: 26.9 us
     on o_proj TP1 at M = 1)."""
     tiles = cdiv(n, BN90) * max(1, cdiv(m, nt_for(max(m, 1))))
-    return max(1, min(max_split, cdiv(k, BLOCK), sms // tiles))
+    split = max(1, min(max_split, cdiv(k, BLOCK), sms // tiles))
+    # Short K (<= 16 blocks): the split-K reduction is amortized over few blocks per CTA. H200
+    # sweeps 2026-11-30 (PDL on): o_proj TP8 (56 tiles, 12 blocks) runs fastest unsplit at every M
+    # (M32 5.71 vs 6.64 us at split 2, M128 9.51 vs 10.32); q_b TP8 (18 tiles) keeps split 4 at
+    # M <= 8 (3.42 vs 4.37 us unsplit) but wants 2 from nt = 32 up (M128 7.92 vs 8.69 at 4).
+    if cdiv(k, BLOCK) <= 16:
+        if tiles >= 48:
+            return 1
+        if nt_for(max(m, 1)) >= 32:
+            return min(split, 2)
+    return split
 
 
 def work_items(n: int, k: int, m: int) -> int:
