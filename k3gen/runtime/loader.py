@@ -123,9 +123,9 @@ class CudaKernel:
         f = self.function(device)
         _check(driver.cuLaunchKernel(f, *grid, *block, smem, stream, _params(args, types), 0), f"launch {self.entry}")
 
-    def launch_cluster(self, grid: tuple[int, int, int], block: tuple[int, int, int],
-                       cluster: tuple[int, int, int] | None, args: tuple, types: tuple, device: int, stream: int,
-                       smem: int = 0, pdl: bool = False) -> None:
+    def launch_ex(self, grid: tuple[int, int, int], block: tuple[int, int, int],
+                  cluster: tuple[int, int, int] | None, args: tuple, types: tuple, device: int, stream: int,
+                  smem: int = 0, pdl: bool = False) -> None:
         """Launch through cuLaunchKernelEx (graph-capturable) with an optional thread-block cluster
         shape and, with `pdl`, programmatic dependent launch: the kernel may start while the
         previous kernel on the stream finishes, and must `griddepcontrol.wait` before reading

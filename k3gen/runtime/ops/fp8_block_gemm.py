@@ -182,7 +182,7 @@ class Fp8BlockGemm(Launcher):
                     .add(PTR(part.data_ptr() if plan.ctas else 0)).add(PTR(cnt.data_ptr() if plan.ctas else 0))
                     .add(I32(plan.pf)))
             grid, block = plan.grid, (self.spec.threads, 1, 1)
-            self.kernel.launch_cluster(grid, block, (plan.split, 1, 1) if plan.split > 1 else None, args.address(),
+            self.kernel.launch_ex(grid, block, (plan.split, 1, 1) if plan.split > 1 else None, args.address(),
                                        None, dev, stream, plan.smem, pdl=settings().pdl if pdl is None else pdl)
             return out
         split = split or self.split_for(m)
@@ -194,6 +194,6 @@ class Fp8BlockGemm(Launcher):
         if split == 1:
             self.kernel.launch(grid, block, args, types, dev, stream, smem)
         else:
-            self.kernel.launch_cluster(grid, block, (split, 1, 1), args, types, dev, stream, smem)
+            self.kernel.launch_ex(grid, block, (split, 1, 1), args, types, dev, stream, smem)
         return out
 

@@ -30,12 +30,9 @@ def choose_split(batch: int, heads: int, sms: int, max_split: int = 8, pdl: bool
     stays under ~3/4 of a wave of one CTA per SM (H12 B1 8, H24 B1 4, >= 96 pairs 1); the cluster
     exchange then cost more than the shorter per-CTA chain saved.
     """
+    cost = 4 if pdl else 8     # stops at the largest split with pairs x split <= 1.5 SMs (3/4 without PDL)
     s = 1
-    if pdl:
-        while s < max_split and batch * heads * 2 * s * 2 <= 3 * sms:
-            s *= 2
-        return s
-    while s < max_split and batch * heads * (2 * s) * 4 <= 3 * sms:
+    while s < max_split and batch * heads * s * cost <= 3 * sms:
         s *= 2
     return s
 
@@ -160,7 +157,7 @@ class KdaDecode(Launcher):
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
         grid, block = (split, self.spec.heads, B), (self.spec.threads, 1, 1)
-        self.kernel.launch_cluster(grid, block, (split, 1, 1) if split > 1 else None, args, types, dev, stream,
+        self.kernel.launch_ex(grid, block, (split, 1, 1) if split > 1 else None, args, types, dev, stream,
                                    pdl=pdl)
         return out
 

@@ -18,7 +18,7 @@ from ...ir.layouts import MLA_LATENT, MLA_ROW
 from ...ir.ops.mla_decode import choose_splits
 from ..bind import Launcher
 from ..checks import check_one_device, check_tensor
-from ..loader import F32, I32, PTR, _check, ptr
+from ..loader import F32, I32, PTR, ptr
 
 I64 = ctypes.c_longlong
 MAX_GRID_YZ = 65535
@@ -53,10 +53,7 @@ class MlaDecode(Launcher):
     def _allow_smem(self, device: int) -> None:
         if device in self._smem_set:
             return
-        from cuda.bindings import driver
-        f = self._kernel.function(device)
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(driver.cuFuncSetAttribute(f, attr, self.spec.smem_bytes), "cuFuncSetAttribute")
+        self._kernel.set_max_dynamic_smem(self.spec.smem_bytes, device)
         if self.spec.ctas_per_sm > 1:
             self._kernel.prefer_max_smem(device)
         self._smem_set.add(device)

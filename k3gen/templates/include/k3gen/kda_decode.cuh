@@ -164,7 +164,7 @@ __device__ __forceinline__ void step(const Params& p, Smem& sm) {
   const int h = blockIdx.y, b = blockIdx.z;
   const int v0 = rank * R;
 
-  // ---- prologue on weights only: with PDL (KdaDecode launches small batches with it) this runs
+  // ---- prologue on weights only: with PDL (KdaDecode launches this schedule with it) this runs
   // while the previous kernel finishes; everything another kernel may write is read after the wait.
   griddep_launch_dependents();
   if (tid == 0) {
