@@ -6,7 +6,8 @@
 // kda_decode h24-bounded-bf16 for sm_90a
 // Algorithm: include/k3gen/kda_decode.cuh. Contract: k3gen/ir/ops/kda_decode.py.
 // Launch: grid (split, 24, B), 256 threads, cluster (split, 1, 1);
-// split in 1, 2, 4, 8 up to 8, chosen by the launcher.
+// split in 1, 2, 4, 8 up to 8, chosen by the launcher; warm, ahead:
+// L2 warming before the PDL wait and one wave ahead (kda_decode.cuh warm_cta; 0 turns each off).
 // Large batches: k3gen_kda_decode_stream, grid (persistent CTAs, at most
 // k3gen_kda_decode_stream_ctas per SM), same threads, dynamic shared memory
 // k3gen_kda_decode_stream_smem bytes (include/k3gen/kda_decode_stream.cuh).
@@ -39,9 +40,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_decode(
     const __nv_bfloat16* beta_logit, long long beta_stride, const int* slots,
     void* ssm, __nv_bfloat16* conv, int num_slots,
     const __nv_bfloat16* conv_w, const __nv_bfloat16* fb_w, const float* dt_bias, const float* a_log,
-    const float* norm_w, __nv_bfloat16* out, int split) {
+    const float* norm_w, __nv_bfloat16* out, int split, int warm, int ahead) {
   const k3gen::kda::Params p{qkvg, fa, beta_logit, slots, ssm, conv, conv_w, reinterpret_cast<const uint4*>(fb_w),
-                             dt_bias, a_log, norm_w, out, qkvg_stride, fa_stride, beta_stride, num_slots, split};
+                             dt_bias, a_log, norm_w, out, qkvg_stride, fa_stride, beta_stride, num_slots, split,
+                             warm, ahead};
   k3gen::kda::decode_step<Config>(p);
 }
 
@@ -59,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(256,
     const float* norm_w, __nv_bfloat16* out, int batch) {
   const k3gen::kda::StreamParams sp{
       k3gen::kda::Params{qkvg, fa, beta_logit, slots, ssm, conv, conv_w, reinterpret_cast<const uint4*>(fb_w),
-                         dt_bias, a_log, norm_w, out, qkvg_stride, fa_stride, beta_stride, num_slots, 1},
+                         dt_bias, a_log, norm_w, out, qkvg_stride, fa_stride, beta_stride, num_slots, 1, 0, 0},
       batch};
   k3gen::kda::decode_stream<Config>(sp);
 }

@@ -304,22 +304,25 @@ def test_cuda_graph_replay_equals_eager(B, sched):
         assert torch.isfinite(g_out.float()).all()
 
 
-@pytest.mark.parametrize("B", [1, 2, 40])
-def test_pdl_chain_equals_plain_launches(B):
+@pytest.mark.parametrize("B,ssm,schedule", [(1, SsmDtype.FP32, None), (2, SsmDtype.FP32, None),
+                                             (40, SsmDtype.FP32, None), (3, SsmDtype.FP32, "stream"),
+                                             (40, SsmDtype.BF16, "stream")])
+def test_pdl_chain_equals_plain_launches(B, ssm, schedule):
     """Four dependent steps on one state pool (each reads the state, windows and slots the previous
     step wrote), launched with programmatic dependent launch inside a CUDA graph, equal the same
-    four steps launched plainly and eagerly: the prologue before griddepcontrol.wait reads weights
-    only."""
+    four steps launched plainly and eagerly, for both schedules: the prologue before
+    griddepcontrol.wait reads weights only and its L2 prefetches (from racing slot reads) cannot
+    change what the loads after the wait see."""
     H, steps = 12, 4
-    op = op_for(H, GateKind.BOUNDED, SsmDtype.FP32)
-    t = Case(H, B, SsmDtype.FP32, seed=41 + B).gpu()
+    op = op_for(H, GateKind.BOUNDED, ssm)
+    t = Case(H, B, ssm, seed=41 + B).gpu()
     ssm0, conv0 = t["ssm"].clone(), t["conv"].clone()
     outs = [torch.full_like(t["out"], float("nan")) for _ in range(steps)]
 
     def chain(pdl):
         for o in outs:
             op(t["qkvg"], t["fa"], t["beta_logit"], t["ssm"], t["conv"], t["slots"], t["conv_w"], t["fb_w"],
-               t["dt_bias"], t["a_log"], t["norm_w"], o, pdl=pdl)
+               t["dt_bias"], t["a_log"], t["norm_w"], o, pdl=pdl, schedule=schedule)
 
     chain(False)
     sync()
@@ -339,6 +342,27 @@ def test_pdl_chain_equals_plain_launches(B):
     got = outs + [t["ssm"], t["conv"]]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not torch.equal(want[0], want[1])   # the steps really differ (state carried between them)
+
+
+@pytest.mark.parametrize("B,ssm,split", [(1, SsmDtype.FP32, 8), (40, SsmDtype.FP32, 1), (40, SsmDtype.BF16, 2)])
+def test_l2_warming_changes_no_bits(B, ssm, split):
+    """The row kernel with every L2 warming on (before the PDL wait, and one wave ahead: at B = 40
+    CTAs 0..215 warm CTAs 264..479) gives the bits of the kernel with none, from the same inputs."""
+    H = 12
+    op = op_for(H, GateKind.BOUNDED, ssm)
+    c = Case(H, B, ssm, seed=61 + B, padded=(B // 2,) if B > 1 else ())
+    got = []
+    for warm in (False, True):
+        t = c.gpu()
+        t["out"].fill_(float("nan"))
+        op(t["qkvg"], t["fa"], t["beta_logit"], t["ssm"], t["conv"], t["slots"], t["conv_w"], t["fb_w"],
+           t["dt_bias"], t["a_log"], t["norm_w"], t["out"], split=split, schedule="rows", warm=warm, ahead=warm)
+        sync()
+        got.append((t["out"].clone(), t["ssm"].clone(), t["conv"].clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+    live = c.slots >= 0
+    assert torch.equal(got[1][0].cpu()[~live], torch.zeros_like(got[1][0].cpu()[~live]))
+    assert_out_close(got[1][0][live.to(DEV)], c.reference(GateKind.BOUNDED)[0][live])
 
 
 @pytest.mark.parametrize("B,ssm", [(2, SsmDtype.FP32), (33, SsmDtype.BF16)])

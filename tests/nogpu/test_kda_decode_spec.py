@@ -246,6 +246,18 @@ def test_split_choice_with_and_without_pdl():
     assert choose_split(4, 12, 132, pdl=False) == 2 and choose_split(512, 96, 132) == 1
 
 
+def test_l2_warming_choice():
+    from k3gen.runtime.ops.kda_decode import choose_warming
+    R = 264   # two CTAs per SM on 132 SMs
+    assert choose_warming(96, R, pdl=True) == (96, 0)          # H12 B1 split 8: one wave, warmed before the wait
+    assert choose_warming(96, R, pdl=False) == (0, 0)          # ... which needs PDL
+    assert choose_warming(384, R, pdl=True) == (0, 0)          # H12 B32: more than a wave, under 8
+    assert choose_warming(1536, R, pdl=True) == (0, 0)         # H12 B128: 5.8 waves
+    assert choose_warming(8 * R, R, pdl=True) == (0, R)        # from 8 waves: one wave ahead
+    assert choose_warming(6144, R, pdl=False) == (0, R)        # H12 B512, with or without PDL
+    assert choose_warming(96, R, True, warm=False, ahead=True) == (0, R)   # explicit overrides
+
+
 def test_stream_schedule_for_many_bf16_items():
     from k3gen.runtime.ops.kda_decode import choose_schedule
     assert choose_schedule(440, 12, 132, True, True) == "stream"

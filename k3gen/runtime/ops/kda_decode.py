@@ -56,6 +56,29 @@ def choose_schedule(batch: int, heads: int, sms: int, aligned: bool, bf16_state:
     return "stream" if aligned and bf16_state and batch * heads >= 40 * sms else "rows"
 
 
+def choose_warming(ctas: int, resident: int, pdl: bool, warm: bool | None = None,
+                   ahead: bool | None = None) -> tuple[int, int]:
+    """(warm, ahead) arguments of the row kernel (kda_decode.cuh warm_cta): how many CTAs prefetch
+    their own state into L2 before griddepcontrol.wait, and the CTA distance (one wave) at which
+    every CTA prefetches a later CTA's state once its own loads are in flight. Same bits either way.
+
+    Measured on the H200 (bench/NOTES.md 2026-11-30 04:20, PDL on, us): warming before the wait pays
+    for grids of one wave, where it runs in the previous kernel's tail (H12 B1 FP32 3.55 -> 3.19,
+    H24 B1 3.90 -> 3.68, H12 B8 6.79 -> 6.19) and costs 2-6% on grids of more (H12 B32 16.97 ->
+    17.95, H12 B128 59.75 -> 61.48); it needs PDL. Warming a wave ahead pays from ~8 waves (H24
+    B128 FP32 117.6 -> 113.6, BF16 70.8 -> 68.0, H12 B512 FP32 233.2 -> 222.5, H96 B128 444.0 ->
+    438.1) and is within 1% below (H12 B128: 5.8 waves, 59.75 -> 60.26).
+    """
+    if warm is None:
+        warm = pdl and ctas <= resident
+    if ahead is None:
+        ahead = ctas >= AHEAD_MIN_WAVES * resident
+    return (min(ctas, resident) if warm else 0), (resident if ahead else 0)
+
+
+AHEAD_MIN_WAVES = 8
+
+
 class KdaDecode(Launcher):
     _stream = None
 
@@ -110,7 +133,8 @@ class KdaDecode(Launcher):
 
     # -- launch -------------------------------------------------------------------------------
     def __call__(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w, out, *,
-                 split: int | None = None, schedule: str | None = None, pdl: bool | None = None):
+                 split: int | None = None, schedule: str | None = None, pdl: bool | None = None,
+                 warm: bool | None = None, ahead: bool | None = None):
         """One decode step for `slots.shape[0]` sequences; returns `out`.
 
         qkvg [B, >= 4D] BF16 (row stride free, unit inner stride), fa [B, 128] BF16 and
@@ -121,8 +145,10 @@ class KdaDecode(Launcher):
         (sequence, head) (1, 2, 4, 8 up to spec.max_split); by default it depends on B only.
         `schedule` forces "rows" or "stream" (both give the same bits); by default it depends on
         B and on whether the q|k|v|g rows are 16-byte aligned (the stream kernel bulk-copies them).
-        `pdl` (default: setting K3GEN_PDL, on) launches the row schedule with programmatic
-        dependent launch: its weight loads overlap the previous kernel's tail.
+        `pdl` (default: setting K3GEN_PDL, on) launches either schedule with programmatic
+        dependent launch: the row schedule's weight loads (and, for one-wave grids, L2
+        prefetches of its state) overlap the previous kernel's tail. `warm` and `ahead` (row schedule; defaults: choose_warming, overrides for
+        measurement) prefetch state into L2 before the PDL wait and one wave ahead: same bits.
         """
         import torch
         if split is not None and (split not in SPLITS or split > self.spec.max_split):
@@ -143,17 +169,18 @@ class KdaDecode(Launcher):
                 raise SpecError("qkvg/conv", (qkvg.data_ptr() % 16, qkvg.stride(0), conv.data_ptr() % 16),
                                 "16-byte aligned bases and qkvg row stride a multiple of 8",
                                 "the stream schedule bulk-copies them")
+        pdl = settings().pdl if pdl is None else pdl
         if schedule == "stream":
             return self._launch_stream(qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log,
-                                       norm_w, out, B, num_slots)
-        pdl = settings().pdl if pdl is None else pdl
+                                       norm_w, out, B, num_slots, pdl)
         if split is None:
             split = self.split_for(B, pdl)
         args = (qkvg.data_ptr(), qkvg.stride(0), fa.data_ptr(), fa.stride(0), beta_logit.data_ptr(),
                 beta_logit.stride(0), slots.data_ptr(), ssm.data_ptr(), conv.data_ptr(), num_slots,
                 conv_w.data_ptr(), fb_w.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), norm_w.data_ptr(),
-                out.data_ptr(), split)
-        types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR, I32)
+                out.data_ptr(), split,
+                *choose_warming(split * self.spec.heads * B, self.spec.min_blocks * self.sm_count, pdl, warm, ahead))
+        types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32)
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
         grid, block = (split, self.spec.heads, B), (self.spec.threads, 1, 1)
@@ -162,7 +189,7 @@ class KdaDecode(Launcher):
         return out
 
     def _launch_stream(self, qkvg, fa, beta_logit, ssm, conv, slots, conv_w, fb_w, dt_bias, a_log, norm_w, out,
-                       B: int, num_slots: int):
+                       B: int, num_slots: int, pdl: bool):
         import torch
         self.load()
         args = (qkvg.data_ptr(), qkvg.stride(0), fa.data_ptr(), fa.stride(0), beta_logit.data_ptr(),
@@ -173,7 +200,8 @@ class KdaDecode(Launcher):
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
         grid = (min(B * self.spec.heads, self._stream_ctas * self.sm_count), 1, 1)
-        self._stream.launch(grid, (self.spec.threads, 1, 1), args, types, dev, stream, smem=self._stream_smem)
+        self._stream.launch_ex(grid, (self.spec.threads, 1, 1), None, args, types, dev, stream,
+                               smem=self._stream_smem, pdl=pdl)
         return out
 
     @staticmethod

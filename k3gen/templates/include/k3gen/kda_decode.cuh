@@ -45,6 +45,8 @@ struct Params {
   long long qkvg_stride, fa_stride, beta_stride;
   int num_slots;
   int split;
+  int warm;   // row kernel: CTAs that warm L2 before griddepcontrol.wait (warm_cta), 0: none
+  int ahead;  // row kernel: CTA distance warmed after the own loads (warm_cta), 0: off
 };
 
 enum { kBarFb = 0, kBarEg = 1, kBarSsq = 2 };
@@ -149,6 +151,46 @@ __device__ __forceinline__ float head_update(const typename Row::Frag (&frag)[RP
   return o;
 }
 
+// L2 warming of one CTA's reads (pdl.cuh), by warp 0 from the slot in lane 0: the CTA's state
+// rows and conv windows (lanes 0-3), with `activations` its q|k|v|g, f_a and beta lines too.
+// Two uses, both aimed at the fixed cost of a launch rather than its steady rate:
+// - the first wave (CTA < p.warm) warms its own reads before griddepcontrol.wait: under PDL it
+//   runs while the previous kernel's last CTAs finish, so its state comes from DRAM in that
+//   tail instead of after it;
+// - every CTA warms the CTA p.ahead (one wave) after it once its own loads are in flight, so CTAs of later
+//   waves start on L2 hits while DRAM streams the wave after theirs (the load phases of
+//   co-resident CTAs line up and leave DRAM idle otherwise).
+// The pre-wait read of the slot races with the previous kernel (hint_load); after the wait it is
+// final. An early bench version read the hint in every CTA before its own loads: one more
+// dependent load per CTA, +2.4 us at H12 B128 FP32.
+template <class C, int S>
+__device__ __forceinline__ void warm_cta(const Params& p, int lane, int slot_lane0, int rank, int h, int b,
+                                         bool activations) {
+  using Elem = typename StateRow<C::kBf16State>::Elem;
+  constexpr int H = C::kHeads;
+  constexpr int D = H * kDim;
+  constexpr int R = kDim / S;
+  const int v0 = rank * R;
+  const int slot = __shfl_sync(0xffffffffu, slot_lane0, 0);
+  if (slot >= 0 && slot < p.num_slots) {
+    const long long head = static_cast<long long>(slot) * H + h;
+    const __nv_bfloat16* conv = p.conv + (static_cast<long long>(slot) * (3 * D) + h * kDim) * 3;
+    if (lane == 0) l2_prefetch_bulk(static_cast<const Elem*>(p.ssm) + (head * kDim + v0) * kDim, R * kDim * sizeof(Elem));
+    // conv rows are 6-byte records: bulk only from a 16-byte aligned pool (offsets here are).
+    const bool bulk_conv = (reinterpret_cast<unsigned long long>(p.conv) & 15) == 0;
+    if (bulk_conv && lane >= 1 && lane <= 3) {
+      const int sec = lane - 1;
+      l2_prefetch_bulk(conv + (sec * D + (sec == 2 ? v0 : 0)) * 3, (sec == 2 ? R : kDim) * 3 * 2);
+    }
+  }
+  if (activations) {
+    const __nv_bfloat16* xrow = p.qkvg + b * p.qkvg_stride + h * kDim;
+    if (lane >= 4 && lane < 12) l2_prefetch_line(xrow + ((lane - 4) >> 1) * D + ((lane - 4) & 1) * 64);
+    if (lane >= 12 && lane < 14) l2_prefetch_line(p.fa + b * p.fa_stride + (lane - 12) * 64);
+    if (lane == 14) l2_prefetch_line(p.beta + b * p.beta_stride + h);
+  }
+}
+
 template <class C, int S>
 __device__ __forceinline__ void step(const Params& p, Smem& sm) {
   using Row = StateRow<C::kBf16State>;
@@ -201,6 +243,8 @@ __device__ __forceinline__ void step(const Params& p, Smem& sm) {
     nw = __ldg(p.norm_w + v0 + tid);
   }
   const float a_gate = expf(__ldg(p.a_log + h));
+  const int cta = rank + S * (h + H * b);  // launch order
+  if (warp == 0 && cta < p.warm) warm_cta<C, S>(p, lane, lane == 0 ? hint_load(p.slots + b) : 0, rank, h, b, true);
 
   griddep_wait();
   const int slot = __ldg(p.slots + b);
@@ -239,6 +283,10 @@ __device__ __forceinline__ void step(const Params& p, Smem& sm) {
   if (has_row) {
     const unsigned short* wv = reinterpret_cast<const unsigned short*>(conv) + cv * 3;
     u0 = wv[0], u1 = wv[1], u2 = wv[2];
+  }
+  if (warp == 0 && p.ahead > 0 && cta + p.ahead < S * H * static_cast<int>(gridDim.z)) {
+    const int nx = cta + p.ahead, nh = (nx / S) % H, nb = nx / (S * H);
+    warm_cta<C, S>(p, lane, lane == 0 ? __ldg(p.slots + nb) : 0, nx % S, nh, nb, false);
   }
   {
     float w[4];

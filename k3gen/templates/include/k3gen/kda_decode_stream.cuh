@@ -163,6 +163,12 @@ __device__ __forceinline__ void decode_stream(const StreamParams& sp) {
   const int row_base = warp * (kDim / kWarps) + half;
   const int hw = tid >> 4;
 
+  // Under PDL (the launcher's default) the grid may start while the previous kernel finishes; it
+  // reads nothing before the wait. Warming L2 before it, as the row kernel's one-wave grids do,
+  // measured 0.3-1.2% slower here (bench/NOTES.md 2026-11-30 04:20).
+  griddep_launch_dependents();
+  griddep_wait();
+
   using Prod = StreamProducer<C, Elem, NS>;
   if (tid == 0) {
 #pragma unroll
