@@ -230,6 +230,17 @@ def _scaled_mm_block(xc, xs, wc, ws):
     return None
 
 
+def fp8_block_gemm_specs(quick: bool = False) -> list:
+    """The sm90 cubins `k3gen bench --op fp8_block_gemm` loads (scripts/prebuild_gpu.py builds them
+    through tests/gpu/test_fp8_block_gemm.py), in the bench's order."""
+    from .ir.dtypes import ScaleRecipe
+    from .ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
+    from .targets import FP8_GEMM_TP1, FP8_GEMM_TP8, get_target
+    shapes = [(2304, 1536), (7168, 1536), (6144, 7168), (7168, 12288)] if quick else FP8_GEMM_TP8 + FP8_GEMM_TP1
+    recipes = (ScaleRecipe.FP32,) if quick else tuple(ScaleRecipe)
+    return [Fp8BlockGemmSpec(target=get_target("sm90"), n=n, k=k, recipe=r) for n, k in shapes for r in recipes]
+
+
 def fp8_block_gemm(ceiling: float, quick: bool = False) -> list:
     """FP8 block GEMM on the K3 projections (TP8 and TP1) at M in {1, 8, 32, 128}, both recipes on
     the H200. Bytes are the weights' (codes + tile scales); peers: torch._scaled_mm block FP8
@@ -237,64 +248,59 @@ def fp8_block_gemm(ceiling: float, quick: bool = False) -> list:
     import torch
 
     from .ir.dtypes import ScaleRecipe
-    from .ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
     from .runtime.ops.fp8_block_gemm import Fp8BlockGemm
-    from .targets import FP8_GEMM_TP1, FP8_GEMM_TP8, get_target
 
     names = {(1536, 7168): "q_a", (2304, 1536): "q_b TP8", (7168, 1536): "o_proj TP8",
              (6144, 7168): "kda_qkvg TP8", (18432, 1536): "q_b TP1", (7168, 12288): "o_proj TP1",
              (49152, 7168): "kda_qkvg TP1"}
-    shapes = [(2304, 1536), (7168, 1536), (6144, 7168), (7168, 12288)] if quick else FP8_GEMM_TP8 + FP8_GEMM_TP1
-    recipes = (ScaleRecipe.FP32,) if quick else tuple(ScaleRecipe)
     ms = (1, 8, 32, 128)
     rows, same = [], {}
     g = torch.Generator(device="cuda").manual_seed(0)
-    for n, k in shapes:
-        for recipe in recipes:
-            op = Fp8BlockGemm(Fp8BlockGemmSpec(target=get_target("sm90"), n=n, k=k, recipe=recipe)).load()
-            spec = op.spec
-            nbytes = spec.weight_bytes()
-            sdt = torch.float32 if recipe is ScaleRecipe.FP32 else torch.uint8
-            nsets = sets_for(nbytes)
-            weights = []
-            for _ in range(nsets):
-                wc = torch.randint(0, 0x7E, (n, k), device="cuda", dtype=torch.uint8, generator=g)
-                ws = (torch.rand(spec.n_blocks, spec.k_blocks, device="cuda", generator=g) * 1e-2) if sdt == torch.float32 \
-                    else torch.randint(110, 125, (spec.n_blocks, spec.k_blocks), device="cuda", dtype=torch.uint8,
-                                       generator=g)
-                weights.append((wc, ws))
-            for m in ms:
-                print(f"  fp8_block_gemm {names.get((n, k), '')} N{n} K{k} M{m} {recipe.value}", flush=True)
-                acts = [(torch.randint(0, 0x7E, (m, k), device="cuda", dtype=torch.uint8, generator=g),
-                         (torch.rand(m, spec.k_blocks, device="cuda", generator=g) * 1e-2).to(sdt)
-                         if sdt == torch.float32 else torch.full((m, spec.k_blocks), 120, dtype=torch.uint8,
-                                                                  device="cuda"),
-                         torch.empty(m, n, dtype=torch.bfloat16, device="cuda")) for _ in range(nsets)]
-                us = time_graph([lambda a=a, w=w: op(a[0], a[1], w[0], w[1], a[2]) for a, w in zip(acts, weights)])
-                extra = {"n": n, "k": k, "m": m, "recipe": recipe.value, "split": op.split_for(m), "mma": spec.mma,
-                         "proj_8TBps_us": nbytes / 8e12 * 1e6}
-                peer, peer_us = "", None
-                if recipe is ScaleRecipe.FP32:
-                    calls = [_scaled_mm_block(a[0], a[1], w[0], w[1]) for a, w in zip(acts, weights)]
-                    if all(c is not None for c in calls):
-                        try:
-                            peer_us, peer = time_graph(calls), "torch._scaled_mm block FP8"
-                        except Exception as e:  # noqa: BLE001
-                            extra["scaled_mm_error"] = repr(e)[:200]
-                    else:
-                        extra["scaled_mm_error"] = "unsupported shape/layout"
+    for spec in fp8_block_gemm_specs(quick):
+        op = Fp8BlockGemm(spec).load()
+        n, k, recipe = spec.n, spec.k, spec.recipe
+        nbytes = spec.weight_bytes()
+        sdt = torch.float32 if recipe is ScaleRecipe.FP32 else torch.uint8
+        nsets = sets_for(nbytes)
+        weights = []
+        for _ in range(nsets):
+            wc = torch.randint(0, 0x7E, (n, k), device="cuda", dtype=torch.uint8, generator=g)
+            ws = (torch.rand(spec.n_blocks, spec.k_blocks, device="cuda", generator=g) * 1e-2) if sdt == torch.float32 \
+                else torch.randint(110, 125, (spec.n_blocks, spec.k_blocks), device="cuda", dtype=torch.uint8,
+                                   generator=g)
+            weights.append((wc, ws))
+        for m in ms:
+            print(f"  fp8_block_gemm {names.get((n, k), '')} N{n} K{k} M{m} {recipe.value}", flush=True)
+            acts = [(torch.randint(0, 0x7E, (m, k), device="cuda", dtype=torch.uint8, generator=g),
+                     (torch.rand(m, spec.k_blocks, device="cuda", generator=g) * 1e-2).to(sdt)
+                     if sdt == torch.float32 else torch.full((m, spec.k_blocks), 120, dtype=torch.uint8,
+                                                              device="cuda"),
+                     torch.empty(m, n, dtype=torch.bfloat16, device="cuda")) for _ in range(nsets)]
+            us = time_graph([lambda a=a, w=w: op(a[0], a[1], w[0], w[1], a[2]) for a, w in zip(acts, weights)])
+            extra = {"n": n, "k": k, "m": m, "recipe": recipe.value, "split": op.split_for(m), "mma": spec.mma,
+                     "proj_8TBps_us": nbytes / 8e12 * 1e6}
+            peer, peer_us = "", None
+            if recipe is ScaleRecipe.FP32:
+                calls = [_scaled_mm_block(a[0], a[1], w[0], w[1]) for a, w in zip(acts, weights)]
+                if all(c is not None for c in calls):
                     try:
-                        xb = [torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(nsets)]
-                        wb = [torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(nsets)]
-                        extra["bf16_mm_us"] = time_graph([lambda x=x, w=w: torch.mm(x, w.t()) for x, w in zip(xb, wb)])
-                        del xb, wb
+                        peer_us, peer = time_graph(calls), "torch._scaled_mm block FP8"
                     except Exception as e:  # noqa: BLE001
-                        extra["bf16_mm_error"] = repr(e)[:200]
-                rows.append(make_row("fp8_block_gemm", f"{names.get((n, k), '')} N{n} K{k} M{m} {recipe.value}", us,
-                                     nbytes, ceiling, same, peer=peer, peer_us=peer_us, extra=extra))
-                del acts
-            del weights
-            torch.cuda.empty_cache()
+                        extra["scaled_mm_error"] = repr(e)[:200]
+                else:
+                    extra["scaled_mm_error"] = "unsupported shape/layout"
+                try:
+                    xb = [torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(nsets)]
+                    wb = [torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(nsets)]
+                    extra["bf16_mm_us"] = time_graph([lambda x=x, w=w: torch.mm(x, w.t()) for x, w in zip(xb, wb)])
+                    del xb, wb
+                except Exception as e:  # noqa: BLE001
+                    extra["bf16_mm_error"] = repr(e)[:200]
+            rows.append(make_row("fp8_block_gemm", f"{names.get((n, k), '')} N{n} K{k} M{m} {recipe.value}", us,
+                                 nbytes, ceiling, same, peer=peer, peer_us=peer_us, extra=extra))
+            del acts
+        del weights
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -39,9 +39,9 @@ for case in cases:
                      torch.randperm(B, device="cuda", generator=gen).to(torch.int32)))
     out = torch.empty(B, H, K, device="cuda", dtype=torch.bfloat16)
 
-    def launches(pdl, warm, ahead, schedule=None):
+    def launches(pdl, warm, ahead, schedule=None, split=None):
         return [lambda s=s: op(*s, w.conv_w, w.fb_w, w.dt_bias, w.a_log, w.norm_w, out, pdl=pdl, warm=warm,
-                               ahead=ahead, schedule=schedule) for s in sets]
+                               ahead=ahead, schedule=schedule, split=split) for s in sets]
 
     res = {"label": label, "case": case, "bytes": nbytes, "schedule": op.schedule_for(B, sets[0][0], sets[0][4]),
            "split": op.split_for(B)}
@@ -56,6 +56,8 @@ for case in cases:
         kda_mod.choose_warming = lambda c, r, *a, m=int(m): (0, m * r)
         res[f"ahead_x{m}"] = round(time_graph(launches(True, None, None, "rows"), reps=60), 3)
         kda_mod.choose_warming = real
+    for sp in filter(None, os.environ.get("SPLITS", "").split(",")):   # SPLITS=2,4: forced row splits
+        res[f"split{sp}"] = round(time_graph(launches(True, None, None, "rows", int(sp)), reps=60), 3)
     if B * H >= 264:
         for warm in (0, 1):
             res[f"stream_w{warm}"] = round(time_graph(launches(True, bool(warm), False, "stream"), reps=60), 3)

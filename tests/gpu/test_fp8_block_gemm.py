@@ -265,5 +265,6 @@ def test_sanitize_small_ragged_case():
 
 
 def prebuild_specs():
+    from k3gen.bench_cases import fp8_block_gemm_specs   # k3gen bench --op fp8_block_gemm
     from k3gen.bench_cases_fp8_gemm import sweep_specs   # scripts/sweep_gemm.py's cubins
-    return list(SPECS.values()) + sweep_specs()
+    return list(SPECS.values()) + sweep_specs() + fp8_block_gemm_specs()
