@@ -73,6 +73,7 @@ def fp8_block_gemm_sweep(ceiling: float, quick: bool = False, recipe=None) -> li
             return torch.randint(110, 125, shape, device="cuda", dtype=torch.uint8, generator=g)
         weights = [(torch.randint(0, 0x7E, (n, k), device="cuda", dtype=torch.uint8, generator=g),
                     scales((spec.n_blocks, spec.k_blocks))) for _ in range(nsets)]
+        tiled = [op.tile_weights(w[0]) for w in weights]   # the pre-tiled layout (w_tiled=True)
         for m in SWEEP_MS:
             acts = [(torch.randint(0, 0x7E, (m, k), device="cuda", dtype=torch.uint8, generator=g),
                      scales((m, spec.k_blocks)), torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
@@ -103,7 +104,14 @@ def fp8_block_gemm_sweep(ceiling: float, quick: bool = False, recipe=None) -> li
                                  ceiling, same, peer=peer, peer_us=peer_us,
                                  extra={"n": n, "k": k, "m": m, "recipe": recipe.value, "pdl": False,
                                         "default": False, "split": default.split, "ctas": default.ctas}))
+            us = time_graph([lambda a=a, w=w, t=t: op(a[0], a[1], t, w[1], a[2], w_tiled=True)
+                             for a, w, t in zip(acts, weights, tiled)])
+            rows.append(make_row("fp8_block_gemm_sweep", f"{name} N{n} K{k} M{m} default tiled-W", us, nbytes,
+                                 ceiling, same, peer=peer, peer_us=peer_us,
+                                 extra={"n": n, "k": k, "m": m, "recipe": recipe.value, "w_tiled": True,
+                                        "default": False, "split": default.split, "ctas": default.ctas,
+                                        "bar_us": nbytes / (0.8 * ceiling * 1e6) if nbytes >= 32 * 2**20 else None}))
             del acts
-        del weights
+        del weights, tiled
         torch.cuda.empty_cache()
     return rows

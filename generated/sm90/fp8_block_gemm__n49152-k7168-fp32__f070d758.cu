@@ -47,7 +47,8 @@ static_assert(k3gen::fp8gemm90::smem_bytes(128, Config::kRingBytes, Config::kMax
 extern "C" __global__ void __launch_bounds__(384, 1) k3gen_fp8_block_gemm(
     const __grid_constant__ k3gen::sm90::TmaMap w_map, const __grid_constant__ k3gen::sm90::TmaMap x_map,
     const void* x_scales, const void* w_scales, __nv_bfloat16* out, int m, int nt, float* part, int* cnt,
-    int pf) {
-  const k3gen::fp8gemm90::Params p{x_scales, w_scales, out, m, part, cnt, pf};
+    int pf, const void* w_tiles) {
+  const k3gen::fp8gemm90::Params p{x_scales, w_scales, out, m, part, cnt, pf,
+                                   static_cast<const unsigned char*>(w_tiles)};
   k3gen::fp8gemm90::gemm_dispatch<Config>(&w_map, &x_map, p, nt);
 }

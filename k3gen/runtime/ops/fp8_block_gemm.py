@@ -18,7 +18,7 @@ import threading
 from ...config import settings
 from ...errors import DeviceError, SpecError
 from ...ir.dtypes import ScaleRecipe
-from ...ir.ops.fp8_block_gemm import MAX_SPLIT, cdiv, choose_split, nt_for, work_items
+from ...ir.ops.fp8_block_gemm import BLOCK, MAX_SPLIT, cdiv, choose_split, nt_for, work_items
 from ..bind import Launcher
 from ..checks import check_tensor
 from ..loader import I32, PTR, ArgPack, _check
@@ -117,7 +117,24 @@ class Fp8BlockGemm(Launcher):
                 self._maps.popitem(last=False)
         return raw
 
-    def check(self, x_codes, x_scales, w_codes, w_scales, out) -> int:
+    def tile_weights(self, w_codes):
+        """W codes [N, K] -> the pre-tiled layout the wgmma kernel streams with one 16 KB bulk copy
+        per stage (`w_tiled=True`): [NB * KB * 128, 128] bytes, tile (nb, kb) at rows
+        (nb * KB + kb) * 128, zero-padded past N and K, and each tile already in the 128-byte
+        swizzle the TMA would write (16-byte chunk c of row r at chunk c ^ (r % 8)), so the bytes
+        land in shared memory as the wgmma descriptors expect. A one-time re-layout at load time."""
+        import torch
+        s = self.spec
+        check_tensor("w_codes", w_codes, torch.uint8, (s.n, s.k))
+        nb, kb = s.n_blocks, s.k_blocks
+        padded = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.uint8, device=w_codes.device)
+        padded[:s.n, :s.k] = w_codes
+        tiles = padded.view(nb, BLOCK, kb, BLOCK).permute(0, 2, 1, 3).reshape(nb * kb, BLOCK, 8, 16)
+        r = torch.arange(BLOCK, device=w_codes.device)[:, None]
+        j = torch.arange(8, device=w_codes.device)[None, :]
+        return tiles[:, r, j ^ (r % 8)].contiguous().view(nb * kb * BLOCK, BLOCK)
+
+    def check(self, x_codes, x_scales, w_codes, w_scales, out, w_tiled: bool = False) -> int:
         import torch
         s = self.spec
         m = x_codes.shape[0] if x_codes.dim() == 2 else -1
@@ -129,7 +146,10 @@ class Fp8BlockGemm(Launcher):
                                 f"recipe {s.recipe.value}: FP32 scales are float32, UE8M0 scales uint8 bytes")
         check_tensor("x_codes", x_codes, torch.uint8, (m, s.k), align=16)
         check_tensor("x_scales", x_scales, sdt, (m, s.k_blocks))
-        check_tensor("w_codes", w_codes, torch.uint8, (s.n, s.k), align=16)
+        if w_tiled:
+            check_tensor("w_codes", w_codes, torch.uint8, (s.n_blocks * s.k_blocks * BLOCK, BLOCK), align=16)
+        else:
+            check_tensor("w_codes", w_codes, torch.uint8, (s.n, s.k), align=16)
         check_tensor("w_scales", w_scales, sdt, (s.n_blocks, s.k_blocks))
         check_tensor("out", out, torch.bfloat16, (m, s.n), align=16)
         devs = {t.device for t in (x_codes, x_scales, w_codes, w_scales, out)}
@@ -141,7 +161,7 @@ class Fp8BlockGemm(Launcher):
         return m
 
     def __call__(self, x_codes, x_scales, w_codes, w_scales, out, *, split: int | None = None,
-                 ctas: int | None = None, pf: int = 0, pdl: bool | None = None):
+                 ctas: int | None = None, pf: int = 0, pdl: bool | None = None, w_tiled: bool = False):
         """out[M, N] (BF16) = dequant(x_codes, x_scales) @ dequant(w_codes, w_scales)^T; returns out.
         wgmma flavour: `split` forces the cluster split-K mode, `ctas` the streaming mode with that
         many persistent CTAs (ctas=0: the cluster mode with the planned split); `pf` the L2 prefetch
@@ -151,7 +171,9 @@ class Fp8BlockGemm(Launcher):
         if pf and self.spec.mma != "wgmma":
             raise SpecError("pf", pf, [0], "L2 prefetch is a knob of the wgmma flavour")
         import torch
-        m = self.check(x_codes, x_scales, w_codes, w_scales, out)
+        if w_tiled and (self.spec.mma != "wgmma" or ctas or pf):
+            raise SpecError("w_tiled", True, [False], "pre-tiled weights: the wgmma cluster mode without pf only")
+        m = self.check(x_codes, x_scales, w_codes, w_scales, out, w_tiled)
         if m == 0:
             return out
         if self.spec.lowering == "cute":
@@ -173,6 +195,9 @@ class Fp8BlockGemm(Launcher):
         if self.spec.mma == "wgmma":
             plan = self.spec.plan(m, self.sm_count, split, ctas, pf)
             boxes = self.spec.tma_boxes(m, plan.nt)
+            if w_tiled:
+                rows = self.spec.n_blocks * self.spec.k_blocks * BLOCK
+                boxes["w"] = {"dims": (BLOCK, rows), "strides": (BLOCK,), "box": (BLOCK, BLOCK)}
             if plan.ctas and work_items(self.spec.n, self.spec.k, m) >= 2 ** 31:
                 raise SpecError("M", m, "fewer than 2^31 work items", "32-bit work index of the streaming mode")
             part, cnt = self._workspace(dev) if plan.ctas else (None, None)
@@ -180,7 +205,7 @@ class Fp8BlockGemm(Launcher):
                     .add(PTR(x_scales.data_ptr())).add(PTR(w_scales.data_ptr())).add(PTR(out.data_ptr()))
                     .add(I32(m)).add(I32(plan.nt))
                     .add(PTR(part.data_ptr() if plan.ctas else 0)).add(PTR(cnt.data_ptr() if plan.ctas else 0))
-                    .add(I32(plan.pf)))
+                    .add(I32(plan.pf)).add(PTR(w_codes.data_ptr() if w_tiled else 0)))
             grid, block = plan.grid, (self.spec.threads, 1, 1)
             self.kernel.launch_ex(grid, block, (plan.split, 1, 1) if plan.split > 1 else None, args.address(),
                                        None, dev, stream, plan.smem, pdl=settings().pdl if pdl is None else pdl)

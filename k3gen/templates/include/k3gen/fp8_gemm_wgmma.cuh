@@ -70,6 +70,8 @@ struct Params {
   float* part;             // streaming mode: [2 * gridDim.x][NT][kBn] FP32 partial tiles (else null)
   int* cnt;                // streaming mode: [gridDim.x] arrival counters, zero between launches
   int pf;                  // L2 prefetch distance of the weight stream in K blocks (0: off)
+  const unsigned char* w_tiles;  // cluster mode: W as [NB][KB] contiguous pre-swizzled 16 KB tiles
+                                 // (Fp8BlockGemm.tile_weights), one bulk copy each; null: TMA boxes
 };
 
 // Scale warp: the nt combined scales of K block kb into a stage's slot (0 past the token tile, as
@@ -231,11 +233,21 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
       // Weights first: the first S stages' weight tiles are requested before griddepcontrol.wait
       // (no kernel writes weights), so under PDL they stream while the previous kernel (the
       // activation quantizer) finishes; the token tiles follow the wait.
+      // Pre-tiled W (p.w_tiles): the 128 x 128 tile arrives by one 16 KB bulk copy instead of a
+      // TMA box of 128 row requests of 128 bytes.
+      const int wrows = p.w_tiles ? kBn : kWRows;
+      const unsigned char* wt = p.w_tiles + (static_cast<long long>(n0 / kBn) * KB) * (kBn * kBlock);
+      auto load_w = [&](unsigned st, int kb, unsigned bar) {
+        if (p.w_tiles)
+          sm90::bulk_load(st, wt + static_cast<long long>(kb) * (kBn * kBlock), kBn * kBlock, bar);
+        else
+          sm90::tma_load_2d(st, wmap, kb * kBlock, n0, bar);
+      };
       const int pre = nk < S ? nk : S;
       for (int i = 0; i < pre; ++i) {
         const unsigned st = base + i * kStage, bar = full0 + 8 * i;
-        sm90::mbar_arrive_expect_tx(bar, (kWRows + xrows) * kBlock);
-        sm90::tma_load_2d(st, wmap, (kb0 + i) * kBlock, n0, bar);
+        sm90::mbar_arrive_expect_tx(bar, (wrows + xrows) * kBlock);
+        load_w(st, kb0 + i, bar);
       }
       griddep_wait();
       for (int i = 0; i < nk; ++i) {
@@ -243,8 +255,8 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
         const unsigned st = base + s * kStage, bar = full0 + 8 * s;
         if (i >= S) {
           sm90::mbar_wait_or_trap(empty0 + 8 * s, ((i / S) - 1) & 1);
-          sm90::mbar_arrive_expect_tx(bar, (kWRows + xrows) * kBlock);
-          sm90::tma_load_2d(st, wmap, (kb0 + i) * kBlock, n0, bar);
+          sm90::mbar_arrive_expect_tx(bar, (wrows + xrows) * kBlock);
+          load_w(st, kb0 + i, bar);
         }
         sm90::tma_load_2d(st + kWTile, xmap, (kb0 + i) * kBlock, m0, bar);
         if (p.pf > 0 && i + p.pf < nk) sm90::tma_prefetch_l2_2d(wmap, (kb0 + i + p.pf) * kBlock, n0);

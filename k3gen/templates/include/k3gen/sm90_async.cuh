@@ -85,6 +85,15 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap* map, int
 }
 // Pulls the box at (c0, c1) into L2 only (no shared memory, no barrier): starts DRAM reads of a
 // block the ring has no stage for yet.
+// 1-D bulk copy of `bytes` (multiple of 16, 16-byte aligned ends) into this CTA's shared memory,
+// completing on mbarrier `bar` as transaction bytes.
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_l2_2d(const TmaMap* map, int c0, int c1) {
   asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(
                    reinterpret_cast<unsigned long long>(map)),
