@@ -68,6 +68,32 @@ def test_swizzled_tile_is_a_permutation_within_each_row():
         assert got == list(range(r * 128, r * 128 + 128))
 
 
+@pytest.mark.parametrize("n,k", [(200, 272), (256, 128)])
+def test_pretiled_weights_are_what_tma_would_write(n, k):
+    """Fp8BlockGemm.tile_weights (w_tiled=True, one 16 KB bulk copy per stage): byte (n, k) of W
+    sits in tile (n // 128, k // 128) at the offset TMA's SWIZZLE_128B gives it in a box of
+    row-major W (tma_box_byte), so the stage reads the same; everything else is zero padding."""
+    import torch
+
+    from k3gen.runtime.ops.fp8_block_gemm import Fp8BlockGemm
+    op = Fp8BlockGemm(Fp8BlockGemmSpec(target=SM90, n=n, k=k))
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randint(1, 256, (n, k), dtype=torch.uint8, generator=g)   # no zero codes: padding is visible
+    flat = op.tile_weights(w).flatten()
+    kb = -(-k // BLOCK)
+    assert flat.numel() == -(-n // BLOCK) * kb * BLOCK * BLOCK
+    rows = torch.arange(n)[:, None]
+    cols = torch.arange(k)[None, :]
+    chunk, inner = (cols % BLOCK) // 16, cols % 16
+    off = ((rows // BLOCK) * kb + cols // BLOCK) * BLOCK * BLOCK + (rows % BLOCK) * BLOCK \
+        + ((chunk ^ (rows % 8)) * 16) + inner
+    assert off[0, 17] == tma_box_byte(0, 17) and off[9, 40] == tma_box_byte(9, 40)   # the helper's rule
+    assert torch.equal(flat[off.flatten()], w.flatten())
+    pad = torch.ones_like(flat, dtype=torch.bool)
+    pad[off.flatten()] = False
+    assert int(pad.sum()) == flat.numel() - n * k and not flat[pad].any()
+
+
 def test_descriptor_bits_follow_the_ptx_format():
     d = encode_desc(0x1C420)
     assert d & 0x3FFF == 0x1C420 >> 4                 # start address >> 4, bits 0-13
