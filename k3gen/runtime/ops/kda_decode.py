@@ -62,12 +62,12 @@ def choose_warming(ctas: int, resident: int, pdl: bool, warm: bool | None = None
     their own state into L2 before griddepcontrol.wait, and the CTA distance (one wave) at which
     every CTA prefetches a later CTA's state once its own loads are in flight. Same bits either way.
 
-    Measured on the H200 (bench/NOTES.md 2026-11-30 04:20, PDL on, us): warming before the wait pays
-    for grids of one wave, where it runs in the previous kernel's tail (H12 B1 FP32 3.55 -> 3.19,
-    H24 B1 3.90 -> 3.68, H12 B8 6.79 -> 6.19) and costs 2-6% on grids of more (H12 B32 16.97 ->
-    17.95, H12 B128 59.75 -> 61.48); it needs PDL. Warming a wave ahead pays from ~8 waves (H24
-    B128 FP32 117.6 -> 113.6, BF16 70.8 -> 68.0, H12 B512 FP32 233.2 -> 222.5, H96 B128 444.0 ->
-    438.1) and is within 1% below (H12 B128: 5.8 waves, 59.75 -> 60.26).
+    Measured on the H200 (bench/NOTES.md, L2 warming, 2026-11-30 04:00-04:13; PDL on, us): warming
+    before the wait pays for grids of one wave, where it runs in the previous kernel's tail (H12 B1
+    FP32 3.55 -> 3.19, H24 B1 3.90 -> 3.68, H12 B8 6.79 -> 6.19) and costs 2-6% on grids of more
+    (H12 B32 16.97 -> 17.95, H12 B128 59.75 -> 61.48); it needs PDL. Warming a wave ahead pays from
+    ~8 waves (H24 B128 FP32 117.6 -> 113.6, BF16 70.8 -> 68.0, H12 B512 FP32 233.2 -> 222.5, H96
+    B128 444.0 -> 438.1) and is within 1% below (H12 B128: 5.8 waves, 59.75 -> 60.26).
     """
     if warm is None:
         warm = pdl and ctas <= resident
@@ -147,8 +147,9 @@ class KdaDecode(Launcher):
         B and on whether the q|k|v|g rows are 16-byte aligned (the stream kernel bulk-copies them).
         `pdl` (default: setting K3GEN_PDL, on) launches either schedule with programmatic
         dependent launch: the row schedule's weight loads (and, for one-wave grids, L2
-        prefetches of its state) overlap the previous kernel's tail. `warm` and `ahead` (row schedule; defaults: choose_warming, overrides for
-        measurement) prefetch state into L2 before the PDL wait and one wave ahead: same bits.
+        prefetches of its state) overlap the previous kernel's tail. `warm` and `ahead` (row
+        schedule; defaults: choose_warming, overrides for measurement) prefetch state into L2
+        before the PDL wait and one wave ahead: same bits.
         """
         import torch
         if split is not None and (split not in SPLITS or split > self.spec.max_split):

@@ -157,9 +157,9 @@ __device__ __forceinline__ float head_update(const typename Row::Frag (&frag)[RP
 // - the first wave (CTA < p.warm) warms its own reads before griddepcontrol.wait: under PDL it
 //   runs while the previous kernel's last CTAs finish, so its state comes from DRAM in that
 //   tail instead of after it;
-// - every CTA warms the CTA p.ahead (one wave) after it once its own loads are in flight, so CTAs of later
-//   waves start on L2 hits while DRAM streams the wave after theirs (the load phases of
-//   co-resident CTAs line up and leave DRAM idle otherwise).
+// - every CTA warms the CTA p.ahead (one wave) after it once its own loads are in flight, so
+//   CTAs of later waves start on L2 hits while DRAM streams the wave after theirs (the load
+//   phases of co-resident CTAs line up and leave DRAM idle otherwise).
 // The pre-wait read of the slot races with the previous kernel (hint_load); after the wait it is
 // final. An early bench version read the hint in every CTA before its own loads: one more
 // dependent load per CTA, +2.4 us at H12 B128 FP32.
@@ -175,7 +175,8 @@ __device__ __forceinline__ void warm_cta(const Params& p, int lane, int slot_lan
   if (slot >= 0 && slot < p.num_slots) {
     const long long head = static_cast<long long>(slot) * H + h;
     const __nv_bfloat16* conv = p.conv + (static_cast<long long>(slot) * (3 * D) + h * kDim) * 3;
-    if (lane == 0) l2_prefetch_bulk(static_cast<const Elem*>(p.ssm) + (head * kDim + v0) * kDim, R * kDim * sizeof(Elem));
+    if (lane == 0)
+      l2_prefetch_bulk(static_cast<const Elem*>(p.ssm) + (head * kDim + v0) * kDim, R * kDim * sizeof(Elem));
     // conv rows are 6-byte records: bulk only from a 16-byte aligned pool (offsets here are).
     const bool bulk_conv = (reinterpret_cast<unsigned long long>(p.conv) & 15) == 0;
     if (bulk_conv && lane >= 1 && lane <= 3) {

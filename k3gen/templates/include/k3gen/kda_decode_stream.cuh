@@ -165,7 +165,7 @@ __device__ __forceinline__ void decode_stream(const StreamParams& sp) {
 
   // Under PDL (the launcher's default) the grid may start while the previous kernel finishes; it
   // reads nothing before the wait. Warming L2 before it, as the row kernel's one-wave grids do,
-  // measured 0.3-1.2% slower here (bench/NOTES.md 2026-11-30 04:20).
+  // measured 0.3-1.2% slower here (bench/NOTES.md, L2 warming, 2026-11-30 04:00-04:13).
   griddep_launch_dependents();
   griddep_wait();
 
