@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 
 #include "k3gen/pdl.cuh"
+#include "k3gen/sm90_async.cuh"
 
 namespace k3gen {
 namespace kda {
@@ -199,13 +200,9 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Bulk copy global -> this CTA's shared memory, completing `bytes` tx-bytes on `bar` (16-byte
-// aligned addresses, size a multiple of 16).
+// sm90::bulk_load on shared-memory pointers (16-byte aligned addresses, size a multiple of 16).
 __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
+  sm90::bulk_load(smem_addr(dst), src, bytes, smem_addr(bar));
 }
 
 // 4 bytes into a peer's shared memory (cluster address), completing 4 tx-bytes on its mbarrier.
