@@ -3,9 +3,10 @@
 Bytes are the KV bytes the kernel must read (MlaDecodeSpec.kv_bytes: codes + scales, NVFP4 also
 its HP tail rows); % of copy is on those. The peer is the naive absorbed PyTorch decode over a
 dense, already-gathered BF16 KV (bmm, FP32 softmax, bmm; no paging, no causal mask: both favour
-the peer). FP8/NVFP4 rows carry `x_bf16`, the speed-up over the BF16-KV kernel at the same shape.
-BF16 KV runs both schedules (column `schedule`): the mma.sync kernel and the sm_90a wgmma one;
-wgmma rows carry `x_mma`, their speed-up over the mma.sync row of the same shape.
+the peer). FP8/NVFP4 rows carry `x_bf16`, the speed-up over the BF16-KV mma.sync kernel at the same shape.
+BF16 KV runs both schedules (column `schedule`): the mma.sync kernel and the sm_90a wgmma one, and
+FP8 KV too where H * T <= 16; wgmma rows carry `x_mma`, their speed-up over the mma.sync row of the
+same KV dtype and shape.
 
 `k3gen bench --op mla_decode_heads`: BF16 KV through both schedules over H in HEADS_SWEEP (T = 1,
 L = 8K, B = 32 and 128) - where the wgmma schedule overtakes mma.sync (MlaDecodeSpec's
@@ -30,6 +31,7 @@ def _kv_formats():
 
 
 def bench_specs(quick: bool = False) -> list:
+    from .ir.dtypes import KvDtype
     from .ir.ops.mla_decode import MlaDecodeSpec
     from .targets import get_target
     tgt = get_target("sm90")
@@ -38,10 +40,13 @@ def bench_specs(quick: bool = False) -> list:
     # default ("auto") picks for the shape.
     specs = [MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=kv, schedule="mma", **kw)
              for kv, kw in _kv_formats() for h in heads for t in tokens]
-    # The wgmma schedule right after the BF16 rows (BF16 KV only).
+    # The wgmma schedule right after the BF16 rows; FP8 through wgmma (16 query rows: H * T <= 16)
+    # after all mma.sync rows, so its x_mma and x_bf16 find their baselines.
     return specs[:len(heads) * len(tokens)] + [
         MlaDecodeSpec(target=tgt, heads=h, tokens=t, schedule="wgmma") for h in heads for t in tokens
-    ] + specs[len(heads) * len(tokens):]
+    ] + specs[len(heads) * len(tokens):] + [
+        MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=KvDtype.FP8, schedule="wgmma")
+        for h in heads for t in tokens if h * t <= 16]
 
 
 def _random_cache(spec, num_pages: int, B: int, gen) -> dict:
@@ -97,7 +102,7 @@ def mla_decode(ceiling: float, quick: bool = False, *, specs=None, batches=None,
     gen = torch.Generator(device="cuda").manual_seed(0)
     batches = batches or ((1, 128) if quick else BATCHES)
     lengths = lengths or ((8192,) if quick else LENGTHS)
-    rows, same, bf16_us, peer_cache = [], {}, {}, {}
+    rows, same, us_by, peer_cache = [], {}, {}, {}
     for spec in specs or bench_specs(quick):
         H, T = spec.heads, spec.tokens
         op = MlaDecode(spec).load()
@@ -130,13 +135,16 @@ def mla_decode(ceiling: float, quick: bool = False, *, specs=None, batches=None,
                 del sets
                 torch.cuda.empty_cache()
                 key = (H, T, B, L)
+                us_by[(spec.kv.value, spec.schedule) + key] = us
                 peer, peer_us = "", None
+                if spec.kv.value != "bf16" and ("bf16", "mma") + key in us_by:
+                    extra["x_bf16"] = us_by[("bf16", "mma") + key] / us
                 if spec.schedule == "wgmma":
-                    if key in bf16_us:
-                        extra["x_mma"] = bf16_us[key] / us
-                    peer, peer_us = peer_cache.get(key, ("", None))
+                    if (spec.kv.value, "mma") + key in us_by:
+                        extra["x_mma"] = us_by[(spec.kv.value, "mma") + key] / us
+                    if spec.kv.value == "bf16":
+                        peer, peer_us = peer_cache.get(key, ("", None))
                 elif spec.kv.value == "bf16":
-                    bf16_us[key] = us
                     try:
                         psets = [(torch.randn(B, T, H, 576, device="cuda", generator=gen).to(torch.bfloat16),
                                   torch.randn(B, L, 576, device="cuda", generator=gen).to(torch.bfloat16))
@@ -148,8 +156,6 @@ def mla_decode(ceiling: float, quick: bool = False, *, specs=None, batches=None,
                     except Exception as e:  # noqa: BLE001  (an OOM of the peer must not lose our row)
                         extra["peer_error"] = repr(e)[:200]
                     torch.cuda.empty_cache()
-                elif key in bf16_us:
-                    extra["x_bf16"] = bf16_us[key] / us
                 name = f"{spec.kv.value}{'-wgmma' if spec.schedule == 'wgmma' else ''} H{H} T{T} B{B} L{L}"
                 rows.append(make_row(op_name, name, us, nbytes, ceiling,
                                      same, peer=peer, peer_us=peer_us, extra=extra))

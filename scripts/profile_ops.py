@@ -1,6 +1,6 @@
 """Launch one op on a bench shape a few times for `ncu` (ncu measures; nothing is timed here).
 
-Usage: python scripts/profile_ops.py mla-bf16|mla-fp8|mla-nvfp4|mla-h128|gemm-m1|gemm-m1-stream|gemm-m128|gemm-qkvg-m8
+Usage: python scripts/profile_ops.py mla-bf16|mla-fp8|mla-fp8-wg|mla-nvfp4|mla-h128|gemm-m1|gemm-m1-stream|gemm-m128|gemm-qkvg-m8
 """
 import sys
 
@@ -11,11 +11,11 @@ from k3gen.ir.dtypes import KvDtype, ScaleRecipe
 from k3gen.targets import get_target
 
 
-def mla(kv: KvDtype, H=12, B=128, L=8192, T=1):
+def mla(kv: KvDtype, H=12, B=128, L=8192, T=1, schedule="auto"):
     from k3gen.ir.ops.mla_decode import MlaDecodeSpec
     from k3gen.runtime.ops.mla_decode import MlaDecode
     kw = {"max_drafts": 3} if kv is KvDtype.NVFP4 else {}
-    spec = MlaDecodeSpec(target=get_target("sm90"), heads=H, tokens=T, kv=kv, **kw)
+    spec = MlaDecodeSpec(target=get_target("sm90"), heads=H, tokens=T, kv=kv, schedule=schedule, **kw)
     op = MlaDecode(spec).load()
     gen = torch.Generator(device="cuda").manual_seed(0)
     pages = -(-L // spec.page)
@@ -69,6 +69,7 @@ def verify(H=12, B=128, M=3):
 CASES = {
     "verify-b128": lambda: verify(), "verify-b32": lambda: verify(B=32),
     "mla-bf16": lambda: mla(KvDtype.BF16), "mla-fp8": lambda: mla(KvDtype.FP8),
+    "mla-fp8-wg": lambda: mla(KvDtype.FP8, schedule="wgmma"),
     "mla-nvfp4": lambda: mla(KvDtype.NVFP4), "mla-h128": lambda: mla(KvDtype.BF16, H=128, B=32, L=8192),
     "gemm-m1": lambda: gemm(7168, 12288, 1), "gemm-m128": lambda: gemm(7168, 12288, 128),
     "gemm-qkvg-m8": lambda: gemm(6144, 7168, 8),

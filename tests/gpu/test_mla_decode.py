@@ -46,6 +46,9 @@ QUICK_SHAPES = [(12, 1), (12, 4), (96, 1), (16, 8)]
 # the last as two consumers of 32 rows; (40, 1): the second consumer half padding; (96, 1), (12, 8):
 # the last group's second consumer all padding (it only passes the stages on).
 WG_SHAPES = SHAPES + [(16, 1), (16, 2), (16, 8), (40, 1), (64, 1), (128, 2), (128, 4), (128, 8)]
+# The FP8 wgmma schedule (16 query rows per CTA, so H * T <= 16): both scale granularities.
+WG8_SHAPES = [(12, 1), (6, 1), (16, 1), (4, 4), (8, 2), (2, 8)]
+FP8_FORMATS = ("fp8-tok128", "fp8-tensor")
 
 
 def _write_spec(fmt: str) -> KvCacheWriteSpec:
@@ -61,8 +64,15 @@ ATTN_SPECS = {(f, h, t, "mma"): _attn_spec(f, h, t) for f in FORMATS
               for h, t in (SHAPES if f == "bf16" else QUICK_SHAPES)}
 ATTN_SPECS.update({("bf16", h, t, sched): _attn_spec("bf16", h, t, sched)
                    for h, t in WG_SHAPES for sched in ("mma", "wgmma")})
-# (fmt, schedule) pairs for the tests that run every format: BF16 also through the wgmma schedule.
-FMT_SCHED = [(f, "mma") for f in FORMATS] + [("bf16", "wgmma")]
+ATTN_SPECS.update({(f, h, t, sched): _attn_spec(f, h, t, sched)
+                   for f in FP8_FORMATS for h, t in WG8_SHAPES for sched in ("mma", "wgmma")})
+# (fmt, schedule) pairs for the tests that run every format: BF16 and FP8 also through wgmma.
+FMT_SCHED = [(f, "mma") for f in FORMATS] + [("bf16", "wgmma")] + [(f, "wgmma") for f in FP8_FORMATS]
+
+
+def heads_for(fmt: str, sched: str, T: int, H: int = 12) -> int:
+    """H of a test shape; the FP8 wgmma schedule takes H * T <= 16 (12 at T = 1, else 16 // T)."""
+    return H if not (fmt.startswith("fp8") and sched == "wgmma") or H * T <= 16 else 16 // T
 
 
 def prebuild_specs():
@@ -195,9 +205,10 @@ def test_wgmma_schedule_matches_mma_schedule(H, T):
 @pytest.mark.parametrize("T", [1, 4])
 def test_long_sequences(fmt, sched, T):
     """Lengths up to 64K (many splits for a small batch; one split per CTA beyond that)."""
+    H = heads_for(fmt, sched, T)
     b = Batch(fmt, [65536, 40000 + 7, 129], T, seed=3)
-    op = attn(fmt, 12, T, sched)
-    q = b.query(12, 3)
+    op = attn(fmt, H, T, sched)
+    q = b.query(H, 3)
     assert_close(b.run(op, q), b.reference(q), f"{fmt} T{T} long")
 
 
@@ -213,6 +224,42 @@ def test_split_counts_agree(sched):
         assert_close(outs[-1], ref, f"splits={s}")
     # Splits with no tiles (47, 132 > tiles of a 17-token sequence) merge to the same answer.
     assert all(rel_rms(o, outs[0]) < 4e-3 for o in outs[1:])
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("H,T", [(12, 1), (4, 4)], ids=str)
+def test_fp8_wgmma_schedule_matches_mma_schedule(fmt, H, T):
+    """Same FP8 cache and queries through both schedules: both within the reference tolerance and
+    close to each other (exact codes and scales in both; they differ in the query and probability
+    operands: f16 in mma.sync, E4M3 hi + lo in wgmma)."""
+    rng = random.Random(91 + H * T)
+    b = Batch(fmt, ragged(rng, 5, T) + [T, 64, 65, 3000], T, seed=13)
+    q = b.query(H, 13)
+    ref = b.reference(q)
+    for splits in (1, 4):
+        got = {}
+        for sched in ("mma", "wgmma"):
+            op = attn(fmt, H, T, sched)
+            got[sched] = b.run(op, q, plan=op.plan(len(b.lens), max(b.lens), splits=splits)).clone()
+            assert_close(got[sched], ref, f"{fmt} {sched} H{H} T{T} s{splits} lens={b.lens}")
+        assert rel_rms(got["wgmma"], got["mma"]) < 4e-3
+
+
+def test_fp8_wgmma_scale_range():
+    """Per-token scales spread over 2^-12 .. 2^4 within and across tiles (the wgmma schedule's
+    power-of-two F grows over the sequence and rescales the running output): still the reference."""
+    lens, T, H = [3000, 700, 129], 1, 12
+    g = torch.Generator(device="cuda").manual_seed(14)
+    rows = []
+    for L in lens:
+        r = torch.randn(L, MLA_ROW, device="cuda", generator=g)
+        r *= torch.exp2(torch.randint(-12, 5, (L, 1), device="cuda", generator=g).float())
+        rows.append(r.bfloat16())
+    b = Batch("fp8-tok128", lens, T, seed=14, rows=rows)
+    q = b.query(H, 14)
+    ref = b.reference(q)
+    for sched in ("mma", "wgmma"):
+        assert_close(b.run(attn("fp8-tok128", H, T, sched), q), ref, f"scale range {sched}")
 
 
 def test_quantized_kv_error_vs_bf16():
@@ -234,12 +281,13 @@ def test_quantized_kv_error_vs_bf16():
 
 # -- CUDA graphs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("fp8-tok128", "mma"), ("nvfp4-linear-m3", "mma"),
-                                       ("bf16", "wgmma")], ids=lambda v: str(v))
+                                       ("bf16", "wgmma"), ("fp8-tok128", "wgmma")], ids=lambda v: str(v))
 @pytest.mark.parametrize("B", [1, 5])
 def test_cuda_graph_replay_with_changed_lengths(fmt, sched, B):
     """Capture once with a plan for the largest length; replays with other lengths (and other
     queries) equal eager calls and the reference."""
-    T, H = 4, 12
+    T = 4
+    H = heads_for(fmt, sched, T)
     rng = random.Random(B)
     maxlen = 2500
     b = Batch(fmt, [maxlen] * B, T, seed=6)
@@ -280,7 +328,7 @@ def test_cuda_graph_replay_with_changed_lengths(fmt, sched, B):
 
 # -- bad input ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("fp8-tok128", "mma"), ("nvfp4-linear-m3", "mma"),
-                                       ("bf16", "wgmma")], ids=lambda v: str(v))
+                                       ("bf16", "wgmma"), ("fp8-tok128", "wgmma")], ids=lambda v: str(v))
 def test_bad_page_ids_raise_with_validation(fmt, sched, monkeypatch):
     monkeypatch.setenv("K3GEN_VALIDATE", "1")
     b = Batch(fmt, [300, 40], 1, seed=8)
@@ -301,12 +349,13 @@ def test_bad_page_ids_raise_with_validation(fmt, sched, monkeypatch):
         b.run(op, q)
 
 
-@pytest.mark.parametrize("sched", ["mma", "wgmma"])
-def test_bad_page_ids_without_validation_read_zeros(sched, monkeypatch):
+@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("bf16", "wgmma"), ("fp8-tok128", "wgmma")],
+                         ids=lambda v: str(v))
+def test_bad_page_ids_without_validation_read_zeros(fmt, sched, monkeypatch):
     """Out-of-range ids are not dereferenced: those rows read as zeros (no fault, no NaN)."""
     monkeypatch.delenv("K3GEN_VALIDATE", raising=False)
-    b = Batch("bf16", [300, 200], 1, seed=9)
-    op = attn("bf16", 12, 1, sched)
+    b = Batch(fmt, [300, 200], 1, seed=9)
+    op = attn(fmt, 12, 1, sched)
     q = b.query(12, 9)
     b.bt[0, 2] = b.num_pages + 5
     b.bt[1, 0] = -3
@@ -314,7 +363,8 @@ def test_bad_page_ids_without_validation_read_zeros(sched, monkeypatch):
     cpu = {k: v.cpu().clone() for k, v in b.cache.items()}
     bt = b.bt.cpu().clone()
     zero_page = b.num_pages   # an extra all-zero page stands in for the bad ids
-    cpu["kv"] = torch.cat([cpu["kv"], torch.zeros_like(cpu["kv"][:1])])
+    for name in b.lay.paged_tensors():
+        cpu[name] = torch.cat([cpu[name], torch.zeros_like(cpu[name][:1])])
     bt[0, 2], bt[1, 0] = zero_page, zero_page
     ref = mla_ref(b.lay, cpu, q, bt, b.lens, device="cuda")
     assert_close(got, ref, "bad pages as zeros")
@@ -341,12 +391,13 @@ def test_typed_errors(sched):
 
 # -- compute-sanitizer (scripts/h200.sh runs `-k sanitize` under memcheck) ----------------------------
 # wgmma: every row plan (N = 64 split rows with an idle consumer, 64 with half, 16, 32).
-SANITIZE_SHAPES = {"mma": [(12, 4)], "wgmma": [(12, 4), (96, 1), (40, 1), (6, 1), (16, 2)]}
+SANITIZE_SHAPES = {"mma": [(12, 4)], "wgmma": [(12, 4), (96, 1), (40, 1), (6, 1), (16, 2)],
+                   "wgmma-fp8": [(12, 1), (4, 4)]}
 
 
 @pytest.mark.parametrize("fmt,sched", FMT_SCHED, ids=lambda v: str(v))
 def test_sanitize_reduced_matrix(fmt, sched):
-    for H, T in SANITIZE_SHAPES[sched]:
+    for H, T in SANITIZE_SHAPES[sched + ("-fp8" if sched == "wgmma" and fmt.startswith("fp8") else "")]:
         b = Batch(fmt, [4, 17, 130, 257], T, seed=11)
         op = attn(fmt, H, T, sched)
         q = b.query(H, 11)

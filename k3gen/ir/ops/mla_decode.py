@@ -62,6 +62,11 @@ WG_THREADS = 384              # wgmma schedule: producer + 2 consumer warpgroups
 WG_STAGES = 2                 # one 72 KB tile per consumer warpgroup (a third does not fit with Q)
 WG_ALIGN = 1024               # SW128 operand tiles are 1024-byte aligned; the kernel aligns the base up
 WG_OSTRIDE = MLA_LATENT + 4   # FP32 per row of the merge buffer (conflict-free fragment stores)
+# wgmma schedule over FP8 KV (mla_decode_wg8.cuh): 16 query rows per CTA, E4M3 hi/lo query and
+# probabilities; a stage is the tile's codes as 5 SW128 blocks plus its [64][5] FP32 scales.
+WG8_CODE_BYTES = 5 * TILE_TOKENS * 128
+WG8_SCALE_BYTES = TILE_TOKENS * 5 * 4
+WG8_ROWS = 16
 
 
 @register_op("mla_decode")
@@ -92,7 +97,7 @@ class MlaDecodeSpec(OpSpec):
 
     def _default_m_tiles(self) -> int:
         ht = self.heads * self.tokens
-        if ht <= 16:
+        if ht <= 16 or (self.schedule == "wgmma" and self.kv is KvDtype.FP8):
             return 1
         return 4 if self.schedule == "wgmma" and ht > 32 else 2
 
@@ -116,13 +121,17 @@ class MlaDecodeSpec(OpSpec):
         if self.schedule == "wgmma":
             if self.target.mma != "wgmma":
                 raise TargetError("schedule", self.schedule, ["mma"], f"target {self.target.name} has no wgmma")
-            if self.kv is not KvDtype.BF16:
+            if self.kv is KvDtype.NVFP4:
                 raise SpecError("schedule", self.schedule, ["mma"],
-                                f"the wgmma schedule reads BF16 KV tiles directly ({self.kv} KV: use 'mma')")
-        allowed = [1, 2, 4] if self.schedule == "wgmma" else [1, 2]
+                                "the wgmma schedule reads BF16 or FP8 KV tiles directly (NVFP4 KV: use 'mma')")
+        if self.schedule == "wgmma" and self.kv is KvDtype.FP8:
+            allowed = [1]
+        else:
+            allowed = [1, 2, 4] if self.schedule == "wgmma" else [1, 2]
         if self.m_tiles not in allowed:
             raise SpecError("m_tiles", self.m_tiles, allowed, "registers: 32 FP32 accumulators per tile"
-                            + ("; wgmma 4: two consumers of 32 rows" if self.schedule == "wgmma" else ""))
+                            + ("; wgmma 4: two consumers of 32 rows" if self.schedule == "wgmma" else "")
+                            + ("; FP8 wgmma: 16 rows (H * T <= 16)" if allowed == [1] else ""))
         self.layout  # page and draft checks live in KvLayout
         if self.smem_bytes > self.smem_limit:
             raise SpecError("m_tiles", self.m_tiles, "a smaller value",
@@ -210,6 +219,10 @@ class MlaDecodeSpec(OpSpec):
     def stages(self) -> int:
         """cp.async ring depth: as many stages as fit, 2..4 (BF16 tiles are their own buffer)."""
         if self.schedule == "wgmma":
+            if self.kv is KvDtype.FP8:
+                for st in (4, 3, 2):
+                    if self._wg8_plan(st)["total"] <= self.smem_limit:
+                        return st
             return WG_STAGES
         fixed = self._fixed_smem()
         for s in (4, 3, 2):
@@ -242,6 +255,8 @@ class MlaDecodeSpec(OpSpec):
         consumer's warps all pass the P barrier between reading it and rewriting it); stats: m, l
         per consumer and row, only when the consumers' states are merged (alternate tiles); bars:
         full[2], empty[2]. The final [rows][516] FP32 output buffer reuses the stages."""
+        if self.kv is KvDtype.FP8:
+            return self._wg8_plan(self.stages)
         r, n = self.rows, self.wg_cols
         plan, off = {}, 0
         for name, size in (("stages", WG_STAGES * self.raw_stage_bytes), ("q", r * MLA_ROW * 2),
@@ -252,6 +267,22 @@ class MlaDecodeSpec(OpSpec):
         plan["end"] = off
         plan["total"] = off + WG_ALIGN          # slack to align the dynamic window up
         assert r * WG_OSTRIDE * 4 <= WG_STAGES * self.raw_stage_bytes
+        return plan
+
+    def _wg8_plan(self, stages: int) -> dict:
+        """FP8 wgmma plan (mla_decode_wg8.cuh's Geo8): stages of codes, their scales, then from a
+        1024-aligned offset Q hi and lo (5 SW128 blocks of [16 rows][128 B] each), P ([16][128 B]
+        per latent scale group, per consumer), red ([consumer][warp][16 maxima + scale max, padded
+        to 20]), stats, full/empty mbarriers per stage."""
+        plan = {"stages": 0, "scales": stages * WG8_CODE_BYTES}
+        q = plan["scales"] + stages * WG8_SCALE_BYTES
+        plan["q"] = -(-q // WG_ALIGN) * WG_ALIGN
+        plan["p"] = plan["q"] + 2 * 5 * WG8_ROWS * 128
+        plan["red"] = plan["p"] + 2 * 4 * WG8_ROWS * 128
+        plan["stats"] = plan["red"] + 2 * 4 * (WG8_ROWS + 4) * 4
+        plan["bars"] = plan["stats"] + 2 * 2 * WG8_ROWS * 4
+        plan["end"] = plan["bars"] + 2 * stages * 8
+        plan["total"] = plan["end"] + WG_ALIGN
         return plan
 
     @property

@@ -244,6 +244,26 @@ struct WgmmaE4m3<128> {
   }
 };
 
+// As WgmmaE4m3, A from registers: a[0..3] hold 4 E4M3 each, in the warp's 16 rows the
+// mma.sync m16n8k32 A fragment (row (t % 32) / 4 (+ 8 in a[1], a[3]), k 4 (t % 4) .. + 3, +16 in
+// a[2], a[3]); warp w of the warpgroup holds rows 16 w ... The registers must stay unchanged until
+// the wgmma has completed (wgmma_wait).
+template <int N>
+struct WgmmaE4m3RegA;
+
+template <>
+struct WgmmaE4m3RegA<16> {
+  __device__ __forceinline__ static void mma(float (&d)[8], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7"
+        "}, {%8, %9, %10, %11}, %12, 1, 1, 1;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+          "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  }
+};
+
 // ---- cp.async feeding an mbarrier --------------------------------------------------------------
 // One arrival on `bar` once every cp.async this thread issued so far has landed. .noinc: the
 // arrival is one of the barrier's expected count (init it with the number of copying threads).
