@@ -3,7 +3,9 @@
 The H200's driver rejects PTX from our NVRTC but loads its cubins, so the GPU run carries this
 bundle (K3GEN_PREBUILT). Specs are found by importing each tests/gpu module (CPU torch is enough)
 and collecting OpSpec objects from its globals; `k3gen build`'s list for sm90 is added too.
-Usage: python scripts/prebuild_gpu.py OUT_DIR [extra specs as canonical JSON ...]
+Usage: python scripts/prebuild_gpu.py OUT_DIR [--ops op1,op2]
+`--ops` keeps only those ops (a partial bundle for a targeted run: the device carries at most 64 MiB,
+and the whole bundle is about 60 MB).
 """
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ def _collect(obj, out: dict, depth: int = 0) -> None:
 
 
 def main(argv: list[str]) -> int:
+    ops = None
+    if "--ops" in argv:
+        i = argv.index("--ops")
+        ops = set(argv[i + 1].split(","))
+        argv = argv[:i] + argv[i + 2:]
     out = Path(argv[0] if argv else "build-out")
     tgt = get_target("sm90")
     specs = {s.digest(): s for s in build_specs(tgt)}
@@ -48,7 +55,7 @@ def main(argv: list[str]) -> int:
         if callable(extra):
             for s in extra():
                 specs[s.digest()] = s
-    sm90 = [s for s in specs.values() if s.target.name == "sm90"]
+    sm90 = [s for s in specs.values() if s.target.name == "sm90" and (ops is None or s.op in ops)]
     results = build_many(sm90, jobs=2)
     d = write_bundle(out, tgt, results)
     print(f"{len(results)} sm90 kernels ({sum(r.built for r in results)} compiled) -> {d}")

@@ -50,7 +50,7 @@ def test_nvfp4_not_on_original_target_and_defaults():
 @pytest.mark.parametrize("kv", list(KvDtype), ids=str)
 @pytest.mark.parametrize("mt", [1, 2])
 def test_shared_memory_plan_fits(kv, mt):
-    s = MlaDecodeSpec(target=SM90, heads=12, kv=kv, m_tiles=mt)
+    s = MlaDecodeSpec(target=SM90, heads=12, kv=kv, m_tiles=mt, schedule="mma")
     assert s.smem_bytes <= SMEM_LIMIT and s.stages >= 2
     # Loads in flight per SM: at least one 64-token tile beyond the one being computed.
     assert (s.stages - 1) * s.raw_stage_bytes >= 18 * 1024
@@ -61,13 +61,13 @@ def test_two_ctas_per_sm_for_fp8_and_nvfp4_single_tile():
     # half the SM's shared memory (minus the 1 KB every resident CTA reserves) with a 2-deep ring.
     for kv in (KvDtype.FP8, KvDtype.NVFP4):
         kw = {"max_drafts": 3} if kv is KvDtype.NVFP4 else {}
-        s = MlaDecodeSpec(target=SM90, heads=12, kv=kv, **kw)
+        s = MlaDecodeSpec(target=SM90, heads=12, kv=kv, schedule="mma", **kw)
         assert s.ctas_per_sm == 2 and not s.q_in_registers
         assert 2 * (s.smem_bytes + 1024) <= 228 * 1024 and s.stages >= 2
         assert s.smem_bytes >= s.stages * s.raw_stage_bytes + s.rows * (576 * 2 + 64)   # Q rows included
         src = lower(s).source
         assert "__launch_bounds__(256, 2)" in src and "kCtasPerSm = 2" in src
-        t = MlaDecodeSpec(target=SM90, heads=12, tokens=4, kv=kv, **kw)   # two tiles: one CTA per SM
+        t = MlaDecodeSpec(target=SM90, heads=12, tokens=4, kv=kv, schedule="mma", **kw)   # two tiles: 1 CTA/SM
         assert t.ctas_per_sm == 1 and "__launch_bounds__(256, 1)" in lower(t).source
     b = MlaDecodeSpec(target=SM90, heads=12)
     assert b.ctas_per_sm == 1 and b.q_in_registers and b.stages == 3
@@ -201,6 +201,7 @@ def test_compiles_without_spills(target, kv, heads, tokens):
     for x in r.resources:
         assert x["local"] == 0 and x["stack"] == 0 and x["registers"] <= spec.max_registers, x
         if x["function"] == "k3gen_mla_decode":
-            mma = "HGMMA" if spec.schedule == "wgmma" else "HMMA"   # "auto" picks wgmma for BF16 128 x 8
+            # "auto" picks wgmma for BF16 128 x 8 and for FP8 on sm90 (E4M3 wgmma: QGMMA)
+            mma = ("QGMMA" if kv is KvDtype.FP8 else "HGMMA") if spec.schedule == "wgmma" else "HMMA"
             assert x["sass"].get(mma, 0) > 0, "QK/PV must run on tensor cores"
             assert x["sass"].get("LDGSTS", 0) > 0, "KV tiles stream through cp.async"

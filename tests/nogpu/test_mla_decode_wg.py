@@ -248,8 +248,12 @@ def test_auto_schedule_resolves_by_rows_target_and_kv():
         # Resolved at construction: the same kernel (slug, digest) as the explicit schedule.
         assert a == MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule=want)
         assert a.digest() == MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule=want).digest()
-    for kv in (KvDtype.FP8, KvDtype.NVFP4):
-        assert MlaDecodeSpec(target=SM90, heads=128, kv=kv, schedule="auto").schedule == "mma"
+    assert MlaDecodeSpec(target=SM90, heads=128, kv=KvDtype.NVFP4, schedule="auto").schedule == "mma"
+    for h, t in ((12, 1), (128, 1), (12, 4)):   # FP8: wgmma at every H * T, 16 rows per CTA
+        a = MlaDecodeSpec(target=SM90, heads=h, tokens=t, kv=KvDtype.FP8)
+        assert (a.schedule, a.m_tiles) == ("wgmma", 1), (h, t)
+    for t in ("sm103-nvfp4", "sm107-nvfp4"):
+        assert MlaDecodeSpec(target=TARGETS[t], heads=12, kv=KvDtype.FP8).schedule == "mma"
     for t in ("sm103-nvfp4", "sm107-nvfp4"):
         assert MlaDecodeSpec(target=TARGETS[t], heads=128, schedule="auto").schedule == "mma"
     # "auto" is the default (the threshold was confirmed on the H200, see AUTO_WGMMA_ROWS).

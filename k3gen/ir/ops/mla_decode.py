@@ -58,6 +58,9 @@ SCHEDULES = ("mma", "wgmma")
 # query rows (H * T). Measured on the H200 (bench mla_decode_heads, 2026-11-30 00:23, T1 B128
 # L8K): H12 mma.sync 329 us vs wgmma 357 us; H32 571 vs 400 us; H128 2252 vs 1053 us.
 AUTO_WGMMA_ROWS = 16
+# FP8 KV resolves to "wgmma" on wgmma targets at every H * T (16 query rows per CTA there). H200,
+# bench mla_decode --quick 2026-11-30 06:04-06:11, T1 L8K: H12 B128 182.3-185.8 us vs mma.sync
+# 291.3-294.4 us; H128 B128 1358.8-1373.8 vs 2105.8-2114.0 us; B1 within 1 us (23.1-25.5 vs 22.4-38.1).
 WG_THREADS = 384              # wgmma schedule: producer + 2 consumer warpgroups
 WG_STAGES = 2                 # one 72 KB tile per consumer warpgroup (a third does not fit with Q)
 WG_ALIGN = 1024               # SW128 operand tiles are 1024-byte aligned; the kernel aligns the base up
@@ -85,8 +88,9 @@ class MlaDecodeSpec(OpSpec):
     def __post_init__(self):
         if (self.schedule == "auto" and isinstance(self.heads, int) and isinstance(self.tokens, int)
                 and hasattr(self.target, "mma")):
-            wg = (self.target.mma == "wgmma" and self.kv is KvDtype.BF16
-                  and self.heads * self.tokens > AUTO_WGMMA_ROWS)
+            wg = self.target.mma == "wgmma" and (
+                self.kv is KvDtype.FP8
+                or (self.kv is KvDtype.BF16 and self.heads * self.tokens > AUTO_WGMMA_ROWS))
             object.__setattr__(self, "schedule", "wgmma" if wg else "mma")
         if self.scale_layout is None:
             object.__setattr__(self, "scale_layout", self.target.nvfp4_scale_layout
