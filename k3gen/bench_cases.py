@@ -511,4 +511,5 @@ def kda_prefill(ceiling: float, quick: bool = False) -> list:
 
 from .bench_cases_mla import mla_decode  # noqa: E402,F401  (k3gen bench --op mla_decode)
 from .bench_cases_mla import mla_decode_heads  # noqa: E402,F401  (k3gen bench --op mla_decode_heads)
+from .bench_cases_mla import mla_decode_bars  # noqa: E402,F401  (k3gen bench --op mla_decode_bars)
 from .bench_cases_fp8_gemm import fp8_block_gemm_sweep  # noqa: E402,F401  (k3gen bench --op fp8_block_gemm_sweep)

@@ -8,6 +8,9 @@ BF16 KV runs both schedules (column `schedule`): the mma.sync kernel and the sm_
 FP8 KV too; wgmma rows carry `x_mma`, their speed-up over the mma.sync row of the
 same KV dtype and shape.
 
+`k3gen bench --op mla_decode_bars`: the bars' memory-bound H = 12 shapes, B in {32, 128} x L in {8K,
+32K}, every KV dtype (FP8 through both schedules).
+
 `k3gen bench --op mla_decode_heads`: BF16 KV through both schedules over H in HEADS_SWEEP (T = 1,
 L = 8K, B = 32 and 128) - where the wgmma schedule overtakes mma.sync (MlaDecodeSpec's
 AUTO_WGMMA_ROWS, schedule="auto").
@@ -86,6 +89,22 @@ def heads_sweep_specs(quick: bool = False) -> list:
     tgt = get_target("sm90")
     heads = (12, 32, 128) if quick else HEADS_SWEEP
     return [MlaDecodeSpec(target=tgt, heads=h, schedule=s) for h in heads for s in ("mma", "wgmma")]
+
+
+def bars_specs() -> list:
+    """mla_decode_bars: issue 6's memory-bound H = 12 shapes (B * L >= 256K tokens), T = 1, every KV
+    dtype through mma.sync and FP8 also through wgmma (its sm90 default)."""
+    from .ir.dtypes import KvDtype
+    from .ir.ops.mla_decode import MlaDecodeSpec
+    from .targets import get_target
+    tgt = get_target("sm90")
+    return [MlaDecodeSpec(target=tgt, heads=12, kv=kv, schedule="mma", **kw) for kv, kw in _kv_formats()] + [
+        MlaDecodeSpec(target=tgt, heads=12, kv=KvDtype.FP8, schedule="wgmma")]
+
+
+def mla_decode_bars(ceiling: float, quick: bool = False) -> list:
+    return mla_decode(ceiling, quick, specs=bars_specs(), batches=(32, 128), lengths=(8192, 32768),
+                      op_name="mla_decode_bars")
 
 
 def mla_decode_heads(ceiling: float, quick: bool = False) -> list:

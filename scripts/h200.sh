@@ -6,6 +6,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/k3gen-out}
 mkdir -p "$OUT"
+# The whole bundle is ~60 MB, over the device's 64 MiB carry with the tree: carry build-out.tar.xz
+# (tar cJf build-out.tar.xz build-out, ~5 MB) instead and it is unpacked here.
+if [ -f build-out.tar.xz ] && [ ! -d build-out ]; then tar xJf build-out.tar.xz; fi
 . "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/smi.txt"
 python3 -m k3gen collect-env | tee "$OUT/env.txt"

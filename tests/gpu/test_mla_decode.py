@@ -77,8 +77,9 @@ def heads_for(fmt: str, sched: str, T: int, H: int = 12) -> int:
 
 def prebuild_specs():
     """Everything this module and `k3gen bench --op mla_decode` launch (scripts/prebuild_gpu.py)."""
-    from k3gen.bench_cases_mla import bench_specs, heads_sweep_specs
-    return list(WRITE_SPECS.values()) + list(ATTN_SPECS.values()) + bench_specs() + heads_sweep_specs()
+    from k3gen.bench_cases_mla import bars_specs, bench_specs, heads_sweep_specs
+    return (list(WRITE_SPECS.values()) + list(ATTN_SPECS.values()) + bench_specs() + heads_sweep_specs()
+            + bars_specs())
 
 
 @functools.lru_cache(maxsize=None)
