@@ -347,6 +347,13 @@ __device__ void decode(const Params& p) {
       fexp = f;
       winv = f8::pow2(min(8 - f, 126));
     }
+    // The probabilities' factors per latent group: s 2^(8 - F), exact (a power of two).
+    float sw0[kTensor ? 1 : kPGroups], sw1[kTensor ? 1 : kPGroups];
+#pragma unroll
+    for (int g = 0; g < (kTensor ? 1 : kPGroups); ++g) {
+      sw0[g] = s0[g] * winv;
+      sw1[g] = s1[g] * winv;
+    }
     float alpha[NJ][2];
     bool moved = resc != 1.f;
 #pragma unroll
@@ -370,7 +377,7 @@ __device__ void decode(const Params& p) {
         unsigned char* rowp = sP + (col >> 3) * 1024 + (col & 7) * 128 + 2 * g8;
 #pragma unroll
         for (int g = 0; g < (kTensor ? 1 : kPGroups); ++g) {
-          const unsigned v = split2h(p0 * s0[g] * winv, p1 * s1[g] * winv);
+          const unsigned v = split2h(p0 * sw0[g], p1 * sw1[g]);
           *reinterpret_cast<unsigned short*>(rowp + g * kPBytes + ((warp ^ (col & 7)) << 4)) =
               static_cast<unsigned short>(v);
           *reinterpret_cast<unsigned short*>(rowp + g * kPBytes + (((4 + warp) ^ (col & 7)) << 4)) =
