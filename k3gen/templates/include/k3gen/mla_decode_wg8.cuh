@@ -32,6 +32,11 @@ namespace k3gen {
 namespace mla {
 namespace wg8 {
 
+template <int V>
+struct IntC {
+  static constexpr int value = V;
+};
+
 constexpr int kThreads = 384;
 constexpr int kN = 16;                          // query rows per CTA = wgmma N
 constexpr int kBlocks = 5;                      // a 576-byte code row = 4.5 SW128 rows of 128 bytes
@@ -235,7 +240,11 @@ __device__ void decode(const Params& p) {
   }
 
   sm90::setmaxnreg_inc<kConsumerRegs>();
-  const int c = wgi - 1;
+  // The consumer index as a compile-time constant (one instantiation per consumer): the stage, Q
+  // and P addresses, hence every wgmma descriptor, then depend only on uniform values and stay in
+  // uniform registers (as a thread-derived value each descriptor cost an R2UR before its wgmma).
+  auto consumer = [&](auto cc) {
+  constexpr int c = decltype(cc)::value;
   const unsigned aP = base + G::kPOff + c * kPGroups * kPBytes;
   unsigned char* sP = smem + G::kPOff + c * kPGroups * kPBytes;
   float o[8][NA];
@@ -507,6 +516,9 @@ __device__ void decode(const Params& p) {
                                  col) = v;
     }
   }
+  };
+  if (wgi == 1) consumer(IntC<0>{});
+  else consumer(IntC<1>{});
 }
 
 }  // namespace wg8
