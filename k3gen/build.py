@@ -205,7 +205,8 @@ def _kernels_module(target: Target, arts: list[Artifact]) -> str:
 
 
 def write_generated(target: Target, specs: list[OpSpec], root: Path = GENERATED_ROOT) -> list[str]:
-    """Write the tree; return the files that changed. Frozen targets may only gain files."""
+    """Write the tree; return the files that changed (removed sources included). Frozen targets may
+    only gain files, so their stale sources stay (check_generated reports them)."""
     d = root / target.module_name
     d.mkdir(parents=True, exist_ok=True)
     want = generated_files(target, specs)
@@ -215,6 +216,12 @@ def write_generated(target: Target, specs: list[OpSpec], root: Path = GENERATED_
         if not p.exists() or p.read_text() != content:
             p.write_text(content)
             changed.append(name)
+    if not target.frozen:
+        # A spec whose resolution changed (a new default schedule, say) leaves its old source behind.
+        for p in sorted(d.glob("*.cu")):
+            if p.name not in want:
+                p.unlink()
+                changed.append(p.name)
     return changed
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from k3gen.build import (GENERATED_ROOT, build_many, build_one, check_generated, generated_files, lower, resolve,
-                         write_bundle)
+                         write_bundle, write_generated)
 from k3gen.compile.inspect import KernelResources, cubin_arch
 from k3gen.errors import CompileError, MissingKernelError
 from k3gen.ir.dtypes import KvDtype
@@ -26,6 +26,23 @@ GOLDEN = ROOT / "tests" / "golden" / "sm100_mxfp4.json"
 def test_generated_tree_is_up_to_date(name):
     t = TARGETS[name]
     assert check_generated(t, build_specs(t)) == []
+
+
+def test_regenerating_removes_stale_sources_except_on_frozen_targets(tmp_path):
+    """A source whose spec no longer resolves to it (say, a new default schedule) is removed by
+    `k3gen build`, so the check passes after a rebuild; the frozen target keeps every landed file."""
+    for name in ("sm90", "sm100-mxfp4"):
+        t = TARGETS[name]
+        specs = [s for s in build_specs(t) if s.op == "kv_cache_write"][:2]
+        assert specs
+        write_generated(t, specs, tmp_path)
+        stale = tmp_path / t.module_name / "kv_cache_write__old-spec__00000000.cu"
+        stale.write_text("// an old kernel\n")
+        changed = write_generated(t, specs, tmp_path)
+        if t.frozen:
+            assert stale.exists() and changed == [] and check_generated(t, specs, tmp_path) == [f"stale: {stale}"]
+        else:
+            assert not stale.exists() and changed == [stale.name] and check_generated(t, specs, tmp_path) == []
 
 
 def test_generation_is_deterministic():

@@ -33,6 +33,14 @@ own online-softmax state, merged at the end), so one's softmax runs under the ot
 Above 32 query rows (H * T > 32) a CTA covers 64 rows (`m_tiles` 4) and the two consumers split the
 rows instead (32 each, both on every tile, nothing to merge): half the CTAs per sequence re-read the
 KV of the N = 32 plan, and the 227 KB still hold two stages, the 64-row Q and both P tiles.
+
+`schedule="wgmma"` over FP8 KV (templates/include/k3gen/mla_decode_wg8.cuh; the sm90 default for
+FP8) keeps that frame with 16 query rows per CTA (`m_tiles` 1; more rows are more CTAs) and E4M3
+wgmma on the codes themselves: the query and the probabilities enter as E4M3 hi + lo pairs (a BF16
+value's 8 significant bits, so BF16-level results), QK reads both operands from shared memory
+(m64n32k32: hi and lo as 32 columns), PV builds V^T's register fragments by byte transposes of the
+stage (register-A m64n16k32), and the per-token group scales weight the QK partials and fold into
+the probabilities with a per-tile power of two. Four 42 KB stages fit beside Q and P.
 """
 from __future__ import annotations
 
