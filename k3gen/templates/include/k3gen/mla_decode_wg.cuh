@@ -73,6 +73,37 @@ __device__ __forceinline__ int sw_off(int rows, int row, int c) {
 __device__ __forceinline__ unsigned long long desc_k(unsigned a) { return sm90::wgmma_desc<16, 1024, 1>(a); }
 __device__ __forceinline__ unsigned long long desc_mn(unsigned a) { return sm90::wgmma_desc<1024, 1024, 1>(a); }
 
+// Max / sum over the 8 lanes that hold the same accumulator column (lanes differing in lane / 4).
+__device__ __forceinline__ float col_max8(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+__device__ __forceinline__ float col_sum8(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+
+// The CTA's n_rows output rows from the FP32 merge buffer ([rows][kOStride]), 4 columns per
+// thread over the 256 consumer threads (i0 = tid - 128): BF16 out with one split, FP32 partials
+// with several.
+__device__ __forceinline__ void rows_out(const Params& p, const float* buf, int n_rows, int b, int split, int r0,
+                                         int ht, int i0) {
+  for (int i = i0; i < n_rows * (kLat / 4); i += 256) {
+    const int row = i / (kLat / 4), col = (i - row * (kLat / 4)) * 4;
+    if (r0 + row >= ht) break;
+    const float4 v = *reinterpret_cast<const float4*>(buf + row * kOStride + col);
+    if (p.splits == 1) {
+      *reinterpret_cast<uint2*>(p.out + (static_cast<long long>(b) * ht + r0 + row) * kLat + col) =
+          make_uint2(bf16x2(v.x, v.y), bf16x2(v.z, v.w));
+    } else {
+      *reinterpret_cast<float4*>(p.part_o + ((static_cast<long long>(b) * p.splits + split) * ht + r0 + row) * kLat +
+                                 col) = v;
+    }
+  }
+}
+
 template <class C>
 __device__ __forceinline__ void load_tile(const Params& p, int b, int len, int tile, unsigned dst, int wt) {
   const int pg = tile_page<C>(p, b, tile);
@@ -204,11 +235,7 @@ __device__ void decode(const Params& p) {
         float& v1 = sc[4 * j + 2 + e];
         v0 = pos0 <= lim[j][e] ? v0 * qk_scale : K3GEN_MLA_NEG_INF;
         v1 = pos0 + 8 <= lim[j][e] ? v1 * qk_scale : K3GEN_MLA_NEG_INF;
-        float x = fmaxf(v0, v1);
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
-        mx[j][e] = x;
+        mx[j][e] = col_max8(fmaxf(v0, v1));
       }
     // One buffer: every warp reads it before the P barrier below, and rewrites it only after.
     float* rd = red + c * 4 * NC;
@@ -271,10 +298,7 @@ __device__ void decode(const Params& p) {
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float x = l[j][e];
-        x += __shfl_xor_sync(0xffffffffu, x, 4);
-        x += __shfl_xor_sync(0xffffffffu, x, 8);
-        x += __shfl_xor_sync(0xffffffffu, x, 16);
+        const float x = col_sum8(l[j][e]);
         if (lane < 4) rl[warp * NC + 8 * j + 2 * lane + e] = x;
       }
     sm90::barrier_sync_divergent(1 + c, 128);
@@ -353,19 +377,7 @@ __device__ void decode(const Params& p) {
       sm90::barrier_sync_divergent(3, 256);
     }
   }
-  // Rows out, 4 columns per thread.
-  for (int i = tid - 128; i < N * (kLat / 4); i += 256) {
-    const int row = i / (kLat / 4), col = (i - row * (kLat / 4)) * 4;
-    if (r0 + row >= HT) break;
-    const float4 v = *reinterpret_cast<const float4*>(buf + row * kOStride + col);
-    if (p.splits == 1) {
-      *reinterpret_cast<uint2*>(p.out + (static_cast<long long>(b) * HT + r0 + row) * kLat + col) =
-          make_uint2(bf16x2(v.x, v.y), bf16x2(v.z, v.w));
-    } else {
-      *reinterpret_cast<float4*>(p.part_o + ((static_cast<long long>(b) * p.splits + split) * HT + r0 + row) * kLat +
-                                 col) = v;
-    }
-  }
+  rows_out(p, buf, N, b, split, r0, HT, tid - 128);
 }
 
 }  // namespace wg

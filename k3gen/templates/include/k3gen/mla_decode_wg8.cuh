@@ -332,11 +332,7 @@ __device__ void decode(const Params& p) {
         float& v1 = sc[4 * j + 2 + e];
         v0 = pos0 <= lim[j][e] ? v0 * qk_scale : K3GEN_MLA_NEG_INF;
         v1 = pos0 + 8 <= lim[j][e] ? v1 * qk_scale : K3GEN_MLA_NEG_INF;
-        float x = fmaxf(v0, v1);
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
-        mx[j][e] = x;
+        mx[j][e] = wg::col_max8(fmaxf(v0, v1));
       }
     // One buffer: every warp reads it before the P barrier below, and rewrites it only after.
     if (lane < 4) {
@@ -450,10 +446,7 @@ __device__ void decode(const Params& p) {
   for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      float x = l[j][e];
-      x += __shfl_xor_sync(0xffffffffu, x, 4);
-      x += __shfl_xor_sync(0xffffffffu, x, 8);
-      x += __shfl_xor_sync(0xffffffffu, x, 16);
+      const float x = wg::col_sum8(l[j][e]);
       if (lane < 4) rd[warp * kRedStride + 8 * j + 2 * lane + e] = x;
     }
   sm90::barrier_sync_divergent(1 + c, 128);
@@ -503,19 +496,7 @@ __device__ void decode(const Params& p) {
     }
     sm90::barrier_sync_divergent(3, 256);
   }
-  // Rows out, 4 columns per thread.
-  for (int i = tid - 128; i < N * (kLat / 4); i += 256) {
-    const int row = i / (kLat / 4), col = (i - row * (kLat / 4)) * 4;
-    if (r0 + row >= HT) break;
-    const float4 v = *reinterpret_cast<const float4*>(buf + row * wg::kOStride + col);
-    if (p.splits == 1) {
-      *reinterpret_cast<uint2*>(p.out + (static_cast<long long>(b) * HT + r0 + row) * kLat + col) =
-          make_uint2(bf16x2(v.x, v.y), bf16x2(v.z, v.w));
-    } else {
-      *reinterpret_cast<float4*>(p.part_o + ((static_cast<long long>(b) * p.splits + split) * HT + r0 + row) * kLat +
-                                 col) = v;
-    }
-  }
+  wg::rows_out(p, buf, N, b, split, r0, HT, tid - 128);
   };
   if (wgi == 1) consumer(IntC<0>{});
   else consumer(IntC<1>{});
