@@ -1,6 +1,6 @@
 // mla_decode, wgmma schedule over FP8 E4M3 KV (sm_90a). Contract: k3gen/ir/ops/mla_decode.py
 // (schedule "wgmma", kv fp8); shared-memory plan: MlaDecodeSpec.wg_smem; lane maps checked on the
-// CPU by tests/nogpu/test_mla_decode_wg.py.
+// CPU by tests/nogpu/test_mla_decode_wg8.py (the PV product replayed through them on random bytes).
 //
 // The frame is mla_decode_wg.cuh's: a cp.async producer warpgroup, two consumer warpgroups on
 // alternate tiles (each its own online softmax, merged at the end), 16 query rows per CTA, the 64
@@ -8,9 +8,10 @@
 // E4M3 by E4M3 only and reads shared operands K-major only, so:
 //   - The query enters as hi = e4m3(q 2^E) and lo = e4m3(q 2^E - hi), E putting max |q| in
 //     [128, 256): a BF16 value's 8 significant bits split 4 + 4, so hi + lo is the BF16 query
-//     exactly wherever lo is a normal E4M3 (|q| >= 2^-10 max |q|). QK: S^T = K_tile (Q_hi + Q_lo)^T,
-//     2 x 18 m64n16k32 with both operands in shared memory, one FP32 accumulator per 128-dim scale
-//     group; score = sum_g s[tok][g] acc_g.
+//     exactly wherever lo is a normal E4M3 (|q| >= 2^-10 max |q|). QK: S^T = K_tile [Q_hi; Q_lo]^T,
+//     18 m64n32k32 with both operands in shared memory (columns 16.. are the lo halves, added to
+//     columns 0..15 in registers), one FP32 accumulator per 128-dim scale group; score =
+//     sum_g s[tok][g] acc_g.
 //   - PV contracts over tokens, but tile rows are tokens (dims contiguous), and K-major A = V^T
 //     would need tokens contiguous. The consumer builds V^T's register fragments itself (4-byte
 //     loads of 4 dims x 4 tokens, a 4 x 4 byte transpose by prmt) and issues register-A wgmma
