@@ -87,12 +87,6 @@ __device__ __forceinline__ unsigned split2h(float x0, float x1) {
   return h | (l << 16);
 }
 
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
-  unsigned d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
 // Q rows r0 .. r0 + 15 of sequence b as E4M3: hi in rows 0..15, lo in rows 16..31 of one SW128
 // K-major [32][576] operand (5 blocks; zero past H*T). scratch: 12 floats. Returns 2^-E. Contains a barrier (all threads call it).
 template <class C>
@@ -176,11 +170,13 @@ __device__ __forceinline__ void load_tile(const Params& p, long long row0, int n
   }
 }
 
-// SW128 K-major descriptor from its low word (start >> 4 | LBO 16 >> 4): the high word (SBO 1024,
+// SW128 K-major descriptor (sm90::wgmma_desc) split in its two words: the high one (SBO 1024,
 // layout 128B swizzle) is the same for every operand here, and adding (bytes >> 4) to the low word
 // moves the start (shared addresses < 2^18, so it never carries into the LBO field).
-constexpr unsigned kDescHi = (1024u >> 4) | (1u << 30);
-__device__ __forceinline__ unsigned desc_lo(unsigned addr) { return ((addr & 0x3FFFFu) >> 4) | (1u << 16); }
+constexpr unsigned kDescHi = static_cast<unsigned>(sm90::wgmma_desc<16, 1024, 1>(0u) >> 32);
+__device__ __forceinline__ unsigned desc_lo(unsigned addr) {
+  return static_cast<unsigned>(sm90::wgmma_desc<16, 1024, 1>(addr));
+}
 __device__ __forceinline__ unsigned long long desc(unsigned lo) {
   return (static_cast<unsigned long long>(kDescHi) << 32) | lo;
 }
@@ -417,12 +413,12 @@ __device__ void decode(const Params& p) {
             w[q] = *reinterpret_cast<const unsigned*>(kvs + g * wg::kBlk + (tok >> 3) * 1024 + (tok & 7) * 128 +
                                                        (((2 * warp + (g8 >> 2)) ^ (tok & 7)) << 4) + 4 * (g8 & 3));
           }
-          const unsigned t0 = prmt(w[0], w[1], 0x5140u), t1 = prmt(w[0], w[1], 0x7362u);
-          const unsigned t2 = prmt(w[2], w[3], 0x5140u), t3 = prmt(w[2], w[3], 0x7362u);
-          a[2 * g][2 * h] = prmt(t0, t2, 0x5410u);        // dim +0: block 2g, row g8
-          a[2 * g][2 * h + 1] = prmt(t0, t2, 0x7632u);    // dim +1: block 2g, row g8 + 8
-          a[2 * g + 1][2 * h] = prmt(t1, t3, 0x5410u);    // dim +2: block 2g + 1, row g8
-          a[2 * g + 1][2 * h + 1] = prmt(t1, t3, 0x7632u);
+          const unsigned t0 = f8::prmt(w[0], w[1], 0x5140u), t1 = f8::prmt(w[0], w[1], 0x7362u);
+          const unsigned t2 = f8::prmt(w[2], w[3], 0x5140u), t3 = f8::prmt(w[2], w[3], 0x7362u);
+          a[2 * g][2 * h] = f8::prmt(t0, t2, 0x5410u);        // dim +0: block 2g, row g8
+          a[2 * g][2 * h + 1] = f8::prmt(t0, t2, 0x7632u);    // dim +1: block 2g, row g8 + 8
+          a[2 * g + 1][2 * h] = f8::prmt(t1, t3, 0x5410u);    // dim +2: block 2g + 1, row g8
+          a[2 * g + 1][2 * h + 1] = f8::prmt(t1, t3, 0x7632u);
         }
       sm90::wgmma_fence();
 #pragma unroll
