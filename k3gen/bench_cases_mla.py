@@ -4,12 +4,12 @@ Bytes are the KV bytes the kernel must read (MlaDecodeSpec.kv_bytes: codes + sca
 its HP tail rows); % of copy is on those. The peer is the naive absorbed PyTorch decode over a
 dense, already-gathered BF16 KV (bmm, FP32 softmax, bmm; no paging, no causal mask: both favour
 the peer). FP8/NVFP4 rows carry `x_bf16`, the speed-up over the BF16-KV mma.sync kernel at the same shape.
-BF16 KV runs both schedules (column `schedule`): the mma.sync kernel and the sm_90a wgmma one, and
-FP8 KV too; wgmma rows carry `x_mma`, their speed-up over the mma.sync row of the
-same KV dtype and shape.
+Every KV dtype runs both schedules (column `schedule`): the mma.sync kernel and the sm_90a wgmma one;
+wgmma rows carry `x_mma`, their speed-up over the mma.sync row of the same KV dtype and shape, and
+NVFP4 rows `x_fp8`, over the faster FP8 row of the shape.
 
 `k3gen bench --op mla_decode_bars`: the bars' memory-bound H = 12 shapes, B in {32, 128} x L in {8K,
-32K}, every KV dtype (FP8 through both schedules).
+32K}, every KV dtype through mma.sync, FP8 and NVFP4 also through wgmma.
 
 `k3gen bench --op mla_decode_heads`: BF16 KV through both schedules over H in HEADS_SWEEP (T = 1,
 L = 8K, B = 32 and 128) - where the wgmma schedule overtakes mma.sync (MlaDecodeSpec's
@@ -48,8 +48,8 @@ def bench_specs(quick: bool = False) -> list:
     return specs[:len(heads) * len(tokens)] + [
         MlaDecodeSpec(target=tgt, heads=h, tokens=t, schedule="wgmma") for h in heads for t in tokens
     ] + specs[len(heads) * len(tokens):] + [
-        MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=KvDtype.FP8, schedule="wgmma")
-        for h in heads for t in tokens]
+        MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=kv, schedule="wgmma", **kw)
+        for kv, kw in _kv_formats()[1:] for h in heads for t in tokens]
 
 
 def _random_cache(spec, num_pages: int, B: int, gen) -> dict:
@@ -93,13 +93,13 @@ def heads_sweep_specs(quick: bool = False) -> list:
 
 def bars_specs() -> list:
     """mla_decode_bars: issue 6's memory-bound H = 12 shapes (B * L >= 256K tokens), T = 1, every KV
-    dtype through mma.sync and FP8 also through wgmma (its sm90 default)."""
+    dtype through mma.sync, FP8 and NVFP4 also through wgmma."""
     from .ir.dtypes import KvDtype
     from .ir.ops.mla_decode import MlaDecodeSpec
     from .targets import get_target
     tgt = get_target("sm90")
     return [MlaDecodeSpec(target=tgt, heads=12, kv=kv, schedule="mma", **kw) for kv, kw in _kv_formats()] + [
-        MlaDecodeSpec(target=tgt, heads=12, kv=KvDtype.FP8, schedule="wgmma")]
+        MlaDecodeSpec(target=tgt, heads=12, kv=kv, schedule="wgmma", **kw) for kv, kw in _kv_formats()[1:]]
 
 
 def mla_decode_bars(ceiling: float, quick: bool = False) -> list:
@@ -158,6 +158,10 @@ def mla_decode(ceiling: float, quick: bool = False, *, specs=None, batches=None,
                 peer, peer_us = "", None
                 if spec.kv.value != "bf16" and ("bf16", "mma") + key in us_by:
                     extra["x_bf16"] = us_by[("bf16", "mma") + key] / us
+                if spec.kv.value == "nvfp4":   # vs the faster FP8 schedule measured at this shape
+                    fp8 = [us_by[k] for k in (("fp8", "wgmma") + key, ("fp8", "mma") + key) if k in us_by]
+                    if fp8:
+                        extra["x_fp8"] = min(fp8) / us
                 if spec.schedule == "wgmma":
                     if (spec.kv.value, "mma") + key in us_by:
                         extra["x_mma"] = us_by[(spec.kv.value, "mma") + key] / us

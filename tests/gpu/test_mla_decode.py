@@ -49,6 +49,9 @@ WG_SHAPES = SHAPES + [(16, 1), (16, 2), (16, 8), (40, 1), (64, 1), (128, 2), (12
 # The FP8 wgmma schedule (16 query rows per CTA, so H * T <= 16): both scale granularities.
 WG8_SHAPES = [(12, 1), (6, 1), (16, 1), (4, 4), (8, 2), (2, 8)]
 FP8_FORMATS = ("fp8-tok128", "fp8-tensor")
+# The NVFP4 wgmma schedule (linear scales; 16 query rows per CTA): the FP8 shapes plus wide ones.
+WG4_SHAPES = WG8_SHAPES + [(12, 4), (96, 1)]
+NV = "nvfp4-linear-m3"
 
 
 def _write_spec(fmt: str) -> KvCacheWriteSpec:
@@ -66,13 +69,16 @@ ATTN_SPECS.update({("bf16", h, t, sched): _attn_spec("bf16", h, t, sched)
                    for h, t in WG_SHAPES for sched in ("mma", "wgmma")})
 ATTN_SPECS.update({(f, h, t, sched): _attn_spec(f, h, t, sched)
                    for f in FP8_FORMATS for h, t in WG8_SHAPES for sched in ("mma", "wgmma")})
+ATTN_SPECS.update({(NV, h, t, sched): _attn_spec(NV, h, t, sched) for h, t in WG4_SHAPES for sched in ("mma", "wgmma")})
 # (fmt, schedule) pairs for the tests that run every format: BF16 and FP8 also through wgmma.
-FMT_SCHED = [(f, "mma") for f in FORMATS] + [("bf16", "wgmma")] + [(f, "wgmma") for f in FP8_FORMATS]
+FMT_SCHED = ([(f, "mma") for f in FORMATS] + [("bf16", "wgmma")] + [(f, "wgmma") for f in FP8_FORMATS]
+             + [(NV, "wgmma")])
 
 
 def heads_for(fmt: str, sched: str, T: int, H: int = 12) -> int:
-    """H of a test shape; the FP8 wgmma schedule takes H * T <= 16 (12 at T = 1, else 16 // T)."""
-    return H if not (fmt.startswith("fp8") and sched == "wgmma") or H * T <= 16 else 16 // T
+    """H of a test shape; the FP8/NVFP4 wgmma tests take H * T <= 16 (12 at T = 1, else 16 // T):
+    one CTA per sequence and split, as the shapes built for them."""
+    return H if fmt == "bf16" or sched != "wgmma" or H * T <= 16 else 16 // T
 
 
 def prebuild_specs():
@@ -105,11 +111,12 @@ def scale_of(fmt: str) -> float:
 class Batch:
     """B sequences in a paged cache of format `fmt`, written by the kv_cache_write kernel."""
 
-    def __init__(self, fmt: str, lens: list[int], T: int, seed: int, rows: list | None = None, extra_pages: int = 7):
+    def __init__(self, fmt: str, lens: list[int], T: int, seed: int, rows: list | None = None, extra_pages: int = 7,
+                 scale: float | None = None):
         self.fmt, self.T, self.lens = fmt, T, list(lens)
         self.wspec = WRITE_SPECS[fmt]
         self.lay = self.wspec.layout
-        self.scale = scale_of(fmt)
+        self.scale = scale_of(fmt) if scale is None else scale
         rng = random.Random(seed)
         self.gen = torch.Generator(device="cuda").manual_seed(seed)
         B = len(lens)
@@ -263,6 +270,42 @@ def test_fp8_wgmma_scale_range():
         assert_close(b.run(attn("fp8-tok128", H, T, sched), q), ref, f"scale range {sched}")
 
 
+@pytest.mark.parametrize("H,T", [(12, 1), (4, 4), (12, 4)], ids=str)
+def test_nvfp4_wgmma_schedule_matches_mma_schedule(H, T):
+    """Same NVFP4 cache (live tiles from the ring included) through both schedules: both within the
+    reference tolerance and close to each other (exact decoded codes in both, f16 operands against
+    f16 Q * 2^E; the live rows in FP32 on CUDA cores in both)."""
+    rng = random.Random(93 + H * T)
+    b = Batch(NV, ragged(rng, 5, T) + [T, 16, 17, 64, 65, 3000, 3001], T, seed=15)
+    q = b.query(H, 15)
+    ref = b.reference(q)
+    for splits in (1, 4):
+        got = {}
+        for sched in ("mma", "wgmma"):
+            op = attn(NV, H, T, sched)
+            got[sched] = b.run(op, q, plan=op.plan(len(b.lens), max(b.lens), splits=splits)).clone()
+            assert_close(got[sched], ref, f"{NV} {sched} H{H} T{T} s{splits} lens={b.lens}")
+        assert rel_rms(got["wgmma"], got["mma"]) < 4e-3
+
+
+def test_nvfp4_wgmma_scale_range_and_g():
+    """Tile scales over many binades (rows scaled by 2^-12 .. 2^4) and two global scales G: the
+    wgmma schedule's f16 products (subnormal ones included) still give the reference."""
+    lens, T, H = [3000, 701, 129, 30], 1, 12
+    g = torch.Generator(device="cuda").manual_seed(16)
+    rows = []
+    for L in lens:
+        r = torch.randn(L, MLA_ROW, device="cuda", generator=g)
+        r *= torch.exp2(torch.randint(-12, 5, (L, 1), device="cuda", generator=g).float())
+        rows.append(r.bfloat16())
+    for gs in (G, 2.0):
+        b = Batch(NV, lens, T, seed=16, rows=rows, scale=gs)
+        q = b.query(H, 16)
+        ref = b.reference(q)
+        for sched in ("mma", "wgmma"):
+            assert_close(b.run(attn(NV, H, T, sched), q), ref, f"G={gs} {sched}")
+
+
 def test_quantized_kv_error_vs_bf16():
     """Same rows (unit-variance latents, unit-variance scores) in every format: FP8 KV within 0.05
     and NVFP4 KV within 0.15 relative RMS of the BF16-KV kernel's output."""
@@ -282,7 +325,8 @@ def test_quantized_kv_error_vs_bf16():
 
 # -- CUDA graphs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("fp8-tok128", "mma"), ("nvfp4-linear-m3", "mma"),
-                                       ("bf16", "wgmma"), ("fp8-tok128", "wgmma")], ids=lambda v: str(v))
+                                       ("bf16", "wgmma"), ("fp8-tok128", "wgmma"), (NV, "wgmma")],
+                         ids=lambda v: str(v))
 @pytest.mark.parametrize("B", [1, 5])
 def test_cuda_graph_replay_with_changed_lengths(fmt, sched, B):
     """Capture once with a plan for the largest length; replays with other lengths (and other
@@ -329,7 +373,8 @@ def test_cuda_graph_replay_with_changed_lengths(fmt, sched, B):
 
 # -- bad input ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("fp8-tok128", "mma"), ("nvfp4-linear-m3", "mma"),
-                                       ("bf16", "wgmma"), ("fp8-tok128", "wgmma")], ids=lambda v: str(v))
+                                       ("bf16", "wgmma"), ("fp8-tok128", "wgmma"), (NV, "wgmma")],
+                         ids=lambda v: str(v))
 def test_bad_page_ids_raise_with_validation(fmt, sched, monkeypatch):
     monkeypatch.setenv("K3GEN_VALIDATE", "1")
     b = Batch(fmt, [300, 40], 1, seed=8)
@@ -350,8 +395,8 @@ def test_bad_page_ids_raise_with_validation(fmt, sched, monkeypatch):
         b.run(op, q)
 
 
-@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("bf16", "wgmma"), ("fp8-tok128", "wgmma")],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("bf16", "wgmma"), ("fp8-tok128", "wgmma"),
+                                       (NV, "wgmma")], ids=lambda v: str(v))
 def test_bad_page_ids_without_validation_read_zeros(fmt, sched, monkeypatch):
     """Out-of-range ids are not dereferenced: those rows read as zeros (no fault, no NaN)."""
     monkeypatch.delenv("K3GEN_VALIDATE", raising=False)
@@ -367,7 +412,8 @@ def test_bad_page_ids_without_validation_read_zeros(fmt, sched, monkeypatch):
     for name in b.lay.paged_tensors():
         cpu[name] = torch.cat([cpu[name], torch.zeros_like(cpu[name][:1])])
     bt[0, 2], bt[1, 0] = zero_page, zero_page
-    ref = mla_ref(b.lay, cpu, q, bt, b.lens, device="cuda")
+    ring = b.ring.cpu() if b.lay.kv is KvDtype.NVFP4 else None
+    ref = mla_ref(b.lay, cpu, q, bt, b.lens, ring_slot=ring, scale=b.scale, device="cuda")
     assert_close(got, ref, "bad pages as zeros")
 
 
@@ -393,12 +439,13 @@ def test_typed_errors(sched):
 # -- compute-sanitizer (scripts/h200.sh runs `-k sanitize` under memcheck) ----------------------------
 # wgmma: every row plan (N = 64 split rows with an idle consumer, 64 with half, 16, 32).
 SANITIZE_SHAPES = {"mma": [(12, 4)], "wgmma": [(12, 4), (96, 1), (40, 1), (6, 1), (16, 2)],
-                   "wgmma-fp8": [(12, 1), (4, 4)]}
+                   "wgmma-fp8": [(12, 1), (4, 4)], "wgmma-nvfp4": [(12, 1), (4, 4)]}
 
 
 @pytest.mark.parametrize("fmt,sched", FMT_SCHED, ids=lambda v: str(v))
 def test_sanitize_reduced_matrix(fmt, sched):
-    for H, T in SANITIZE_SHAPES[sched + ("-fp8" if sched == "wgmma" and fmt.startswith("fp8") else "")]:
+    kind = "" if sched == "mma" or fmt == "bf16" else "-" + fmt.split("-")[0]
+    for H, T in SANITIZE_SHAPES[sched + kind]:
         b = Batch(fmt, [4, 17, 130, 257], T, seed=11)
         op = attn(fmt, H, T, sched)
         q = b.query(H, 11)

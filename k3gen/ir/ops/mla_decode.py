@@ -41,6 +41,14 @@ value's 8 significant bits, so BF16-level results), QK reads both operands from 
 (m64n32k32: hi and lo as 32 columns), PV builds V^T's register fragments by byte transposes of the
 stage (register-A m64n16k32), and the per-token group scales weight the QK partials and fold into
 the probabilities with a per-tile power of two. Four 42 KB stages fit beside Q and P.
+
+`schedule="wgmma"` over NVFP4 KV with linear scales (templates/include/k3gen/mla_decode_wg4.cuh)
+keeps the same frame. Hopper has no FP4 MMA and the tile scales change every 16 dims and 16
+tokens, so each consumer decodes a tile once: e2m1 x E4M3 scale code x 2^-8 is exact in f16, the
+decoded registers are QK's register-A operand (m64n16k16 f16 against Q * 2^E) and are also stored
+into the consumer's f16 V tile, which PV reads MN-major as the BF16 schedule reads its stage. The
+tiles mask the live 16-token tile; its rows (BF16 HP tail ring, staged once per CTA) are folded
+into one consumer's softmax state in FP32 on CUDA cores, as the mma.sync kernel does.
 """
 from __future__ import annotations
 
@@ -78,6 +86,12 @@ WG_OSTRIDE = MLA_LATENT + 4   # FP32 per row of the merge buffer (conflict-free 
 WG8_CODE_BYTES = 5 * TILE_TOKENS * 128
 WG8_SCALE_BYTES = TILE_TOKENS * 5 * 4
 WG8_ROWS = 16
+# wgmma schedule over NVFP4 KV with linear scales (mla_decode_wg4.cuh): 16 query rows per CTA; a
+# stage is the tile's codes (latent [64][256], rope [64][32]) and its scale bytes; each consumer
+# decodes into its own [64][512] f16 V tile; the live rows (<= 16, BF16) are staged once per CTA.
+WG4_STAGE_BYTES = TILE_TOKENS * (MLA_ROW // 2) + 4 * 32 + TILE_TOKENS * 4
+WG4_RING_BYTES = 16 * MLA_ROW * 2
+WG4_V_BYTES = TILE_TOKENS * MLA_LATENT * 2
 
 
 @register_op("mla_decode")
@@ -109,7 +123,7 @@ class MlaDecodeSpec(OpSpec):
 
     def _default_m_tiles(self) -> int:
         ht = self.heads * self.tokens
-        if ht <= 16 or (self.schedule == "wgmma" and self.kv is KvDtype.FP8):
+        if ht <= 16 or (self.schedule == "wgmma" and self.kv is not KvDtype.BF16):
             return 1
         return 4 if self.schedule == "wgmma" and ht > 32 else 2
 
@@ -133,17 +147,18 @@ class MlaDecodeSpec(OpSpec):
         if self.schedule == "wgmma":
             if self.target.mma != "wgmma":
                 raise TargetError("schedule", self.schedule, ["mma"], f"target {self.target.name} has no wgmma")
-            if self.kv is KvDtype.NVFP4:
-                raise SpecError("schedule", self.schedule, ["mma"],
-                                "the wgmma schedule reads BF16 or FP8 KV tiles directly (NVFP4 KV: use 'mma')")
-        if self.schedule == "wgmma" and self.kv is KvDtype.FP8:
+            if self.kv is KvDtype.NVFP4 and self.scale_layout is not ScaleLayout.LINEAR:
+                raise SpecError("scale_layout", self.scale_layout.value, [ScaleLayout.LINEAR.value],
+                                "the NVFP4 wgmma schedule reads linear tile scales (the 128x4 swizzle is "
+                                "the SM100 family's; schedule 'mma' reads both)")
+        if self.schedule == "wgmma" and self.kv is not KvDtype.BF16:
             allowed = [1]
         else:
             allowed = [1, 2, 4] if self.schedule == "wgmma" else [1, 2]
         if self.m_tiles not in allowed:
             raise SpecError("m_tiles", self.m_tiles, allowed, "registers: 32 FP32 accumulators per tile"
                             + ("; wgmma 4: two consumers of 32 rows" if self.schedule == "wgmma" else "")
-                            + ("; FP8 wgmma: 16 rows (H * T <= 16)" if allowed == [1] else ""))
+                            + ("; FP8/NVFP4 wgmma: 16 rows (H * T <= 16)" if allowed == [1] else ""))
         self.layout  # page and draft checks live in KvLayout
         if self.smem_bytes > self.smem_limit:
             raise SpecError("m_tiles", self.m_tiles, "a smaller value",
@@ -231,9 +246,10 @@ class MlaDecodeSpec(OpSpec):
     def stages(self) -> int:
         """cp.async ring depth: as many stages as fit, 2..4 (BF16 tiles are their own buffer)."""
         if self.schedule == "wgmma":
-            if self.kv is KvDtype.FP8:
+            if self.kv is not KvDtype.BF16:
+                plan = self._wg8_plan if self.kv is KvDtype.FP8 else self._wg4_plan
                 for st in (4, 3, 2):
-                    if self._wg8_plan(st)["total"] <= self.smem_limit:
+                    if plan(st)["total"] <= self.smem_limit:
                         return st
             return WG_STAGES
         fixed = self._fixed_smem()
@@ -269,6 +285,8 @@ class MlaDecodeSpec(OpSpec):
         full[2], empty[2]. The final [rows][516] FP32 output buffer reuses the stages."""
         if self.kv is KvDtype.FP8:
             return self._wg8_plan(self.stages)
+        if self.kv is KvDtype.NVFP4:
+            return self._wg4_plan(self.stages)
         r, n = self.rows, self.wg_cols
         plan, off = {}, 0
         for name, size in (("stages", WG_STAGES * self.raw_stage_bytes), ("q", r * MLA_ROW * 2),
@@ -292,6 +310,22 @@ class MlaDecodeSpec(OpSpec):
         plan["p"] = plan["q"] + 2 * 5 * WG8_ROWS * 128
         plan["red"] = plan["p"] + 2 * 4 * WG8_ROWS * 128
         plan["stats"] = plan["red"] + 2 * 4 * (WG8_ROWS + 4) * 4
+        plan["bars"] = plan["stats"] + 2 * 2 * WG8_ROWS * 4
+        plan["end"] = plan["bars"] + 2 * stages * 8
+        plan["total"] = plan["end"] + WG_ALIGN
+        return plan
+
+    def _wg4_plan(self, stages: int) -> dict:
+        """NVFP4 wgmma plan (mla_decode_wg4.cuh's Geo4): stages, the live rows ([16][576] BF16), from a
+        1024-aligned offset the two consumers' decoded V tiles (8 SW128 blocks of [64 tok][64 dims]
+        f16 each; later the [16][516] FP32 merge buffer), Q (9 SW128 blocks of [16][64] f16), P^T per
+        consumer ([16][64] f16), red ([consumer][warp][16]), stats, full/empty mbarriers per stage."""
+        plan = {"stages": 0, "ring": stages * WG4_STAGE_BYTES}
+        plan["v"] = -(-(plan["ring"] + WG4_RING_BYTES) // WG_ALIGN) * WG_ALIGN
+        plan["q"] = plan["v"] + 2 * WG4_V_BYTES
+        plan["p"] = plan["q"] + 9 * WG8_ROWS * 128
+        plan["red"] = plan["p"] + 2 * WG8_ROWS * 128
+        plan["stats"] = plan["red"] + 2 * 4 * WG8_ROWS * 4
         plan["bars"] = plan["stats"] + 2 * 2 * WG8_ROWS * 4
         plan["end"] = plan["bars"] + 2 * stages * 8
         plan["total"] = plan["end"] + WG_ALIGN

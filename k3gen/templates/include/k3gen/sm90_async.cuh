@@ -312,5 +312,34 @@ struct WgmmaBf16<32, kTransA> {
   }
 };
 
+// ---- f16 wgmma, N = 16 (the NVFP4 schedule: E2M1 x E4M3 products are exact in f16) -------------
+// As WgmmaBf16<16, kTransA> with f16 operands; always accumulates.
+template <int kTransA>
+struct WgmmaF16x16 {
+  __device__ __forceinline__ static void mma(float (&d)[8], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7"
+        "}, %8, %9, 1, 1, 1, %10, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+          "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "n"(kTransA));
+  }
+};
+// A from registers: a[0..3] = f16x2 of the mma.sync m16n8k16 A fragment in the warp's 16 rows
+// (row (t % 32) / 4 (+ 8 in a[1], a[3]), k 2 (t % 4), + 1 (+ 8 in a[2], a[3])); warp w of the
+// warpgroup holds rows 16 w ... The registers must stay unchanged until the wgmma has completed.
+struct WgmmaF16RegA16 {
+  __device__ __forceinline__ static void mma(float (&d)[8], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7"
+        "}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+          "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  }
+};
+
 }  // namespace sm90
 }  // namespace k3gen
