@@ -11,7 +11,7 @@ import pytest
 
 from k3gen.build import build_one, lower
 from k3gen.errors import SpecError, TargetError
-from k3gen.ir.dtypes import KvDtype
+from k3gen.ir.dtypes import KvDtype, ScaleLayout
 from k3gen.ir.ops.mla_decode import SMEM_LIMIT, WG_THREADS, MlaDecodeSpec
 from k3gen.ir.sm90_tiles import (SW128_KMAJOR, SW128_MNMAJOR_1BLOCK, encode_desc, swizzle128, wgmma_read_addr,
                                  wgmma_read_addr_mn)
@@ -246,12 +246,18 @@ def test_auto_schedule_resolves_by_rows_target_and_kv():
         # Resolved at construction: the same kernel (slug, digest) as the explicit schedule.
         assert a == MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule=want)
         assert a.digest() == MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule=want).digest()
-    assert MlaDecodeSpec(target=SM90, heads=128, kv=KvDtype.NVFP4, schedule="auto").schedule == "mma"
+    # NVFP4: wgmma with the sm90 default linear scales (16 rows per CTA), mma.sync with the swizzle.
+    for h, t in ((12, 1), (128, 1), (12, 4)):
+        a = MlaDecodeSpec(target=SM90, heads=h, tokens=t, kv=KvDtype.NVFP4)
+        assert (a.schedule, a.m_tiles) == ("wgmma", 1), (h, t)
+    assert MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.NVFP4,
+                         scale_layout=ScaleLayout.SWIZZLE_128X4).schedule == "mma"
     for h, t in ((12, 1), (128, 1), (12, 4)):   # FP8: wgmma at every H * T, 16 rows per CTA
         a = MlaDecodeSpec(target=SM90, heads=h, tokens=t, kv=KvDtype.FP8)
         assert (a.schedule, a.m_tiles) == ("wgmma", 1), (h, t)
     for t in ("sm103-nvfp4", "sm107-nvfp4"):
         assert MlaDecodeSpec(target=TARGETS[t], heads=12, kv=KvDtype.FP8).schedule == "mma"
+        assert MlaDecodeSpec(target=TARGETS[t], heads=12, kv=KvDtype.NVFP4).schedule == "mma"
     for t in ("sm103-nvfp4", "sm107-nvfp4"):
         assert MlaDecodeSpec(target=TARGETS[t], heads=128, schedule="auto").schedule == "mma"
     # "auto" is the default (the threshold was confirmed on the H200, see AUTO_WGMMA_ROWS).

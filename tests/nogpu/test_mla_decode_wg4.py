@@ -211,10 +211,10 @@ def test_compiles_to_f16_wgmma_without_spills():
     r = build_one(wg4())
     main = next(x for x in r.resources if x["function"] == "k3gen_mla_decode")
     assert main["local"] == 0 and main["stack"] == 0 and main["registers"] <= 168, main
-    # Per consumer: a loop over two pairs of 128-dim blocks (16 register-A m64n16k16), the rope's 4,
-    # then 8 x 4 m64n16k16 (PV).
+    # Per consumer: a loop over two pairs of 128-dim blocks (2 x 8 register-A m64n16k16), the
+    # rope's 4, then 8 x 4 m64n16k16 (PV).
     assert main["sass"].get("HGMMA", 0) == 2 * (16 + 4 + 32)
-    # Per consumer: 2 + 1 + 1 fences (QK block commits, PV) and 2 + 1 + 1 + 1 waits; more would be
+    # Per consumer: 2 + 1 + 1 fences (QK commit groups, PV) and 2 + 1 + 1 + 1 waits; more would be
     # ptxas serializing the register-A wgmmas (C7519).
     assert main["sass"].get("WARPGROUP", 0) <= 2 * 9, "register-A wgmma serialized by ptxas"
     assert "HMMA" not in main["sass"] and main["sass"].get("LDGSTS", 0) > 0

@@ -77,6 +77,8 @@ AUTO_WGMMA_ROWS = 16
 # FP8 KV resolves to "wgmma" on wgmma targets at every H * T (16 query rows per CTA there). H200,
 # bench mla_decode --quick 2026-11-30 06:04-06:11, T1 L8K: H12 B128 182.3-185.8 us vs mma.sync
 # 291.3-294.4 us; H128 B128 1358.8-1373.8 vs 2105.8-2114.0 us; B1 within 1 us (23.1-25.5 vs 22.4-38.1).
+# NVFP4 KV with linear scales (the sm90 default) resolves to "wgmma" too. H200, 2026-11-30 08:01-08:09,
+# H12 T1 L8K: B128 247 us vs mma.sync 420 us, B32 74 vs 115 us, B1 24.5 vs 24.7 us.
 WG_THREADS = 384              # wgmma schedule: producer + 2 consumer warpgroups
 WG_STAGES = 2                 # one 72 KB tile per consumer warpgroup (a third does not fit with Q)
 WG_ALIGN = 1024               # SW128 operand tiles are 1024-byte aligned; the kernel aligns the base up
@@ -104,14 +106,16 @@ class MlaDecodeSpec(OpSpec):
     scale_layout: ScaleLayout | None = None  # NVFP4 only; defaults to the target's layout
     max_drafts: int = 0                   # NVFP4 HP tail ring = 16 + max_drafts rows
     m_tiles: int | None = None            # 16-row query tiles per CTA; default from H * T (and schedule)
-    schedule: str = "auto"                # "mma" (mma.sync, every target), "wgmma" (sm_90a, BF16 KV) or
+    schedule: str = "auto"                # "mma" (mma.sync, every target), "wgmma" (sm_90a) or
                                           # "auto" (resolved here by target, KV dtype and H * T)
 
     def __post_init__(self):
         if (self.schedule == "auto" and isinstance(self.heads, int) and isinstance(self.tokens, int)
                 and hasattr(self.target, "mma")):
+            layout = self.scale_layout or self.target.nvfp4_scale_layout
             wg = self.target.mma == "wgmma" and (
                 self.kv is KvDtype.FP8
+                or (self.kv is KvDtype.NVFP4 and layout is ScaleLayout.LINEAR)
                 or (self.kv is KvDtype.BF16 and self.heads * self.tokens > AUTO_WGMMA_ROWS))
             object.__setattr__(self, "schedule", "wgmma" if wg else "mma")
         if self.scale_layout is None:

@@ -398,7 +398,11 @@ __device__ void decode(const Params& p) {
   const int g8 = lane >> 2, cq = lane & 3;
   const int tk0 = 16 * warp + g8;   // this thread's tokens tk0, tk0 + 8 (one 16-token scale tile)
   float* rd = red + c * 4 * N;
-  const unsigned q_lo = desc_lo(aQ);
+  // Descriptor low words (moved by adding bytes / 16; shared addresses < 2^18 never carry into
+  // the LBO field); the high word (SBO 1024, 128B swizzle) is kDescHi for all three operands.
+  const unsigned q_lo = desc_lo(aQ), p_lo = desc_lo(aP);
+  const unsigned v_lo = static_cast<unsigned>(sm90::wgmma_desc<1024, 1024, 1>(aV));   // MN-major: LBO 1024
+  static_assert(static_cast<unsigned>(sm90::wgmma_desc<1024, 1024, 1>(0u) >> 32) == kDescHi, "one high word");
   // V-tile byte offsets of this thread's stores (token tk0 + 8 r, chunk 2 cq + i % 2) in block 0.
   int voff[2][2];
 #pragma unroll
@@ -417,84 +421,98 @@ __device__ void decode(const Params& p) {
     // Tokens of the live tile (and past the length) are masked; zero scales keep them finite.
     const unsigned keep = tile * kTok + 16 * warp >= live ? 0u : ~0u;   // warp-uniform; a mask, not a branch
 
-    // QK, one 128-dim block (8 k-steps) per commit group, two register sets; then the rope.
+    // QK, one 128-dim block (8 k-steps) per commit group, two register sets; then the rope (4).
+    // Each block's codes and scales are loaded while the previous block is decoded.
     float acc[NA];
 #pragma unroll
     for (int i = 0; i < NA; ++i) acc[i] = 0.f;
     unsigned a[2][8][4];
+    auto load_blk = [&](int blk, unsigned (&w)[2][4], unsigned& scw) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int tt = tk0 + 8 * r;
+        if (blk < 4) {
+          const uint4 u = *reinterpret_cast<const uint4*>(st + tt * kLatB + (((4 * blk + cq) ^ ((tt & 1) << 2)) << 4));
+          w[r][0] = u.x; w[r][1] = u.y; w[r][2] = u.z; w[r][3] = u.w;
+        } else {
+          const uint2 u = *reinterpret_cast<const uint2*>(st + kRopeOff + tt * kRopeB + cq * 8);
+          w[r][0] = u.x; w[r][1] = u.y;
+        }
+      }
+      // Latent: the scale codes of groups 8 blk + 2 cq, + 1 (one tile: both tokens); rope: the
+      // codes of group cq for each token.
+      scw = blk < 4 ? *reinterpret_cast<const unsigned short*>(st + kTsOff + warp * 32 + 8 * blk + 2 * cq)
+                    : st[kRsOff + tk0 * 4 + cq] | (st[kRsOff + (tk0 + 8) * 4 + cq] << 8);
+    };
+    unsigned wcur[2][4], scur;
+    load_blk(0, wcur, scur);
+    // Two iterations of two latent blocks (a loop: the unrolled form's code no longer fits the
+    // instruction cache beside the other consumer's), then the rope.
+    unsigned qd = q_lo;   // the Q descriptor's low word at the iteration's first k-step
 #pragma unroll 1
     for (int bp = 0; bp < 2; ++bp) {
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         const int blk = 2 * bp + h2;
         unsigned (&A)[8][4] = a[h2];
+        unsigned wnxt[2][4], snxt;
+        load_blk(blk + 1, wnxt, snxt);   // block 4: the rope
         sm90::wgmma_wait<1>();   // the set's previous commit group is done
-        const unsigned sc =
-            scales64(st[kTsOff + warp * 32 + 8 * blk + 2 * cq], st[kTsOff + warp * 32 + 8 * blk + 2 * cq + 1]) & keep;
+        const unsigned sc = scales64(scur & 0xffu, scur >> 8) & keep;
         const unsigned s0 = splat_lo(sc), s1 = splat_hi(sc);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int tt = tk0 + 8 * r;
-          const uint4 u = *reinterpret_cast<const uint4*>(st + tt * kLatB + (((4 * blk + cq) ^ ((tt & 1) << 2)) << 4));
-          const unsigned uw[4] = {u.x, u.y, u.z, u.w};
+        for (int r = 0; r < 2; ++r)
 #pragma unroll
           for (int iw = 0; iw < 4; ++iw) {
             unsigned d[4];
-            decode8(uw[iw], iw < 2 ? s0 : s1, d);
+            decode8(wcur[r][iw], iw < 2 ? s0 : s1, d);   // words 0, 1: group 2 cq; 2, 3: 2 cq + 1
             A[2 * iw][r] = d[0];
             A[2 * iw][2 + r] = d[1];
             A[2 * iw + 1][r] = d[2];
             A[2 * iw + 1][2 + r] = d[3];
           }
-        }
         pin<8>(A);
         sm90::wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int ks = blk * 8 + j;
-          MmaQK::mma(acc, A[j], desc(q_lo + ((ks >> 2) * N * 128 + (ks & 3) * 32) / 16));
-        }
+        for (int j = 0; j < 8; ++j) MmaQK::mma(acc, A[j], desc(qd + ((h2 * 2 + (j >> 2)) * N * 128 + (j & 3) * 32) / 16));
         sm90::wgmma_commit();
         // The decoded latent dims into the V tile (PV's A): block 2 blk + iw / 2, chunk 2 cq + iw % 2.
+        // (A 16-byte store takes 4 consecutive registers, as each k-step's wgmma does, with the
+        // two tokens interleaved: ptxas copies the decoded values into the stores' registers.)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
           for (int iw = 0; iw < 4; ++iw)
-          {
-            unsigned* d = reinterpret_cast<unsigned*>(sV + (2 * blk + (iw >> 1)) * wg::kBlk + voff[r][iw & 1]);
-            d[0] = A[2 * iw][r];
-            d[1] = A[2 * iw][2 + r];
-            d[2] = A[2 * iw + 1][r];
-            d[3] = A[2 * iw + 1][2 + r];
-          }
+            *reinterpret_cast<uint4*>(sV + (2 * blk + (iw >> 1)) * wg::kBlk + voff[r][iw & 1]) =
+                make_uint4(A[2 * iw][r], A[2 * iw][2 + r], A[2 * iw + 1][r], A[2 * iw + 1][2 + r]);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int iw = 0; iw < 4; ++iw) wcur[r][iw] = wnxt[r][iw];
+        scur = snxt;
       }
+      qd += 4 * N * 128 / 16;
     }
     {
       unsigned (&A)[8][4] = a[0];
       sm90::wgmma_wait<1>();
+      const unsigned sc = scales64(scur & 0xffu, scur >> 8) & keep;   // token tk0, tk0 + 8
+      const unsigned s0 = splat_lo(sc), s1 = splat_hi(sc);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int tt = tk0 + 8 * r;
-        const uint2 u = *reinterpret_cast<const uint2*>(st + kRopeOff + tt * kRopeB + cq * 8);
-        const unsigned sr = splat_lo(scales64(st[kRsOff + tt * 4 + cq], 0u)) & keep;
-        const unsigned uw[2] = {u.x, u.y};
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int iw = 0; iw < 2; ++iw) {
           unsigned d[4];
-          decode8(uw[iw], sr, d);
+          decode8(wcur[r][iw], r == 0 ? s0 : s1, d);
           A[2 * iw][r] = d[0];
           A[2 * iw][2 + r] = d[1];
           A[2 * iw + 1][r] = d[2];
           A[2 * iw + 1][2 + r] = d[3];
         }
-      }
       pin<4>(A);
       sm90::wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int ks = 32 + j;
-        MmaQK::mma(acc, A[j], desc(q_lo + ((ks >> 2) * N * 128 + (ks & 3) * 32) / 16));
-      }
+      for (int j = 0; j < 4; ++j) MmaQK::mma(acc, A[j], desc(q_lo + (8 * N * 128 + j * 32) / 16));
       sm90::wgmma_commit();
     }
     sm90::wgmma_wait<0>();
@@ -561,7 +579,7 @@ __device__ void decode(const Params& p) {
     for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
       for (int ks = 0; ks < kTok / 16; ++ks)
-        MmaPV::mma(o[mb], wg::desc_mn(aV + mb * wg::kBlk + ks * 2048), wg::desc_k(aP + ks * 32));
+        MmaPV::mma(o[mb], desc(v_lo + (mb * wg::kBlk + ks * 2048) / 16), desc(p_lo + ks * 32 / 16));
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
 #pragma unroll
