@@ -14,6 +14,7 @@
 //   c2 = hp_tail  bf16[num_slots, 19, 576]
 #include <cuda_bf16.h>
 
+#include "k3gen/pdl.cuh"
 #include "k3gen/mla_decode.cuh"
 
 struct Config {
@@ -50,6 +51,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_mla_decode(
     const __nv_bfloat16* q, const int* lengths, const int* block_table, long long bt_stride, int bt_cols,
     int num_pages, const int* ring_slot, int num_slots, const void* c0, const void* c1, const void* c2,
     const void* c3, float scale, __nv_bfloat16* out, float* part_o, float* part_lse, int splits) {
+  // The combine (launched after this kernel, PDL when enabled) may get its CTAs resident now; they
+  // wait for this grid's completion before reading anything (no-op without the attribute).
+  k3gen::griddep_launch_dependents();
   const k3gen::mla::Params p{q, lengths, block_table, bt_stride, bt_cols, num_pages, ring_slot, num_slots,
                              {c0, c1, c2, c3}, scale, out, part_o, part_lse, splits};
   k3gen::mla::decode<Config>(p);
@@ -57,5 +61,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_mla_decode(
 
 extern "C" __global__ void __launch_bounds__(128) k3gen_mla_decode_combine(
     const float* part_o, const float* part_lse, __nv_bfloat16* out, int splits) {
+  k3gen::griddep_wait();   // the split kernel's partials (PDL launch; no-op otherwise)
   k3gen::mla::combine(part_o, part_lse, out, splits, Config::kHeads * Config::kTokens);
 }

@@ -173,7 +173,10 @@ class MlaDecode(Launcher):
         if n > 1:
             # The workspace rows are [plan.batch, n, T*H]: the combine indexes them with the
             # plan's split count, sequences 0..B-1.
-            self._combine.launch((self.spec.heads * self.spec.tokens, B, 1), (128, 1, 1),
-                                 (plan.part_o.data_ptr(), plan.part_lse.data_ptr(), out.data_ptr(), n),
-                                 (PTR, PTR, PTR, I32), dev, stream)
+            # With programmatic dependent launch (K3GEN_PDL, default on) the combine's CTAs are
+            # resident and waiting (griddepcontrol.wait) when the split kernel's last CTA ends:
+            # its launch latency leaves the critical path of small batches.
+            self._combine.launch_ex((self.spec.heads * self.spec.tokens, B, 1), (128, 1, 1), None,
+                                    (plan.part_o.data_ptr(), plan.part_lse.data_ptr(), out.data_ptr(), n),
+                                    (PTR, PTR, PTR, I32), dev, stream, pdl=settings().pdl)
         return out
