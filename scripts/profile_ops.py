@@ -1,6 +1,6 @@
 """Launch one op on a bench shape a few times for `ncu` (ncu measures; nothing is timed here).
 
-Usage: python scripts/profile_ops.py mla-bf16|mla-fp8|mla-fp8-wg|mla-nvfp4|mla-nvfp4-wg|mla-fp8-wg-b32|mla-bf16-b32|mla-h128|gemm-m1|gemm-m1-stream|gemm-m128|gemm-qkvg-m8
+Usage: python scripts/profile_ops.py mla-bf16|mla-fp8|mla-fp8-wg|mla-nvfp4|mla-nvfp4-wg|mla-fp8-wg-b32|mla-bf16-b32|mla-fp8-wg-b1|mla-nvfp4-wg-b1|mla-h128|gemm-m1|gemm-m1-stream|gemm-m128|gemm-qkvg-m8
 """
 import sys
 
@@ -73,7 +73,9 @@ CASES = {
     "mla-nvfp4": lambda: mla(KvDtype.NVFP4, schedule="mma"),
     "mla-nvfp4-wg": lambda: mla(KvDtype.NVFP4, schedule="wgmma"),
     "mla-fp8-wg-b32": lambda: mla(KvDtype.FP8, B=32, schedule="wgmma"),
-    "mla-bf16-b32": lambda: mla(KvDtype.BF16, B=32), "mla-h128": lambda: mla(KvDtype.BF16, H=128, B=32, L=8192),
+    "mla-bf16-b32": lambda: mla(KvDtype.BF16, B=32),
+    "mla-fp8-wg-b1": lambda: mla(KvDtype.FP8, B=1, schedule="wgmma"),
+    "mla-nvfp4-wg-b1": lambda: mla(KvDtype.NVFP4, B=1, schedule="wgmma"), "mla-h128": lambda: mla(KvDtype.BF16, H=128, B=32, L=8192),
     "gemm-m1": lambda: gemm(7168, 12288, 1), "gemm-m128": lambda: gemm(7168, 12288, 128),
     "gemm-qkvg-m8": lambda: gemm(6144, 7168, 8),
     "gemm-m1-stream": lambda: gemm(7168, 12288, 1, ctas=132),   # the persistent mode on every SM

@@ -7,7 +7,7 @@
 // Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (2, splits, B), 256 threads, 198144 B dynamic smem
-//   k3gen_mla_decode_combine  grid (48, B), 128 threads (only when splits > 1)
+//   k3gen_mla_decode_combine  grid (48, B), 512 threads (only when splits > 1)
 // Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv  bf16[num_pages, 64, 576]
 #include <cuda_bf16.h>
@@ -41,6 +41,7 @@ static_assert(k3gen::mla::kWarps * 64 == k3gen::mla::kLat && k3gen::mla::kWarps 
 static_assert(Config::kKv != k3gen::mla::Kv::kNvfp4 ||
               (Config::kPage == 128 && Config::kNumTensors == (Config::kSwizzle ? 3 : 4)),
               "NVFP4: 128-token pages; codes, scales (1 swizzled or 2 linear), hp_tail");
+static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from MlaDecodeSpec");
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890)
 #error "mla_decode needs cvt.rn.f16x2.e4m3x2 (sm_89+)"
 #endif
@@ -57,7 +58,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) k3gen_mla_decode(
   k3gen::mla::decode<Config>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(128) k3gen_mla_decode_combine(
+extern "C" __global__ void __launch_bounds__(k3gen::mla::kCombineThreads) k3gen_mla_decode_combine(
     const float* part_o, const float* part_lse, __nv_bfloat16* out, int splits) {
   k3gen::griddep_wait();   // the split kernel's partials (PDL launch; no-op otherwise)
   k3gen::mla::combine(part_o, part_lse, out, splits, Config::kHeads * Config::kTokens);

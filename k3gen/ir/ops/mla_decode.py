@@ -80,6 +80,7 @@ AUTO_WGMMA_ROWS = 16
 # NVFP4 KV with linear scales (the sm90 default) resolves to "wgmma" too. H200, 2026-11-30 08:01-08:09,
 # H12 T1 L8K: B128 247 us vs mma.sync 420 us, B32 74 vs 115 us, B1 24.5 vs 24.7 us.
 WG_THREADS = 384              # wgmma schedule: producer + 2 consumer warpgroups
+COMBINE_THREADS = 512         # split combine: 4 groups of 128 threads x 4 columns
 WG_STAGES = 2                 # one 72 KB tile per consumer warpgroup (a third does not fit with Q)
 WG_ALIGN = 1024               # SW128 operand tiles are 1024-byte aligned; the kernel aligns the base up
 WG_OSTRIDE = MLA_LATENT + 4   # FP32 per row of the merge buffer (conflict-free fragment stores)
@@ -181,6 +182,12 @@ class MlaDecodeSpec(OpSpec):
     @property
     def threads(self) -> int:
         return WG_THREADS if self.schedule == "wgmma" else THREADS
+
+    @property
+    def combine_threads(self) -> int:
+        """Threads of the split combine (templates: kCombineThreads): 4 groups of 128, each a
+        quarter of the splits over all 512 columns (4 per thread)."""
+        return COMBINE_THREADS
 
     @property
     def max_registers(self) -> int:

@@ -176,7 +176,7 @@ class MlaDecode(Launcher):
             # With programmatic dependent launch (K3GEN_PDL, default on) the combine's CTAs are
             # resident and waiting (griddepcontrol.wait) when the split kernel's last CTA ends:
             # its launch latency leaves the critical path of small batches.
-            self._combine.launch_ex((self.spec.heads * self.spec.tokens, B, 1), (128, 1, 1), None,
+            self._combine.launch_ex((self.spec.heads * self.spec.tokens, B, 1), (self.spec.combine_threads, 1, 1), None,
                                     (plan.part_o.data_ptr(), plan.part_lse.data_ptr(), out.data_ptr(), n),
                                     (PTR, PTR, PTR, I32), dev, stream, pdl=settings().pdl)
         return out

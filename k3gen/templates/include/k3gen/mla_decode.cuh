@@ -514,28 +514,55 @@ __device__ void decode(const Params& p) {
   }
 }
 
-// Log-sum-exp merge of the splits: grid (T*H, B), 128 threads x 4 columns.
+// Log-sum-exp merge of the splits: grid (T*H, B), kCombineThreads = 4 groups x 128 threads x 4
+// columns; group g takes splits g, g + 4, ... Small batches take many splits (64 at B = 1, L = 8K)
+// over few CTAs (one per row): one thread walking all splits kept only 2-3 partial rows in flight
+// and made the combine as long as the split kernel itself.
+constexpr int kCombineThreads = 512;
 __device__ __forceinline__ void combine(const float* part_o, const float* part_lse, __nv_bfloat16* out, int splits,
                                         int ht) {
-  const int r = blockIdx.x, b = blockIdx.y, col = threadIdx.x * 4;
+  __shared__ float red[kCombineThreads / 32];
+  __shared__ float4 part[3][128];
+  __shared__ float psum[3][128];
+  const int r = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, g = tid / 128, t = tid % 128, col = t * 4;
   const float* lse = part_lse + static_cast<long long>(b) * splits * ht + r;
   float mx = K3GEN_MLA_NEG_INF;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse[static_cast<long long>(s) * ht]);
+  for (int s = tid; s < splits; s += kCombineThreads) mx = fmaxf(mx, lse[static_cast<long long>(s) * ht]);
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (tid % 32 == 0) red[tid / 32] = mx;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kCombineThreads / 32; ++w) mx = fmaxf(mx, red[w]);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float wsum = 0.f;
   if (mx != K3GEN_MLA_NEG_INF) {
-    for (int s = 0; s < splits; ++s) {
+    const float* po = part_o + (static_cast<long long>(b) * splits * ht + r) * kLat + col;
+    // w = 0 for a split with no tiles; its partial row is written as zeros, so 0 * v is 0.
+#pragma unroll 4
+    for (int s = g; s < splits; s += 4) {
       const float w = exp2f(lse[static_cast<long long>(s) * ht] - mx);
-      if (w == 0.f) continue;
-      const float4 v = *reinterpret_cast<const float4*>(
-          part_o + ((static_cast<long long>(b) * splits + s) * ht + r) * kLat + col);
+      const float4 v = *reinterpret_cast<const float4*>(po + static_cast<long long>(s) * ht * kLat);
       acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
       wsum += w;
     }
   }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  uint2 o2 = make_uint2(bf16x2(acc.x * inv, acc.y * inv), bf16x2(acc.z * inv, acc.w * inv));
-  *reinterpret_cast<uint2*>(out + (static_cast<long long>(b) * ht + r) * kLat + col) = o2;
+  if (g > 0) {
+    part[g - 1][t] = acc;
+    psum[g - 1][t] = wsum;
+  }
+  __syncthreads();
+  if (g == 0) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const float4 a = part[k][t];
+      acc.x += a.x; acc.y += a.y; acc.z += a.z; acc.w += a.w;
+      wsum += psum[k][t];
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    uint2 o2 = make_uint2(bf16x2(acc.x * inv, acc.y * inv), bf16x2(acc.z * inv, acc.w * inv));
+    *reinterpret_cast<uint2*>(out + (static_cast<long long>(b) * ht + r) * kLat + col) = o2;
+  }
 }
 
 }  // namespace mla
