@@ -399,7 +399,13 @@ def choose_splits(batch: int, max_len: int, heads: int, sm_count: int, tokens: i
     if base == 0 or base * 2 > sm_count:
         return 1
     tiles = -(-max_len // TILE_TOKENS)
-    return int(max(1, min(sm_count // base, tiles // 2, max_splits)))
+    n = int(max(1, min(sm_count // base, tiles // 2, max_splits)))
+    # Each CTA takes ceil(tiles / n) tiles, so no more splits than that needs: 512 tiles over 132
+    # splits leave 4 CTAs empty (still launched, still merged). H200 sweep 2026-11-30 08:41
+    # (scripts/sweep_mla_splits.py, H12 B1 L32K): 128 splits 26.85 / 22.37 / 22.72 us vs 132 splits
+    # 27.18 / 22.99 / 23.25 (BF16 / FP8 / NVFP4); B4 L8K: 32 vs 33 splits 23.55 vs 24.13 us (BF16).
+    per = -(-tiles // n)
+    return -(-tiles // per)
 
 
 def plan_splits(lengths, heads: int, sm_count: int, tokens: int = 1, rows_per_cta: int | None = None) -> int:
