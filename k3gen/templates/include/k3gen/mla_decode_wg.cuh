@@ -72,6 +72,42 @@ __device__ __forceinline__ int sw_off(int rows, int row, int c) {
 // of the two fields gives the same addresses.
 __device__ __forceinline__ unsigned long long desc_k(unsigned a) { return sm90::wgmma_desc<16, 1024, 1>(a); }
 __device__ __forceinline__ unsigned long long desc_mn(unsigned a) { return sm90::wgmma_desc<1024, 1024, 1>(a); }
+// The same descriptors split in their two words (the FP8 and NVFP4 kernels): the high one (SBO
+// 1024, layout 128B swizzle) is the same for K-major and MN-major operands, and adding (bytes >> 4)
+// to the low word moves the start (shared addresses < 2^18, so it never carries into the LBO field).
+constexpr unsigned kDescHi = static_cast<unsigned>(sm90::wgmma_desc<16, 1024, 1>(0u) >> 32);
+static_assert(static_cast<unsigned>(sm90::wgmma_desc<1024, 1024, 1>(0u) >> 32) == kDescHi, "one high word");
+__device__ __forceinline__ unsigned desc_lo(unsigned addr) {
+  return static_cast<unsigned>(sm90::wgmma_desc<16, 1024, 1>(addr));
+}
+__device__ __forceinline__ unsigned long long desc(unsigned lo) {
+  return (static_cast<unsigned long long>(kDescHi) << 32) | lo;
+}
+
+// A compile-time consumer index (one instantiation per consumer keeps its descriptors uniform).
+template <int V>
+struct IntC {
+  static constexpr int value = V;
+};
+
+// max |q| over the 16 query rows r0 .. of sequence b (rows past ht excluded), all kThreads
+// threads of the CTA (a barrier inside; scratch: kThreads / 32 floats).
+template <int kThreads>
+__device__ __forceinline__ float q_amax16(const uint4* qg, int r0, int ht, float* scratch) {
+  const int tid = threadIdx.x;
+  float mx = 0.f;
+  for (int i = tid; i < 16 * kChunks; i += kThreads) {
+    if (r0 + i / kChunks >= ht) break;
+    mx = fmaxf(mx, bf16x8_amax(qg[i]));
+  }
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (tid % 32 == 0) scratch[tid / 32] = mx;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) mx = fmaxf(mx, scratch[w]);
+  return mx;
+}
 
 // Max / sum over the 8 lanes that hold the same accumulator column (lanes differing in lane / 4).
 __device__ __forceinline__ float col_max8(float x) {

@@ -35,11 +35,6 @@ namespace k3gen {
 namespace mla {
 namespace wg4 {
 
-template <int V>
-struct IntC {
-  static constexpr int value = V;
-};
-
 constexpr int kThreads = 384;
 constexpr int kN = 16;                        // query rows per CTA = wgmma N
 // Stage: latent codes [64][256] (16-byte chunk c of token t at c ^ 4 (t % 2): a quarter warp's
@@ -92,17 +87,7 @@ __device__ float stage_q(const Params& p, int b, int r0, unsigned char* sq, floa
   constexpr int HT = Geo4<C>::HT;
   const int tid = threadIdx.x;
   const uint4* qg = reinterpret_cast<const uint4*>(p.q) + (static_cast<long long>(b) * HT + r0) * kChunks;
-  float mx = 0.f;
-  for (int i = tid; i < kN * kChunks; i += kThreads) {
-    if (r0 + i / kChunks >= HT) break;
-    mx = fmaxf(mx, bf16x8_amax(qg[i]));
-  }
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (tid % 32 == 0) scratch[tid / 32] = mx;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) mx = fmaxf(mx, scratch[w]);
+  const float mx = wg::q_amax16<kThreads>(qg, r0, HT, scratch);
   int e = mx > 0.f ? 14 - ((__float_as_int(mx) >> 23) - 127) : 0;
   e = min(max(e, -100), 100);
   const float f = f8::pow2(e);
@@ -181,13 +166,6 @@ __device__ __forceinline__ void pin(unsigned (&a)[8][4]) {
 __device__ __forceinline__ unsigned splat_lo(unsigned x) { return f8::prmt(x, x, 0x1010u); }
 __device__ __forceinline__ unsigned splat_hi(unsigned x) { return f8::prmt(x, x, 0x3232u); }
 
-constexpr unsigned kDescHi = static_cast<unsigned>(sm90::wgmma_desc<16, 1024, 1>(0u) >> 32);
-__device__ __forceinline__ unsigned desc_lo(unsigned addr) {
-  return static_cast<unsigned>(sm90::wgmma_desc<16, 1024, 1>(addr));
-}
-__device__ __forceinline__ unsigned long long desc(unsigned lo) {
-  return (static_cast<unsigned long long>(kDescHi) << 32) | lo;
-}
 }  // namespace wg4
 }  // namespace mla
 }  // namespace k3gen
@@ -301,10 +279,9 @@ __device__ void decode(const Params& p) {
   const int tk0 = 16 * warp + g8;   // this thread's tokens tk0, tk0 + 8 (one 16-token scale tile)
   float* rd = red + c * 4 * N;
   // Descriptor low words (moved by adding bytes / 16; shared addresses < 2^18 never carry into
-  // the LBO field); the high word (SBO 1024, 128B swizzle) is kDescHi for all three operands.
-  const unsigned q_lo = desc_lo(aQ), p_lo = desc_lo(aP);
+  // the LBO field); the high word (SBO 1024, 128B swizzle) is wg::kDescHi for all three operands.
+  const unsigned q_lo = wg::desc_lo(aQ), p_lo = wg::desc_lo(aP);
   const unsigned v_lo = static_cast<unsigned>(sm90::wgmma_desc<1024, 1024, 1>(aV));   // MN-major: LBO 1024
-  static_assert(static_cast<unsigned>(sm90::wgmma_desc<1024, 1024, 1>(0u) >> 32) == kDescHi, "one high word");
   // V-tile byte offsets of this thread's stores (token tk0 + 8 r, chunk 2 cq + i % 2) in block 0.
   int voff[2][2];
 #pragma unroll
@@ -376,7 +353,7 @@ __device__ void decode(const Params& p) {
         pin<8>(A);
         sm90::wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < 8; ++j) MmaQK::mma(acc, A[j], desc(qd + ((h2 * 2 + (j >> 2)) * N * 128 + (j & 3) * 32) / 16));
+        for (int j = 0; j < 8; ++j) MmaQK::mma(acc, A[j], wg::desc(qd + ((h2 * 2 + (j >> 2)) * N * 128 + (j & 3) * 32) / 16));
         sm90::wgmma_commit();
         // The decoded latent dims into the V tile (PV's A): block 2 blk + iw / 2, chunk 2 cq + iw % 2.
         // (A 16-byte store takes 4 consecutive registers, as each k-step's wgmma does, with the
@@ -414,7 +391,7 @@ __device__ void decode(const Params& p) {
       pin<4>(A);
       sm90::wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < 4; ++j) MmaQK::mma(acc, A[j], desc(q_lo + (8 * N * 128 + j * 32) / 16));
+      for (int j = 0; j < 4; ++j) MmaQK::mma(acc, A[j], wg::desc(q_lo + (8 * N * 128 + j * 32) / 16));
       sm90::wgmma_commit();
     }
     sm90::wgmma_wait<0>();
@@ -481,7 +458,7 @@ __device__ void decode(const Params& p) {
     for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
       for (int ks = 0; ks < kTok / 16; ++ks)
-        MmaPV::mma(o[mb], desc(v_lo + (mb * wg::kBlk + ks * 2048) / 16), desc(p_lo + ks * 32 / 16));
+        MmaPV::mma(o[mb], wg::desc(v_lo + (mb * wg::kBlk + ks * 2048) / 16), wg::desc(p_lo + ks * 32 / 16));
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
 #pragma unroll
@@ -555,8 +532,8 @@ __device__ void decode(const Params& p) {
   }
   wg::rows_out(p, buf, N, b, split, r0, HT, tid - 128);
   };
-  if (wgi == 1) consumer(IntC<0>{});
-  else consumer(IntC<1>{});
+  if (wgi == 1) consumer(wg::IntC<0>{});
+  else consumer(wg::IntC<1>{});
 }
 
 }  // namespace wg4

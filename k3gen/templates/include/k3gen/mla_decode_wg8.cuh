@@ -33,11 +33,6 @@ namespace k3gen {
 namespace mla {
 namespace wg8 {
 
-template <int V>
-struct IntC {
-  static constexpr int value = V;
-};
-
 constexpr int kThreads = 384;
 constexpr int kN = 16;                          // query rows per CTA = wgmma N
 constexpr int kBlocks = 5;                      // a 576-byte code row = 4.5 SW128 rows of 128 bytes
@@ -94,17 +89,7 @@ __device__ float stage_q(const Params& p, int b, int r0, unsigned char* sq, floa
   constexpr int HT = Geo8<C>::HT;
   const int tid = threadIdx.x;
   const uint4* qg = reinterpret_cast<const uint4*>(p.q) + (static_cast<long long>(b) * HT + r0) * kChunks;
-  float mx = 0.f;
-  for (int i = tid; i < kN * kChunks; i += kThreads) {
-    if (r0 + i / kChunks >= HT) break;
-    mx = fmaxf(mx, bf16x8_amax(qg[i]));
-  }
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (tid % 32 == 0) scratch[tid / 32] = mx;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) mx = fmaxf(mx, scratch[w]);
+  const float mx = wg::q_amax16<kThreads>(qg, r0, HT, scratch);
   int e = mx > 0.f ? 7 - ((__float_as_int(mx) >> 23) - 127) : 0;
   e = min(max(e, -100), 100);
   const float f = f8::pow2(e);
@@ -170,16 +155,6 @@ __device__ __forceinline__ void load_tile(const Params& p, long long row0, int n
   }
 }
 
-// SW128 K-major descriptor (sm90::wgmma_desc) split in its two words: the high one (SBO 1024,
-// layout 128B swizzle) is the same for every operand here, and adding (bytes >> 4) to the low word
-// moves the start (shared addresses < 2^18, so it never carries into the LBO field).
-constexpr unsigned kDescHi = static_cast<unsigned>(sm90::wgmma_desc<16, 1024, 1>(0u) >> 32);
-__device__ __forceinline__ unsigned desc_lo(unsigned addr) {
-  return static_cast<unsigned>(sm90::wgmma_desc<16, 1024, 1>(addr));
-}
-__device__ __forceinline__ unsigned long long desc(unsigned lo) {
-  return (static_cast<unsigned long long>(kDescHi) << 32) | lo;
-}
 
 template <class C>
 __device__ void decode(const Params& p) {
@@ -280,11 +255,11 @@ __device__ void decode(const Params& p) {
 #pragma unroll
       for (int i = 0; i < 2 * NA; ++i) acc[g][i] = 0.f;
     sm90::wgmma_fence();
-    const unsigned kv_lo = desc_lo(aKV), q_lo = desc_lo(aQ);
+    const unsigned kv_lo = wg::desc_lo(aKV), q_lo = wg::desc_lo(aQ);
 #pragma unroll
     for (int ks = 0; ks < kRow / 32; ++ks) {
-      MmaQK::mma(acc[kTensor ? 0 : ks >> 2], desc(kv_lo + ((ks >> 2) * wg::kBlk + (ks & 3) * 32) / 16),
-                 desc(q_lo + ((ks >> 2) * 2 * N * 128 + (ks & 3) * 32) / 16), 1);
+      MmaQK::mma(acc[kTensor ? 0 : ks >> 2], wg::desc(kv_lo + ((ks >> 2) * wg::kBlk + (ks & 3) * 32) / 16),
+                 wg::desc(q_lo + ((ks >> 2) * 2 * N * 128 + (ks & 3) * 32) / 16), 1);
     }
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
@@ -398,7 +373,7 @@ __device__ void decode(const Params& p) {
 
     // PV, one k32 step (32 tokens) at a time: V^T fragments from the stage, then 8 blocks x hi/lo.
     const unsigned char* kvs = smem + s * kCodeBytes;
-    const unsigned p_lo = desc_lo(aP);
+    const unsigned p_lo = wg::desc_lo(aP);
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
       unsigned a[8][4];
@@ -424,8 +399,8 @@ __device__ void decode(const Params& p) {
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb) {
         const unsigned pb = p_lo + ((kTensor ? 0 : (mb >> 1) * kPBytes) + ks * 32) / 16;
-        MmaPV::mma(o[mb], a[mb], desc(pb));
-        MmaPV::mma(o[mb], a[mb], desc(pb + 64 / 16));
+        MmaPV::mma(o[mb], a[mb], wg::desc(pb));
+        MmaPV::mma(o[mb], a[mb], wg::desc(pb + 64 / 16));
       }
       sm90::wgmma_commit();
     }
@@ -495,8 +470,8 @@ __device__ void decode(const Params& p) {
   }
   wg::rows_out(p, buf, N, b, split, r0, HT, tid - 128);
   };
-  if (wgi == 1) consumer(IntC<0>{});
-  else consumer(IntC<1>{});
+  if (wgi == 1) consumer(wg::IntC<0>{});
+  else consumer(wg::IntC<1>{});
 }
 
 }  // namespace wg8
