@@ -378,16 +378,21 @@ def kda_verify(ceiling: float, quick: bool = False) -> list:
                         pending=torch.randint(0, M + 1, (B,), device="cuda", generator=gen, dtype=torch.int32),
                         slots=torch.randperm(B, device="cuda", generator=gen).to(torch.int32),
                         out=torch.empty(B, T, H, K, device="cuda", dtype=torch.bfloat16)))
-                def timed(schedule, sets=sets):
+                def timed(schedule, sets=sets, **kw):
                     return time_graph([lambda s=s: op(s["qkvg"], s["fa"], s["beta_logit"], s["ssm"], s["rec"],
                                                       s["ce"], s["pending"], s["slots"], w.conv_w, w.fb_w,
-                                                      w.dt_bias, w.a_log, w.norm_w, s["out"], schedule=schedule)
+                                                      w.dt_bias, w.a_log, w.norm_w, s["out"], schedule=schedule,
+                                                      **kw)
                                        for s in sets])
                 extra = {"heads": H, "batch": B, "drafts": M, "ssm": ssm.value, "proj_8TBps_us": nbytes / 8e12 * 1e6,
                          "schedule": op.schedule_for(B), "write_fill_tbps": fill}
                 if has_prefetch(op.spec):  # both schedules on the same inputs, same run; us: the default's
                     extra["schedule_us"] = {sch: timed(sch) for sch in SCHEDULES}
                     us = extra["schedule_us"][extra["schedule"]]
+                    if extra["schedule"] == "prefetch" and H == 12 and ssm is SsmDtype.FP32:
+                        # What PDL and the L2 warming before its wait buy, same inputs, same run.
+                        extra["pdl_off_us"] = timed("prefetch", pdl=False)
+                        extra["warm_off_us"] = timed("prefetch", warm=False)
                 else:
                     us = timed(None)
                 del sets

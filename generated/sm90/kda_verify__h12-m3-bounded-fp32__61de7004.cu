@@ -41,7 +41,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_verify(
 
 // Prefetch schedule (include/k3gen/kda_verify_prefetch.cuh): grid (P, 1, 1) persistent CTAs over
 // the H * B (head, sequence) items, 256 threads, two CTAs per SM, dynamic shared
-// memory k3gen_kda_verify_prefetch_smem bytes.
+// memory k3gen_kda_verify_prefetch_smem bytes. May be launched with PDL; `warm` != 0 warms L2 with
+// the first item's reads before griddepcontrol.wait.
 extern "C" __constant__ int k3gen_kda_verify_prefetch_smem = k3gen::kda::verify::prefetch_smem_bytes<Config>();
 
 extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_verify_prefetch(
@@ -49,10 +50,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_verify_prefetch(
     const __nv_bfloat16* beta_logit, long long beta_stride, const int* slots, const int* pending,
     void* ssm, float* draft_rec, float* conv_ext, int num_slots,
     const __nv_bfloat16* conv_w, const __nv_bfloat16* fb_w, const float* dt_bias, const float* a_log,
-    const float* norm_w, __nv_bfloat16* out, int batch) {
+    const float* norm_w, __nv_bfloat16* out, int batch, int warm) {
   const k3gen::kda::verify::Params p{
       {qkvg, fa, beta_logit, out, qkvg_stride, fa_stride, beta_stride, 0},
       {conv_w, reinterpret_cast<const uint4*>(fb_w), dt_bias, a_log, norm_w},
       slots, pending, ssm, draft_rec, conv_ext, num_slots};
-  k3gen::kda::verify::run_prefetch<Config>(p, batch);
+  k3gen::kda::verify::run_prefetch<Config>(p, batch, warm);
 }

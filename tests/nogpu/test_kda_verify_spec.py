@@ -209,6 +209,8 @@ def test_prefetch_schedule_choice_and_source():
     from k3gen.lower.jinja import render
     from k3gen.runtime.ops.kda_verify import PREFETCH_ENTRY, KdaVerify, choose_schedule, has_prefetch
     assert choose_schedule(128, 12, 132, True) == "prefetch" and choose_schedule(22, 12, 132, True) == "rows"
+    assert choose_schedule(32, 12, 132, True) == "rows" and choose_schedule(8, 96, 132, True) == "prefetch"
+    assert choose_schedule(33, 12, 132, True) == "rows" and choose_schedule(34, 12, 132, True) == "prefetch"
     assert choose_schedule(512, 12, 132, False) == "rows"
     for m, variant, want in ((1, VerifyVariant.NVFP4, True), (3, VerifyVariant.NVFP4, True),
                              (4, VerifyVariant.NVFP4, False), (3, VerifyVariant.ORIGINAL, False)):

@@ -30,16 +30,15 @@ def has_prefetch(spec) -> bool:
 
 
 def choose_schedule(batch: int, heads: int, sms: int, available: bool) -> str:
-    """The prefetch schedule once its persistent CTAs (two per SM) get more than one item each,
-    so that a next item's start state can load under the current item's stores; the row kernel
-    (one CTA per item) below that, where the two are the same schedule without the prefetch.
+    """The prefetch schedule from more than 3 items per SM (its persistent CTAs, two per SM, then
+    take at least two items each, so a next item's start state loads under the current item's
+    stores); the row kernel (one CTA per item) below that.
 
-    Prediction, not yet measured (bench kda_verify, extra.schedule_us): the row kernel's exposed
-    per-item chain (slot -> pending -> 64 KB state load; six staging round trips) is ~25-30% of
-    its CTA life at H12 B128-B512; the prefetch schedule hides the state load and folds the
-    staging loads into one round trip.
+    H200, same runs (bench kda_verify extra.schedule_us, FP32 / BF16 state, us rows vs prefetch):
+    384 items (H12 B32) 51.0 vs 54.3 and 50.0 vs 49.5 (10:13 run; 52.4 vs 55.5 on 2026-11-29),
+    768 items (H96 B8) 93.0 vs 85.2, 1536 items (H12 B128) 185.0 vs 159.4.
     """
-    return "prefetch" if available and batch * heads > 2 * sms else "rows"
+    return "prefetch" if available and batch * heads > 3 * sms else "rows"
 
 
 class KdaVerify(Launcher):
@@ -91,11 +90,15 @@ class KdaVerify(Launcher):
         return B, S
 
     def __call__(self, qkvg, fa, beta_logit, ssm, draft_rec, conv_ext, pending, slots, conv_w, fb_w, dt_bias,
-                 a_log, norm_w, out, *, schedule: str | None = None):
+                 a_log, norm_w, out, *, schedule: str | None = None, pdl: bool | None = None,
+                 warm: bool | None = None):
         """One verify step of 1 + M tokens for `slots.shape[0]` sequences; returns `out`
         [B, 1 + M, H, 128]. Token t of sequence b is row b * (1 + M) + t of qkvg / fa / beta_logit.
         `schedule` forces "rows" or "prefetch" (NVFP4 variant, M <= 3; both give the same bits);
-        by default it depends on B only."""
+        by default it depends on B only. The prefetch schedule launches with programmatic dependent
+        launch when `pdl` (default: setting K3GEN_PDL, on) and then, unless `warm` is False, warms L2
+        with each CTA's first item before its griddepcontrol.wait (its grid is one wave); the row
+        schedule (shared with the frozen original kernel) launches plainly."""
         import torch
         if schedule is not None and schedule not in SCHEDULES:
             raise SpecError("schedule", schedule, list(SCHEDULES))
@@ -123,8 +126,10 @@ class KdaVerify(Launcher):
         if schedule == "prefetch":
             self.load()
             grid = (min(B * self.spec.heads, 2 * self.sm_count), 1, 1)
-            self._prefetch.launch(grid, (self.spec.threads, 1, 1), args + (B,), types + (I32,), dev, stream,
-                                  smem=self._prefetch_smem)
+            pdl = settings().pdl if pdl is None else pdl
+            warm = pdl if warm is None else warm
+            self._prefetch.launch_ex(grid, (self.spec.threads, 1, 1), None, args + (B, int(warm)),
+                                     types + (I32, I32), dev, stream, smem=self._prefetch_smem, pdl=pdl)
             return out
         self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream)
         return out

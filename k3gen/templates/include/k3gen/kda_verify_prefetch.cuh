@@ -14,9 +14,14 @@
 //    up front while no state register is live (one round trip instead of about six);
 //  - f_b stays in shared memory while consecutive items share a head.
 // Shared memory: 64 KB state buffer + the row kernel's 44.7 KB, dynamic (two CTAs per SM).
+//
+// PDL (pdl.cuh): the kernel may start while the previous one finishes. Everything before
+// griddepcontrol.wait only warms L2 (when `warm`): the first item's start state, its f_b rows and
+// its staging inputs, at addresses from racing hint reads of its slot and pending.
 #pragma once
 
 #include "k3gen/kda_verify.cuh"
+#include "k3gen/pdl.cuh"
 
 namespace k3gen {
 namespace kda {
@@ -261,8 +266,39 @@ __device__ __forceinline__ void rows_from_smem(const float* buf, float (&d)[kRow
   }
 }
 
+// L2 warming of item `it` before the PDL wait, by the whole CTA: its start state (record or ssm,
+// chosen from racing hint reads of slot and pending), the f_b rows of its head and one line each
+// of its staging inputs. Hints only: nothing is read into registers or shared memory.
 template <class C>
-__device__ __forceinline__ void run_prefetch(const Params& p_, int batch) {
+__device__ __forceinline__ void warm_item(const Params& p_, Item it) {
+  constexpr int H = C::kHeads, M = C::kDrafts;
+  constexpr long long kHead = kDim * kDim;
+  const int slot = hint_load(p_.slots + it.b);
+  if (slot < 0 || slot >= p_.num_slots) return;
+  const int pend = min(max(hint_load(p_.pending + slot), 0), M);
+  const long long at = static_cast<long long>(slot) * H + it.h;
+  const char* src;
+  unsigned bytes = kHead * 4;
+  if (pend == 0) {
+    if constexpr (C::kBf16State) {
+      src = reinterpret_cast<const char*>(static_cast<const __nv_bfloat16*>(p_.ssm) + at * kHead);
+      bytes = kHead * 2;
+    } else {
+      src = reinterpret_cast<const char*>(static_cast<const float*>(p_.ssm) + at * kHead);
+    }
+  } else {
+    src = reinterpret_cast<const char*>(p_.draft_rec + ((static_cast<long long>(slot) * M + pend - 1) * H + it.h) * kHead);
+  }
+  const unsigned piece = bytes / kThreads;  // 256 or 128 bytes per thread
+  l2_prefetch_bulk(src + threadIdx.x * piece, piece);
+  constexpr unsigned kFb = kDim * kDim * 2 / kThreads;
+  l2_prefetch_bulk(reinterpret_cast<const char*>(p_.w.fb_w + static_cast<long long>(it.h) * kDim * kRowVecs) +
+                       threadIdx.x * kFb, kFb);
+  prefetch_inputs<C>(p_, it, slot);
+}
+
+template <class C>
+__device__ __forceinline__ void run_prefetch(const Params& p_, int batch, int warm) {
   constexpr int H = C::kHeads, M = C::kDrafts, T = 1 + M;
   static_assert(T <= kChunk, "the prefetch schedule stages all tokens at once (M <= 3)");
   constexpr long long kHead = kDim * kDim;
@@ -271,7 +307,10 @@ __device__ __forceinline__ void run_prefetch(const Params& p_, int batch) {
   Smem& sm = ps.s;
   const long long n_items = static_cast<long long>(H) * batch;
   const long long i0 = n_items * blockIdx.x / gridDim.x, i1 = n_items * (blockIdx.x + 1) / gridDim.x;
+  griddep_launch_dependents();   // under PDL the next kernel may start its own prologue
   if (i0 >= i1) return;
+  if (warm) warm_item<C>(p_, item_of(i0, batch));
+  griddep_wait();   // every read below may see the previous kernel's writes
   if (threadIdx.x == 0) {
     mbar_init(&sm.bar, 1);
     mbar_init(&ps.sbar, 1);
