@@ -66,26 +66,32 @@ __device__ __forceinline__ Lookup resolve(const Params& p_, int slot) {
 
 // Thread 0: record the item's slot / pending in meta[par] and start its state copy (none for a
 // padded row). Callers barrier first: every generic read of the buffer is complete.
+// Where the start state of head h of a valid slot lives and its size: ssm[slot, h] (FP32, or
+// BF16 halves) when nothing is pending, else the FP32 record draft_rec[slot, pend - 1, h].
 template <class C>
-__device__ __forceinline__ void issue_state(const Params& p_, PrefetchSmem& sm, int h, Lookup lk, int par) {
+__device__ __forceinline__ const void* start_state(const Params& p_, int h, Lookup lk, unsigned& bytes) {
   constexpr int H = C::kHeads, M = C::kDrafts;
   constexpr long long kHead = kDim * kDim;
-  sm.meta[par][0] = lk.slot;
-  sm.meta[par][1] = lk.pend;
-  if (lk.slot < 0) return;
-  const void* src;
-  unsigned bytes = kHead * 4;
+  bytes = kHead * 4;
   const long long at = static_cast<long long>(lk.slot) * H + h;
   if (lk.pend == 0) {
     if constexpr (C::kBf16State) {
-      src = static_cast<const __nv_bfloat16*>(p_.ssm) + at * kHead;
       bytes = kHead * 2;
+      return static_cast<const __nv_bfloat16*>(p_.ssm) + at * kHead;
     } else {
-      src = static_cast<const float*>(p_.ssm) + at * kHead;
+      return static_cast<const float*>(p_.ssm) + at * kHead;
     }
-  } else {
-    src = p_.draft_rec + ((static_cast<long long>(lk.slot) * M + lk.pend - 1) * H + h) * kHead;
   }
+  return p_.draft_rec + ((static_cast<long long>(lk.slot) * M + lk.pend - 1) * H + h) * kHead;
+}
+
+template <class C>
+__device__ __forceinline__ void issue_state(const Params& p_, PrefetchSmem& sm, int h, Lookup lk, int par) {
+  sm.meta[par][0] = lk.slot;
+  sm.meta[par][1] = lk.pend;
+  if (lk.slot < 0) return;
+  unsigned bytes;
+  const void* src = start_state<C>(p_, h, lk, bytes);
   fence_proxy_async_smem();  // generic-proxy reads of the buffer before the async-proxy write
   mbar_arrive_expect_tx(&sm.sbar, bytes);
   bulk_g2s(sm.state, src, bytes, &sm.sbar);
@@ -179,10 +185,6 @@ __device__ __forceinline__ void stage_all(const Params& p_, PrefetchSmem& ps, co
   }
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
-
 // The next item's staging inputs into L2 (one 128-byte line per thread, hints only, no registers
 // held): its q|k|v|g slices and fa / beta of every token, and its conv-cache channels. Its staging
 // then waits for L2, not DRAM. `slot` is the next item's (valid) slot.
@@ -195,19 +197,19 @@ __device__ __forceinline__ void prefetch_inputs(const Params& p_, Item it, int s
   const long long tok0 = static_cast<long long>(it.b) * T;
   if (j < T * kTok) {  // section j / 2 % 4 of token j / 8, 256 bytes = two lines
     const int t = j / kTok, sec = (j % kTok) >> 1;
-    prefetch_l2(reinterpret_cast<const char*>(tk.qkvg + (tok0 + t) * tk.qkvg_stride + sec * D + it.h * kDim) +
+    l2_prefetch_line(reinterpret_cast<const char*>(tk.qkvg + (tok0 + t) * tk.qkvg_stride + sec * D + it.h * kDim) +
                 128 * (j & 1));
     return;
   }
   j -= T * kTok;
   if (j < T * kFa) {  // a 256-byte fa row at any 2-byte alignment spans at most three lines
     const int t = j / kFa;
-    prefetch_l2(reinterpret_cast<const char*>(tk.fa + (tok0 + t) * tk.fa_stride) + 127 * (j % kFa));
+    l2_prefetch_line(reinterpret_cast<const char*>(tk.fa + (tok0 + t) * tk.fa_stride) + 127 * (j % kFa));
     return;
   }
   j -= T * kFa;
   if (j < T) {
-    prefetch_l2(tk.beta + (tok0 + j) * tk.beta_stride + it.h);
+    l2_prefetch_line(tk.beta + (tok0 + j) * tk.beta_stride + it.h);
     return;
   }
   j -= T;
@@ -216,7 +218,7 @@ __device__ __forceinline__ void prefetch_inputs(const Params& p_, Item it, int s
     const float* run = p_.conv_ext + static_cast<long long>(slot) * (3 * D) * CE +
                        static_cast<long long>(sec * D + it.h * kDim) * CE;
     const char* line = reinterpret_cast<const char*>(run) + 128 * (j % kCe);
-    if (line < reinterpret_cast<const char*>(run + kDim * CE)) prefetch_l2(line);
+    if (line < reinterpret_cast<const char*>(run + kDim * CE)) l2_prefetch_line(line);
   }
 }
 
@@ -271,24 +273,11 @@ __device__ __forceinline__ void rows_from_smem(const float* buf, float (&d)[kRow
 // of its staging inputs. Hints only: nothing is read into registers or shared memory.
 template <class C>
 __device__ __forceinline__ void warm_item(const Params& p_, Item it) {
-  constexpr int H = C::kHeads, M = C::kDrafts;
-  constexpr long long kHead = kDim * kDim;
   const int slot = hint_load(p_.slots + it.b);
   if (slot < 0 || slot >= p_.num_slots) return;
-  const int pend = min(max(hint_load(p_.pending + slot), 0), M);
-  const long long at = static_cast<long long>(slot) * H + it.h;
-  const char* src;
-  unsigned bytes = kHead * 4;
-  if (pend == 0) {
-    if constexpr (C::kBf16State) {
-      src = reinterpret_cast<const char*>(static_cast<const __nv_bfloat16*>(p_.ssm) + at * kHead);
-      bytes = kHead * 2;
-    } else {
-      src = reinterpret_cast<const char*>(static_cast<const float*>(p_.ssm) + at * kHead);
-    }
-  } else {
-    src = reinterpret_cast<const char*>(p_.draft_rec + ((static_cast<long long>(slot) * M + pend - 1) * H + it.h) * kHead);
-  }
+  const Lookup lk{slot, min(max(hint_load(p_.pending + slot), 0), C::kDrafts)};
+  unsigned bytes;
+  const char* src = static_cast<const char*>(start_state<C>(p_, it.h, lk, bytes));
   const unsigned piece = bytes / kThreads;  // 256 or 128 bytes per thread
   l2_prefetch_bulk(src + threadIdx.x * piece, piece);
   constexpr unsigned kFb = kDim * kDim * 2 / kThreads;
