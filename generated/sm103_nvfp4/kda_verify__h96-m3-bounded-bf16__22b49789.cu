@@ -9,7 +9,7 @@
 #include <cuda_bf16.h>
 
 #include "k3gen/kda_verify.cuh"
-#include "k3gen/kda_verify_prefetch.cuh"
+#include "k3gen/kda_verify_split.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;
@@ -56,4 +56,23 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_verify_prefetch(
       {conv_w, reinterpret_cast<const uint4*>(fb_w), dt_bias, a_log, norm_w},
       slots, pending, ssm, draft_rec, conv_ext, num_slots};
   k3gen::kda::verify::run_prefetch<Config>(p, batch, warm);
+}
+
+// Split schedule (include/k3gen/kda_verify_split.cuh): grid (2 C, 1, 1) in clusters of (2, 1, 1),
+// C persistent clusters over the H * B items, each CTA 64 state rows of every item of its
+// cluster, 128 threads, up to four CTAs per SM, dynamic shared memory k3gen_kda_verify_split_smem
+// bytes. May be launched with PDL.
+extern "C" __constant__ int k3gen_kda_verify_split_smem = k3gen::kda::verify::split_smem_bytes<Config>();
+
+extern "C" __global__ void __launch_bounds__(128, 4) k3gen_kda_verify_split(
+    const __nv_bfloat16* qkvg, long long qkvg_stride, const __nv_bfloat16* fa, long long fa_stride,
+    const __nv_bfloat16* beta_logit, long long beta_stride, const int* slots, const int* pending,
+    void* ssm, float* draft_rec, float* conv_ext, int num_slots,
+    const __nv_bfloat16* conv_w, const __nv_bfloat16* fb_w, const float* dt_bias, const float* a_log,
+    const float* norm_w, __nv_bfloat16* out, int batch) {
+  const k3gen::kda::verify::Params p{
+      {qkvg, fa, beta_logit, out, qkvg_stride, fa_stride, beta_stride, 0},
+      {conv_w, reinterpret_cast<const uint4*>(fb_w), dt_bias, a_log, norm_w},
+      slots, pending, ssm, draft_rec, conv_ext, num_slots};
+  k3gen::kda::verify::run_split<Config>(p, batch);
 }

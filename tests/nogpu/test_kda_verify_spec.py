@@ -203,24 +203,47 @@ def test_compiles_without_spills(target, drafts, ssm, variant):
     pre = [x for x in r.resources if x["function"] == PREFETCH_ENTRY]
     assert len(pre) == (1 if has_prefetch(spec) else 0), [x["function"] for x in r.resources]
     assert all(x["registers"] <= 128 for x in pre), pre  # its launch bounds: two CTAs per SM
+    from k3gen.runtime.ops.kda_verify import SPLIT_ENTRY
+    split = [x for x in r.resources if x["function"] == SPLIT_ENTRY]
+    assert len(split) == (1 if has_prefetch(spec) else 0), [x["function"] for x in r.resources]
+    assert all(x["registers"] <= 128 for x in split), split  # its launch bounds: four CTAs per SM
 
 
 def test_prefetch_schedule_choice_and_source():
     from k3gen.lower.jinja import render
     from k3gen.runtime.ops.kda_verify import PREFETCH_ENTRY, KdaVerify, choose_schedule, has_prefetch
-    assert choose_schedule(128, 12, 132, True) == "prefetch" and choose_schedule(22, 12, 132, True) == "rows"
-    assert choose_schedule(32, 12, 132, True) == "rows" and choose_schedule(8, 96, 132, True) == "prefetch"
-    assert choose_schedule(33, 12, 132, True) == "rows" and choose_schedule(34, 12, 132, True) == "prefetch"
-    assert choose_schedule(512, 12, 132, False) == "rows"
+    want = {(1, 12): "split", (3, 12): "split", (4, 12): "prefetch", (1, 96): "rows", (8, 12): "rows",
+            (9, 12): "rows", (10, 12): "prefetch", (12, 12): "prefetch", (2, 96): "prefetch", (3, 96): "prefetch",
+            (32, 12): "prefetch", (128, 12): "prefetch", (8, 96): "prefetch"}
+    for (b, h), sched in want.items():
+        assert choose_schedule(b, h, 132, True) == sched, (b, h)
+    assert all(choose_schedule(b, 12, 132, False) == "rows" for b in (1, 32, 512))
     for m, variant, want in ((1, VerifyVariant.NVFP4, True), (3, VerifyVariant.NVFP4, True),
                              (4, VerifyVariant.NVFP4, False), (3, VerifyVariant.ORIGINAL, False)):
         spec = KdaVerifySpec(target=SM90, heads=12, drafts=m, variant=variant)
         assert has_prefetch(spec) == want and (PREFETCH_ENTRY in render(spec)) == want
     for sched, spec in (("stream", KdaVerifySpec(target=SM90, heads=12, drafts=3)),
-                        ("prefetch", KdaVerifySpec(target=SM90, heads=12, drafts=7))):
+                        ("prefetch", KdaVerifySpec(target=SM90, heads=12, drafts=7)),
+                        ("split", KdaVerifySpec(target=SM90, heads=12, drafts=7)),
+                        ("split", KdaVerifySpec(target=SM90, heads=12, drafts=3, variant=VerifyVariant.ORIGINAL))):
         with pytest.raises(SpecError) as e:
             KdaVerify(spec)(*([None] * 14), schedule=sched)
         assert "schedule" in str(e.value)
+    with pytest.raises(SpecError) as e:
+        KdaVerify(KdaVerifySpec(target=SM90, heads=12, drafts=3))(*([None] * 14), schedule="split", per_sm=1)
+    assert "per_sm" in str(e.value)
+
+
+def test_split_schedule_geometry():
+    """Clusters never outnumber items (each CTA pair owns at least one), and at most per_sm CTAs
+    per SM; the source carries the cluster entry and its shared-memory size for four per SM."""
+    from k3gen.lower.jinja import render
+    from k3gen.runtime.ops.kda_verify import SPLIT_ENTRY, split_clusters
+    assert split_clusters(128, 12, 132, 4) == 264 and split_clusters(128, 12, 132, 2) == 132
+    assert split_clusters(1, 6, 132, 4) == 6 and split_clusters(0, 6, 132, 4) == 1
+    assert split_clusters(32, 12, 132, 3) == 198
+    src = render(KdaVerifySpec(target=SM90, heads=12, drafts=3))
+    assert SPLIT_ENTRY in src and SPLIT_ENTRY + "_smem" in src and "__launch_bounds__(128, 4)" in src
 
 
 # -- launcher (metadata checks only) ---------------------------------------------------------------

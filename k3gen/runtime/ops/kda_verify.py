@@ -19,26 +19,52 @@ from .kda_decode import MAX_GRID_Z, KdaDecode
 
 I64 = ctypes.c_longlong
 
-SCHEDULES = ("rows", "prefetch")
+SCHEDULES = ("rows", "prefetch", "split")
 PREFETCH_ENTRY = "k3gen_kda_verify_prefetch"
-PREFETCH_MAX_DRAFTS = 3   # the prefetch kernel stages all 1 + M tokens in one chunk
+SPLIT_ENTRY = "k3gen_kda_verify_split"
+PREFETCH_MAX_DRAFTS = 3   # the prefetch and split kernels stage all 1 + M tokens in one chunk
+SPLIT_PER_SM = (2, 3, 4)  # CTAs per SM the split schedule may be launched with (its occupancy is 4)
 
 
 def has_prefetch(spec) -> bool:
-    """Whether the cubin carries the prefetch schedule (templates/kda_verify.cu.j2)."""
+    """Whether the cubin carries the prefetch and split schedules (templates/kda_verify.cu.j2)."""
     return spec.variant is VerifyVariant.NVFP4 and spec.drafts <= PREFETCH_MAX_DRAFTS
 
 
-def choose_schedule(batch: int, heads: int, sms: int, available: bool) -> str:
-    """The prefetch schedule from more than 3 items per SM (its persistent CTAs, two per SM, then
-    take at least two items each, so a next item's start state loads under the current item's
-    stores); the row kernel (one CTA per item) below that.
+def split_clusters(batch: int, heads: int, sms: int, per_sm: int) -> int:
+    """Persistent 2-CTA clusters of the split schedule: per_sm CTAs per SM, at most one cluster per
+    (head, sequence) item."""
+    return max(1, min(batch * heads, per_sm * sms // 2))
 
-    H200, same runs (bench kda_verify extra.schedule_us, FP32 / BF16 state, us rows vs prefetch):
-    384 items (H12 B32) 51.0 vs 54.3 and 50.0 vs 49.5 (10:13 run; 52.4 vs 55.5 on 2026-11-29),
-    768 items (H96 B8) 93.0 vs 85.2, 1536 items (H12 B128) 185.0 vs 159.4.
+
+# Schedule by items (B * H) per SM: (upper bound in items / SMs, schedule), first match wins;
+# beyond the last band, prefetch.
+SCHEDULE_BANDS = ((0.3, "split"), (0.5, "prefetch"), (0.9, "rows"))
+
+
+def choose_schedule(batch: int, heads: int, sms: int, available: bool) -> str:
+    """The fastest schedule measured at this many (head, sequence) items; the row kernel where the
+    cubin has no other (M > 3, or the original variant).
+
+    H200, two runs of the same day (2026-11-30 11:40 and 11:58, bench/NOTES.md "kda_verify: split
+    schedule"; H 6 / 12 / 96, FP32 and BF16 state, M = 3, 8 input sets per case; us):
+    - up to 36 items: split 12.1-12.8, prefetch 13.5-14.1, rows 14.8-16.5 (each item's rows on
+      two CTAs, each moving half the bytes);
+    - 48: prefetch 14.0-14.6, split 14.2-14.8, rows 15.8-16.7;
+    - 72 and 96: rows 16.4-18.8, prefetch 16.9-22.0, split 18.4-22.8;
+    - 132 to 288: prefetch 18.6-48.1, rows 20.8-49.0 (by 1-10%);
+    - 384: prefetch 51.7-52.6, rows 56.8-57.7; with 2 input sets (the bench's cold-L2 rotation,
+      a 0.27 GB footprint instead of 1 GB) rows is ~4% ahead instead (51.7-52.5 vs 54.1-54.9):
+      serving pools are large, so the large footprint decides;
+    - from 768: prefetch (H12 B128 160-163 vs rows 187-189; B512 611-615 vs 721-729).
     """
-    return "prefetch" if available and batch * heads > 3 * sms else "rows"
+    if not available:
+        return "rows"
+    items = batch * heads
+    for bound, name in SCHEDULE_BANDS:
+        if items <= bound * sms:
+            return name
+    return "prefetch"
 
 
 class KdaVerify(Launcher):
@@ -55,6 +81,10 @@ class KdaVerify(Launcher):
             self._prefetch_smem = self._prefetch.read_i32(PREFETCH_ENTRY + "_smem", dev)
             self._prefetch.set_max_dynamic_smem(self._prefetch_smem, dev)
             self._prefetch.prefer_max_smem(dev)
+            self._split = self._kernel.sibling(SPLIT_ENTRY)
+            self._split_smem = self._split.read_i32(SPLIT_ENTRY + "_smem", dev)
+            self._split.set_max_dynamic_smem(self._split_smem, dev)
+            self._split.prefer_max_smem(dev)
         return self
 
     def schedule_for(self, batch: int) -> str:
@@ -91,20 +121,23 @@ class KdaVerify(Launcher):
 
     def __call__(self, qkvg, fa, beta_logit, ssm, draft_rec, conv_ext, pending, slots, conv_w, fb_w, dt_bias,
                  a_log, norm_w, out, *, schedule: str | None = None, pdl: bool | None = None,
-                 warm: bool | None = None):
+                 warm: bool | None = None, per_sm: int | None = None):
         """One verify step of 1 + M tokens for `slots.shape[0]` sequences; returns `out`
         [B, 1 + M, H, 128]. Token t of sequence b is row b * (1 + M) + t of qkvg / fa / beta_logit.
-        `schedule` forces "rows" or "prefetch" (NVFP4 variant, M <= 3; both give the same bits);
-        by default it depends on B only. The prefetch schedule launches with programmatic dependent
+        `schedule` forces "rows", "prefetch" or "split" (the last two: NVFP4 variant, M <= 3; all
+        three give the same bits); by default it depends on B only. The split schedule runs each
+        item's 128 state rows on the two CTAs of a cluster, `per_sm` (2..4, default 4) CTAs per SM. The prefetch schedule launches with programmatic dependent
         launch when `pdl` (default: setting K3GEN_PDL, on) and then, unless `warm` is False, warms L2
         with each CTA's first item before its griddepcontrol.wait (its grid is one wave); the row
         schedule (shared with the frozen original kernel) launches plainly."""
         import torch
         if schedule is not None and schedule not in SCHEDULES:
             raise SpecError("schedule", schedule, list(SCHEDULES))
-        if schedule == "prefetch" and not has_prefetch(self.spec):
+        if schedule in ("prefetch", "split") and not has_prefetch(self.spec):
             raise SpecError("schedule", schedule, ["rows"],
-                            f"the prefetch kernel needs variant nvfp4 and M <= {PREFETCH_MAX_DRAFTS}")
+                            f"the {schedule} kernel needs variant nvfp4 and M <= {PREFETCH_MAX_DRAFTS}")
+        if per_sm is not None and per_sm not in SPLIT_PER_SM:
+            raise SpecError("per_sm", per_sm, list(SPLIT_PER_SM), "CTAs per SM of the split schedule")
         B, S = self.check(qkvg, fa, beta_logit, ssm, draft_rec, conv_ext, pending, slots, conv_w, fb_w, dt_bias,
                           a_log, norm_w, out)
         if B == 0:
@@ -130,6 +163,15 @@ class KdaVerify(Launcher):
             warm = pdl if warm is None else warm
             self._prefetch.launch_ex(grid, (self.spec.threads, 1, 1), None, args + (B, int(warm)),
                                      types + (I32, I32), dev, stream, smem=self._prefetch_smem, pdl=pdl)
+            return out
+        if schedule == "split":
+            if B * self.spec.heads >= 2**31:
+                raise SpecError("batch", B, f"< 2^31 / {self.spec.heads}", "the split kernel counts items in 32 bits")
+            self.load()
+            n_cl = split_clusters(B, self.spec.heads, self.sm_count, per_sm or SPLIT_PER_SM[-1])
+            pdl = settings().pdl if pdl is None else pdl
+            self._split.launch_ex((2 * n_cl, 1, 1), (128, 1, 1), (2, 1, 1), args + (B,), types + (I32,), dev,
+                                  stream, smem=self._split_smem, pdl=pdl)
             return out
         self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream)
         return out

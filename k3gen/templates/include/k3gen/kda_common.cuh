@@ -212,6 +212,13 @@ __device__ __forceinline__ void st_async(unsigned remote_addr, float v, unsigned
                : "memory");
 }
 
+// Rank of this CTA in its cluster (0 without a cluster launch).
+__device__ __forceinline__ unsigned cluster_ctarank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
 // ---- multi-token engine (verify, prefill) ---------------------------------------------------
 // One CTA of 256 threads per (sequence, head) keeps the whole 128 x 128 state in registers (8 rows
 // per half-warp, 8 K values per lane) across every token it processes, so the state crosses
@@ -420,8 +427,10 @@ __device__ __forceinline__ void store_rows_bf16(__nv_bfloat16* head, const float
 
 // One token of the recurrence on the register rows (the decode kernel's row algebra:
 // d = e^g S[v,:], a = d.k, c = d.q, u = beta (v - a), S[v,:] = d + k u, o = c + (q.k) u).
-// Writes o of the token to sm.o[t]; no barrier.
-__device__ __forceinline__ void recur(float (&d)[kRows][8], Smem& sm, int t) {
+// Writes o of the token to sm.o[t]; no barrier. Any shared layout with q, k, eg (all 128 key
+// channels), v, o (by row_of) and beta: the split verify kernel keeps only its 64 rows' v and o.
+template <class Sm>
+__device__ __forceinline__ void recur(float (&d)[kRows][8], Sm& sm, int t) {
   const int tid = threadIdx.x, half = (tid >> 4) & 1, hl = tid & 15;
   float qv[8], kv[8], ev[8];
   {

@@ -185,14 +185,18 @@ __device__ __forceinline__ void stage_all(const Params& p_, PrefetchSmem& ps, co
   }
 }
 
-// The next item's staging inputs into L2 (one 128-byte line per thread, hints only, no registers
+// The next item's staging inputs into L2 (one 128-byte line per unit j, hints only, no registers
 // held): its q|k|v|g slices and fa / beta of every token, and its conv-cache channels. Its staging
-// then waits for L2, not DRAM. `slot` is the next item's (valid) slot.
+// then waits for L2, not DRAM. `slot` is the next item's (valid) slot. Units 0 .. kPrefetchUnits-1;
+// each conv-cache run gets 32 unit slots (power-of-two index math, nothing worth keeping live).
+constexpr int kPrefetchUnits = 4 * (4 * 2 + 3 + 1) + 3 * 32;
+static_assert(kThreads >= kPrefetchUnits, "one prefetch unit per thread of a prefetch CTA");
+
 template <class C>
-__device__ __forceinline__ void prefetch_inputs(const Params& p_, Item it, int slot) {
+__device__ __forceinline__ void prefetch_inputs(const Params& p_, Item it, int slot, int j) {
   constexpr int H = C::kHeads, M = C::kDrafts, T = 1 + M, D = H * kDim, CE = 3 + M;
   constexpr int kTok = 4 * 2, kFa = 3, kCe = (kDim * CE * 4 + 127) / 128 + 1;  // lines per unit
-  int j = threadIdx.x;
+  static_assert(kCe <= 32, "a conv-cache run spans at most 32 lines");
   const Tokens& tk = p_.tk;
   const long long tok0 = static_cast<long long>(it.b) * T;
   if (j < T * kTok) {  // section j / 2 % 4 of token j / 8, 256 bytes = two lines
@@ -213,11 +217,11 @@ __device__ __forceinline__ void prefetch_inputs(const Params& p_, Item it, int s
     return;
   }
   j -= T;
-  if (j < 3 * kCe) {  // conv-cache channels of q, k, v of the head: 3 runs of 128 * CE floats
-    const int sec = j / kCe;
+  if (j < 3 * 32 && (j & 31) < kCe) {  // conv-cache channels of q, k, v of the head: 3 runs of 128 * CE floats
+    const int sec = j >> 5;
     const float* run = p_.conv_ext + static_cast<long long>(slot) * (3 * D) * CE +
                        static_cast<long long>(sec * D + it.h * kDim) * CE;
-    const char* line = reinterpret_cast<const char*>(run) + 128 * (j % kCe);
+    const char* line = reinterpret_cast<const char*>(run) + 128 * (j & 31);
     if (line < reinterpret_cast<const char*>(run + kDim * CE)) l2_prefetch_line(line);
   }
 }
@@ -283,7 +287,7 @@ __device__ __forceinline__ void warm_item(const Params& p_, Item it) {
   constexpr unsigned kFb = kDim * kDim * 2 / kThreads;
   l2_prefetch_bulk(reinterpret_cast<const char*>(p_.w.fb_w + static_cast<long long>(it.h) * kDim * kRowVecs) +
                        threadIdx.x * kFb, kFb);
-  prefetch_inputs<C>(p_, it, slot);
+  prefetch_inputs<C>(p_, it, slot, threadIdx.x);
 }
 
 template <class C>
@@ -344,7 +348,7 @@ __device__ __forceinline__ void run_prefetch(const Params& p_, int batch, int wa
     stage_all<C>(p_, ps, tk, it.h, slot, pend, a_gate, wphase);
     Lookup nlk{-1, 0};
     if (threadIdx.x == 0 && has_next) nlk = resolve<C>(p_, nslot);
-    if (nslot >= 0 && nslot < p_.num_slots) prefetch_inputs<C>(p_, nx, nslot);
+    if (nslot >= 0 && nslot < p_.num_slots) prefetch_inputs<C>(p_, nx, nslot, threadIdx.x);
     float d[kRows][8];
     mbar_wait(&ps.sbar, sphase);
     sphase ^= 1;
