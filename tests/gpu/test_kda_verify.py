@@ -18,6 +18,7 @@ from k3gen.ir.ops.kda_verify import KdaVerifySpec, VerifyVariant
 from k3gen.reference.kda_decode import kda_token_loop, random_weights
 from k3gen.reference.kda_verify import commit, start_of
 from k3gen.reference.kda_verify import kda_verify as ref_verify
+from k3gen.runtime.graphs import capture
 from k3gen.runtime.ops.kda_verify import PREFETCH_MAX_DRAFTS, SCHEDULES
 from k3gen.targets import get_target
 
@@ -108,16 +109,16 @@ class Case:
                     out=torch.full((self.B, self.T, self.H, K), float("nan"), dtype=torch.bfloat16, device=DEV))
 
 
-def run(op, t, schedule=None):
+def run(op, t, schedule=None, **kw):
     return op(t["qkvg"], t["fa"], t["beta_logit"], t["ssm"], t["draft_rec"], t["conv_ext"], t["pending"], t["slots"],
-              t["conv_w"], t["fb_w"], t["dt_bias"], t["a_log"], t["norm_w"], t["out"], schedule=schedule)
+              t["conv_w"], t["fb_w"], t["dt_bias"], t["a_log"], t["norm_w"], t["out"], schedule=schedule, **kw)
 
 
-def check_against_reference(case: Case, gate=GateKind.BOUNDED, variant=VerifyVariant.NVFP4, schedule=None):
+def check_against_reference(case: Case, gate=GateKind.BOUNDED, variant=VerifyVariant.NVFP4, schedule=None, **kw):
     ssm_e = SsmDtype.FP32 if case.ssm_dtype == torch.float32 else SsmDtype.BF16
     op = verify_op(case.H, case.M, ssm_e, gate, variant)
     t = case.gpu()
-    run(op, t, schedule)
+    run(op, t, schedule, **kw)
     torch.cuda.synchronize()
     ssm, rec, ce, pend = case.pools()
     ssm32 = ssm.float()
@@ -155,14 +156,15 @@ CASES = [  # (H, M, B, ssm, padded)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("H,M,B,ssm,padded", CASES, ids=[f"H{c[0]}-M{c[1]}-B{c[2]}-{c[3].value}" for c in CASES])
 def test_matches_reference(H, M, B, ssm, padded, schedule):
-    if schedule == "prefetch" and M > PREFETCH_MAX_DRAFTS:
-        pytest.skip("the prefetch schedule is built for M <= 3")
+    if schedule != "rows" and M > PREFETCH_MAX_DRAFTS:
+        pytest.skip(f"the {schedule} schedule is built for M <= 3")
     check_against_reference(Case(H, M, B, ssm, seed=H * 100 + M * 10 + B, padded=padded), schedule=schedule)
 
 
 def test_softplus_gate_and_original_variant():
     check_against_reference(Case(12, 3, 6, SsmDtype.FP32, seed=9), gate=GateKind.SOFTPLUS)
     check_against_reference(Case(12, 3, 6, SsmDtype.FP32, seed=9), gate=GateKind.SOFTPLUS, schedule="prefetch")
+    check_against_reference(Case(12, 3, 6, SsmDtype.FP32, seed=9), gate=GateKind.SOFTPLUS, schedule="split")
     check_against_reference(Case(12, 3, 6, SsmDtype.FP32, seed=10), variant=VerifyVariant.ORIGINAL)
 
 
@@ -177,25 +179,29 @@ PREFETCH_CASES = [  # (H, M, B, ssm, padded)
 ]
 
 
+@pytest.mark.parametrize("schedule,per_sm", [("prefetch", None), ("split", 2), ("split", 4)])
 @pytest.mark.parametrize("H,M,B,ssm,padded", PREFETCH_CASES,
                          ids=[f"H{c[0]}-M{c[1]}-B{c[2]}-{c[3].value}" for c in PREFETCH_CASES])
-def test_prefetch_schedule_reference_and_bitwise_rows(H, M, B, ssm, padded):
-    """The prefetch kernel against the FP32 reference, and bit for bit against the row kernel
-    (same expressions): outputs, ssm, records and conv caches, with mixed pending values."""
+def test_prefetch_schedule_reference_and_bitwise_rows(H, M, B, ssm, padded, schedule, per_sm):
+    """The prefetch and split kernels against the FP32 reference, and bit for bit against the row
+    kernel (same expressions; the split kernel's RMSNorm runs emit's butterfly over both CTAs'
+    partials): outputs, ssm, records and conv caches, with mixed pending values. The split
+    schedule at 2 and 4 CTAs per SM gives its clusters different item ranges."""
     case = Case(H, M, B, ssm, seed=7 * B + H, padded=padded)
-    t_pre = check_against_reference(case, schedule="prefetch")
+    kw = {"per_sm": per_sm} if per_sm else {}
+    t_pre = check_against_reference(case, schedule=schedule, **kw)
     op = verify_op(H, M, ssm)
     t_rows = case.gpu()
     run(op, t_rows, "rows")
     torch.cuda.synchronize()
     for name in ("out", "ssm", "draft_rec", "conv_ext"):
-        assert torch.equal(t_pre[name], t_rows[name]), f"{name}: prefetch and row schedules differ"
+        assert torch.equal(t_pre[name], t_rows[name]), f"{name}: {schedule} and row schedules differ"
 
 
 def test_schedule_choice_and_errors():
     from k3gen.errors import SpecError
     op = verify_op(12, 3)
-    assert op.schedule_for(1) == "rows"
+    assert op.schedule_for(1) == "split" and op.schedule_for(8) == "rows"
     assert op.schedule_for(512) == "prefetch"
     t = Case(12, 3, 2, SsmDtype.FP32, seed=5).gpu()
     with pytest.raises(SpecError):
@@ -204,6 +210,12 @@ def test_schedule_choice_and_errors():
         run(verify_op(12, 7), Case(12, 7, 2, SsmDtype.FP32, seed=5).gpu(), "prefetch")
     with pytest.raises(SpecError):
         run(verify_op(12, 3, variant=VerifyVariant.ORIGINAL), t, "prefetch")
+    with pytest.raises(SpecError):
+        run(verify_op(12, 7), Case(12, 7, 2, SsmDtype.FP32, seed=5).gpu(), "split")
+    with pytest.raises(SpecError):
+        run(verify_op(12, 3, variant=VerifyVariant.ORIGINAL), t, "split")
+    with pytest.raises(SpecError):
+        run(op, t, "split", per_sm=5)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -219,8 +231,8 @@ def test_verify_commit_equals_decode_kernel(M, ssm, schedule):
     token as an independent chain over the three rounds, must reach the same state and outputs; with
     BF16 storage it rounds the state after every token, which records deliberately do not, so it is
     not the yardstick there."""
-    if schedule == "prefetch" and M > PREFETCH_MAX_DRAFTS:
-        pytest.skip("the prefetch schedule is built for M <= 3")
+    if schedule != "rows" and M > PREFETCH_MAX_DRAFTS:
+        pytest.skip(f"the {schedule} schedule is built for M <= 3")
     H, B, T = 12, M + 1, 1 + M
     D, S = H * K, 2 * B + 1
     g = torch.Generator().manual_seed(1000 + M)
@@ -278,21 +290,16 @@ def test_verify_commit_equals_decode_kernel(M, ssm, schedule):
             assert rel_rms(state, ssm_d[s]) <= 1e-5, rel_rms(state, ssm_d[s])
 
 
+@pytest.mark.parametrize("schedule", [None, "rows", "split"])
 @pytest.mark.parametrize("B", [3, 40])
-def test_cuda_graph_replay_equals_eager(B):
+def test_cuda_graph_replay_equals_eager(B, schedule):
     H, M = 12, 3
     op = verify_op(H, M)
     base = Case(H, M, B, SsmDtype.FP32, seed=21)
     t = base.gpu()
-    run(op, t)
+    run(op, t, schedule)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        with torch.cuda.graph(graph, stream=side):
-            run(op, t)
-    torch.cuda.current_stream().wait_stream(side)
+    graph = capture(lambda: run(op, t, schedule))
     for step in range(3):
         src = Case(H, M, B, SsmDtype.FP32, seed=100 + step, padded=(step % B,) if step else ()).gpu()
         names = ("qkvg", "ssm", "draft_rec", "conv_ext", "pending", "slots", "fa", "beta_logit")
@@ -305,18 +312,20 @@ def test_cuda_graph_replay_equals_eager(B):
         for name in ("ssm", "draft_rec", "conv_ext"):
             t[name].copy_(src[name])
         t["out"].fill_(float("nan"))
-        run(op, t)
+        run(op, t, schedule)
         torch.cuda.synchronize()
         assert all(torch.equal(a, t[n]) for a, n in zip(g_res, ("out", "ssm", "draft_rec", "conv_ext")))
         assert torch.isfinite(g_res[0].float()).all()
 
 
+@pytest.mark.parametrize("schedule", ["prefetch", "split"])
 @pytest.mark.parametrize("B,ssm", [(40, SsmDtype.FP32), (40, SsmDtype.BF16), (7, SsmDtype.FP32)])
-def test_prefetch_pdl_chain_equals_plain_launches(B, ssm):
-    """Four prefetch-schedule steps on one pool (no commit between them, so each step starts from the
-    state or record the previous step wrote), captured in a CUDA graph with programmatic dependent
-    launch and L2 warming before griddepcontrol.wait, equal the same steps launched plainly and
-    eagerly, bit for bit; and warming without PDL changes no bits either."""
+def test_prefetch_pdl_chain_equals_plain_launches(B, ssm, schedule):
+    """Four prefetch- or split-schedule steps on one pool (no commit between them, so each step
+    starts from the state or record the previous step wrote), captured in a CUDA graph with
+    programmatic dependent launch (and, prefetch, L2 warming before griddepcontrol.wait), equal the
+    same steps launched plainly and eagerly, bit for bit; and warming without PDL changes no bits
+    either."""
     H, M, steps = 12, 3, 4
     op = verify_op(H, M, ssm)
     base = Case(H, M, B, ssm, seed=51 + B, padded=(1,))
@@ -325,9 +334,11 @@ def test_prefetch_pdl_chain_equals_plain_launches(B, ssm):
     outs = [torch.full_like(t["out"], float("nan")) for _ in range(steps)]
 
     def chain(**kw):
+        if schedule == "split":
+            kw.pop("warm")  # the split kernel has no warming prologue
         for o in outs:
             op(t["qkvg"], t["fa"], t["beta_logit"], t["ssm"], t["draft_rec"], t["conv_ext"], t["pending"],
-               t["slots"], t["conv_w"], t["fb_w"], t["dt_bias"], t["a_log"], t["norm_w"], o, schedule="prefetch",
+               t["slots"], t["conv_w"], t["fb_w"], t["dt_bias"], t["a_log"], t["norm_w"], o, schedule=schedule,
                **kw)
 
     def reset():
@@ -346,13 +357,7 @@ def test_prefetch_pdl_chain_equals_plain_launches(B, ssm):
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(outs + [t[n] for n in names], want))
     reset()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        with torch.cuda.graph(graph, stream=side):
-            chain(pdl=True)
-    torch.cuda.current_stream().wait_stream(side)
+    graph = capture(lambda: chain(pdl=True, warm=True))
     reset()
     graph.replay()
     torch.cuda.synchronize()
@@ -378,3 +383,5 @@ def test_sanitize_reduced_matrix():
     check_against_reference(Case(6, 7, 2, SsmDtype.FP32, seed=4))
     # 300 items on 264 CTAs: ranges of two items, a padded row inside a range.
     check_against_reference(Case(6, 3, 50, SsmDtype.BF16, seed=5, padded=(0, 7)), schedule="prefetch")
+    # 150 clusters of two CTAs over 300 items (two each), a padded row inside a range.
+    check_against_reference(Case(6, 3, 50, SsmDtype.FP32, seed=6, padded=(3, 30)), schedule="split", per_sm=2)
