@@ -14,6 +14,7 @@ from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
 from k3gen.reference.fp8_block_gemm import (dequantize_activations, dequantize_weights, fp8_block_gemm,
                                             quantize_activations, quantize_weights)
+from k3gen.runtime.graphs import capture
 from k3gen.runtime.ops.fp8_block_gemm import Fp8BlockGemm
 from k3gen.targets import TARGETS
 
@@ -186,13 +187,7 @@ def test_graph_replay(n, k, m, recipe, streaming):
     op(xc, xs, wc, ws, out, **kw)   # eager first: the streaming workspace is allocated outside capture
     torch.cuda.synchronize()
     eager = out.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(graph, stream=s):
-            op(xc, xs, wc, ws, out, **kw)
-    torch.cuda.current_stream().wait_stream(s)
+    graph = capture(lambda: op(xc, xs, wc, ws, out, **kw))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

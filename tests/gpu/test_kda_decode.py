@@ -16,6 +16,7 @@ from k3gen.ir.dtypes import GateKind, SsmDtype
 from k3gen.ir.ops.kda_decode import KdaDecodeSpec
 from k3gen.reference.kda_decode import kda_decode as ref_decode
 from k3gen.reference.kda_decode import kda_token_loop, random_weights
+from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
 
 pytestmark = pytest.mark.gpu
@@ -280,13 +281,7 @@ def test_cuda_graph_replay_equals_eager(B, sched):
     t = base.gpu()
     run(op, t, schedule=sched)  # loads the module before capture
     sync()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        with torch.cuda.graph(graph, stream=side):
-            run(op, t, schedule=sched)
-    torch.cuda.current_stream().wait_stream(side)
+    graph = capture(lambda: run(op, t, schedule=sched))
     for step in range(3):
         fresh = Case(H, B, SsmDtype.FP32, seed=100 + step, padded=(step % B,) if step else ())
         src = fresh.gpu()
@@ -330,13 +325,7 @@ def test_pdl_chain_equals_plain_launches(B, ssm, schedule):
     t["ssm"].copy_(ssm0), t["conv"].copy_(conv0)
     for o in outs:
         o.fill_(float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        with torch.cuda.graph(graph, stream=side):
-            chain(True)
-    torch.cuda.current_stream().wait_stream(side)
+    graph = capture(lambda: chain(True))
     graph.replay()
     sync()
     got = outs + [t["ssm"], t["conv"]]

@@ -18,6 +18,7 @@ from k3gen.ir.dtypes import GateKind, SsmDtype
 from k3gen.ir.ops.kda_prefill import KdaPrefillSpec, PrefillAlgo
 from k3gen.reference.kda_decode import random_weights
 from k3gen.reference.kda_prefill import kda_prefill as ref_prefill
+from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
 
 pytestmark = pytest.mark.gpu
@@ -223,13 +224,7 @@ def test_cuda_graph_replay_equals_eager(algo):
     t = base.gpu()
     run(op, t)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        with torch.cuda.graph(graph, stream=side):
-            run(op, t)
-    torch.cuda.current_stream().wait_stream(side)
+    graph = capture(lambda: run(op, t))
     for step in range(2):
         src = Batch(H, [9, 30, 6, 10], SsmDtype.FP32, seed=50 + step, padded=(step,)).gpu()  # same N = 55
         for name in ("qkvg", "fa", "beta_logit", "cu_seqlens", "slots", "resume", "ssm", "conv"):

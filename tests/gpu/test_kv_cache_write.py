@@ -18,6 +18,7 @@ from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ir.layouts import MLA_ROW
 from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
 from k3gen.reference.kv_cache_write import alloc_cache, kv_cache_write, poison_cache
+from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
 
 pytestmark = pytest.mark.gpu
@@ -283,13 +284,7 @@ def test_cuda_graph_replay_equals_eager(name):
     def call(cache):
         op(rows, cu, starts, bt, cache, ring_slot=ring, scale=p.scale, max_rows_per_seq=T)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            call(graph_cache)
-    torch.cuda.current_stream().wait_stream(s)
+    g = capture(lambda: call(graph_cache))
     lens = list(p.lens)
     for it in range(8):
         counts = [p.rng.randint(0, T) for _ in range(B)]

@@ -21,6 +21,7 @@ from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
 from k3gen.ir.ops.mla_decode import MlaDecodeSpec
 from k3gen.reference.kv_cache_write import alloc_cache, poison_cache
 from k3gen.reference.mla_decode import mla_decode as mla_ref
+from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
 
 pytestmark = pytest.mark.gpu
@@ -343,14 +344,8 @@ def test_cuda_graph_replay_with_changed_lengths(fmt, sched, B):
     out = torch.empty(B, T, H, MLA_LATENT, dtype=torch.bfloat16, device="cuda")
     lengths.copy_(b.lengths)
     b.run(op, q, plan=plan, lengths=lengths, out=out)     # warm-up outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            op(q, b.cache, b.bt, lengths, out, ring_slot=b.ring if b.lay.kv is KvDtype.NVFP4 else None,
-               scale=b.scale, plan=plan)
-    torch.cuda.current_stream().wait_stream(s)
+    graph = capture(lambda: op(q, b.cache, b.bt, lengths, out,
+                               ring_slot=b.ring if b.lay.kv is KvDtype.NVFP4 else None, scale=b.scale, plan=plan))
     for it in range(4):
         # Shorter views of the same cache: the first L rows of each sequence are its rows 0..L-1,
         # and for NVFP4 the rows past a shorter length's live tile are the quantized ones.

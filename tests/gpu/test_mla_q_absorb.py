@@ -10,6 +10,7 @@ from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ir.ops.mla_q_absorb import MlaQAbsorbSpec
 from k3gen.reference.fp8_block_gemm import quantize_weights
 from k3gen.reference.mla_q_absorb import mla_q_absorb
+from k3gen.runtime.graphs import capture
 from k3gen.runtime.ops.mla_q_absorb import MlaQAbsorb
 from k3gen.targets import TARGETS
 
@@ -59,12 +60,7 @@ def test_graph_replay_and_sanitize_small(recipe):
     op(q_a, norm_w, codes, scales, w_uk, out, workspace=ws)
     torch.cuda.synchronize()
     eager = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        op(q_a, norm_w, codes, scales, w_uk, out, workspace=ws)
-    torch.cuda.current_stream().wait_stream(s)
+    graph = capture(lambda: op(q_a, norm_w, codes, scales, w_uk, out, workspace=ws))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

@@ -7,6 +7,7 @@ import torch
 
 from k3gen.ir.ops.mla_vb_gate import MlaVbGateSpec
 from k3gen.reference.mla_vb_gate import mla_vb_gate
+from k3gen.runtime.graphs import capture
 from k3gen.runtime.ops.mla_vb_gate import MlaVbGate
 from k3gen.targets import TARGETS
 
@@ -48,12 +49,7 @@ def test_graph_replay_and_sanitize_small():
     op(o_lat, w_uv, gate, out)
     torch.cuda.synchronize()
     eager = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        op(o_lat, w_uv, gate, out)
-    torch.cuda.current_stream().wait_stream(s)
+    graph = capture(lambda: op(o_lat, w_uv, gate, out))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
