@@ -330,8 +330,9 @@ def kda_verify(ceiling: float, quick: bool = False) -> list:
 
     Bar (PERF.md): H = 12, B in {32, 128, 512}: >= 80% of copy and >= 1.35x FLA (extra.meets_bar,
     on the default schedule's time; extra.bar_us is the time that would meet both halves).
-    extra.schedule_us times the row and prefetch kernels on the same inputs (bench/NOTES.md has the
-    model of both); extra.write_fill_tbps is the same-run pure-write bandwidth.
+    extra.schedule_us times the row, prefetch and split kernels on the same inputs (bench/NOTES.md
+    has the model of each), extra.split_per_sm_us the split kernel at 2 and 3 CTAs per SM (its
+    default is 4); extra.write_fill_tbps is the same-run pure-write bandwidth.
     Prediction from the byte count: per (sequence, head) one 64 KB FP32 start read and four 64 KB
     writes (ssm + 3 records) = 320 KB of the ~350 KB per CTA, so B = 128 moves ~532 MB (125 us at
     4.27 TB/s; the bar is ~156 us, and FLA at its 56-60% ~215 us). The kernel keeps one CTA per
@@ -344,7 +345,7 @@ def kda_verify(ceiling: float, quick: bool = False) -> list:
     from .ir.dtypes import SsmDtype
     from .ir.ops.kda_verify import KdaVerifySpec
     from .reference.kda_decode import random_weights
-    from .runtime.ops.kda_verify import SCHEDULES, KdaVerify, has_prefetch
+    from .runtime.ops.kda_verify import SCHEDULES, SPLIT_PER_SM, KdaVerify, has_prefetch
     from .targets import get_target
 
     tgt = get_target("sm90")
@@ -389,6 +390,8 @@ def kda_verify(ceiling: float, quick: bool = False) -> list:
                 if has_prefetch(op.spec):  # both schedules on the same inputs, same run; us: the default's
                     extra["schedule_us"] = {sch: timed(sch) for sch in SCHEDULES}
                     us = extra["schedule_us"][extra["schedule"]]
+                    if H == 12 and ssm is SsmDtype.FP32 and B >= 32:  # split: CTAs per SM (default 4)
+                        extra["split_per_sm_us"] = {n: timed("split", per_sm=n) for n in SPLIT_PER_SM[:-1]}
                     if extra["schedule"] == "prefetch" and H == 12 and ssm is SsmDtype.FP32:
                         # What PDL and the L2 warming before its wait buy, same inputs, same run.
                         extra["pdl_off_us"] = timed("prefetch", pdl=False)

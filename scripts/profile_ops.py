@@ -46,7 +46,7 @@ def gemm(n, k, m, **kw):
         op(xc, xs, wc, ws, y, **kw)
 
 
-def verify(H=12, B=128, M=3):
+def verify(H=12, B=128, M=3, schedule=None):
     from k3gen.ir.dtypes import SsmDtype
     from k3gen.ir.ops.kda_verify import KdaVerifySpec
     from k3gen.reference.kda_decode import random_weights
@@ -61,13 +61,15 @@ def verify(H=12, B=128, M=3):
             torch.randint(0, M + 1, (B,), device="cuda", dtype=torch.int32),
             torch.randperm(B, device="cuda").to(torch.int32), w.conv_w, w.fb_w, w.dt_bias, w.a_log, w.norm_w,
             torch.empty(B, T, H, K, device="cuda", dtype=torch.bfloat16))
-    print(f"verify H{H} B{B}: schedule {op.schedule_for(B)}", flush=True)
+    print(f"verify H{H} B{B}: schedule {schedule or op.schedule_for(B)}", flush=True)
     for _ in range(3):
-        op(*args)
+        op(*args, schedule=schedule)
 
 
 CASES = {
     "verify-b128": lambda: verify(), "verify-b32": lambda: verify(B=32),
+    "verify-b512": lambda: verify(B=512), "verify-b512-split": lambda: verify(B=512, schedule="split"),
+    "verify-b1-split": lambda: verify(B=1, schedule="split"),
     "mla-bf16": lambda: mla(KvDtype.BF16), "mla-fp8": lambda: mla(KvDtype.FP8),
     "mla-fp8-wg": lambda: mla(KvDtype.FP8, schedule="wgmma"),
     "mla-nvfp4": lambda: mla(KvDtype.NVFP4, schedule="mma"),
