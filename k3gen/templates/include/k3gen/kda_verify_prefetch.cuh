@@ -97,6 +97,57 @@ __device__ __forceinline__ void issue_state(const Params& p_, PrefetchSmem& sm, 
   bulk_g2s(sm.state, src, bytes, &sm.sbar);
 }
 
+// ---- staging pieces shared by the prefetch and split kernels (same expressions, same bits) ----
+// Conv window of channel c (columns pend .. pend+2 of its FP32 conv-cache row) and its T raw inputs.
+template <int T, int CE>
+__device__ __forceinline__ void load_channel(const float* ce, int c, int pend, const Tokens& tk, float (&w)[3],
+                                             float (&x)[T]) {
+  const float* col = ce + static_cast<long long>(c) * CE;
+#pragma unroll
+  for (int i = 0; i < 3; ++i) w[i] = col[pend + i];
+#pragma unroll
+  for (int t = 0; t < T; ++t) x[t] = __bfloat162float(tk.qkvg[(tk.tok0 + t) * tk.qkvg_stride + c]);
+}
+
+// The 8 fa values of lane hl for each of the T tokens (rows may be 2-byte aligned only).
+template <int T>
+__device__ __forceinline__ void load_fa(const Tokens& tk, int hl, float (&fa)[T][8]) {
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    const __nv_bfloat16* farow = tk.fa + (tk.tok0 + t) * tk.fa_stride + 8 * hl;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) fa[t][e] = __bfloat162float(farow[e]);
+  }
+}
+
+// Conv + SiLU of one channel's T tokens into dst[t * stride]; shifts the window.
+template <int T>
+__device__ __forceinline__ void conv_tokens(const float (&taps)[4], float (&w)[3], const float (&x)[T], float* dst,
+                                            int stride) {
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    dst[t * stride] = conv_silu(taps, w[0], w[1], w[2], x[t]);
+    w[0] = w[1], w[1] = w[2], w[2] = x[t];
+  }
+}
+
+// stage()'s forget-gate pre-activation for G f_b rows against one token's fa: each lane's 8-term
+// dot products, reduce-scattered over the half-warp (lane hl then holds row hl >> 2's sum).
+template <int G>
+__device__ __forceinline__ float gate_preact(const uint4 (&rows)[G], const float (&fa)[8], int hl) {
+  float zp[G];
+#pragma unroll
+  for (int j = 0; j < G; ++j) {
+    float wf[8];
+    unpack_bf16x8(rows[j], wf);
+    zp[j] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) zp[j] = fmaf(wf[e], fa[e], zp[j]);
+  }
+  half_reduce_scatter<G>(zp, hl);
+  return zp[0];
+}
+
 // Staging of all T <= kChunk tokens with every global load issued before any dependent math.
 // Writes sm.s.{q,k,v,eg,beta}, gsig, nw and the conv cache columns exactly as stage() + emit().
 template <class C>
@@ -112,22 +163,10 @@ __device__ __forceinline__ void stage_all(const Params& p_, PrefetchSmem& ps, co
   float* ce_qk = ce + static_cast<long long>(cqk) * CE;
   float* ce_v = ce + static_cast<long long>(cv) * CE;
   // ---- loads -------------------------------------------------------------------------------
-  float wq[3], wv[3] = {0.0f, 0.0f, 0.0f}, xq[T], xv[T], fa[T][8], gl[2], bl = 0.0f, nwl = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 3; ++i) wq[i] = ce_qk[pend + i];
-  if (has_v) {
-#pragma unroll
-    for (int i = 0; i < 3; ++i) wv[i] = ce_v[pend + i];
-  }
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    const __nv_bfloat16* xrow = tk.qkvg + (tk.tok0 + t) * tk.qkvg_stride;
-    xq[t] = __bfloat162float(xrow[cqk]);
-    xv[t] = has_v ? __bfloat162float(xrow[cv]) : 0.0f;
-    const __nv_bfloat16* farow = tk.fa + (tk.tok0 + t) * tk.fa_stride + 8 * hl;  // 2-byte aligned rows
-#pragma unroll
-    for (int e = 0; e < 8; ++e) fa[t][e] = __bfloat162float(farow[e]);
-  }
+  float wq[3], wv[3] = {0.0f, 0.0f, 0.0f}, xq[T], xv[T] = {}, fa[T][8], gl[2], bl = 0.0f, nwl = 0.0f;
+  load_channel<T, CE>(ce, cqk, pend, tk, wq, xq);
+  if (has_v) load_channel<T, CE>(ce, cv, pend, tk, wv, xv);
+  load_fa<T>(tk, hl, fa);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {  // g_out of tokens sec, sec + 2 at channel ch
     const int t = sec + 2 * j;
@@ -148,15 +187,8 @@ __device__ __forceinline__ void stage_all(const Params& p_, PrefetchSmem& ps, co
     for (int t = 0; t < T; ++t) ce_v[2 + t] = xv[t];
   }
   // ---- conv + SiLU, beta, norm gate ----------------------------------------------------------
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    (sec == 0 ? sm.q[t] : sm.k[t])[ch] = conv_silu(tq, wq[0], wq[1], wq[2], xq[t]);
-    wq[0] = wq[1], wq[1] = wq[2], wq[2] = xq[t];
-    if (has_v) {
-      sm.v[t][tid] = conv_silu(tv, wv[0], wv[1], wv[2], xv[t]);
-      wv[0] = wv[1], wv[1] = wv[2], wv[2] = xv[t];
-    }
-  }
+  conv_tokens<T>(tq, wq, xq, (sec == 0 ? sm.q[0] : sm.k[0]) + ch, kDim);
+  if (has_v) conv_tokens<T>(tv, wv, xv, sm.v[0] + tid, kDim);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
     if (sec + 2 * j < T) ps.gsig[sec + 2 * j][ch] = sigmoidf_(gl[j]);
@@ -169,18 +201,12 @@ __device__ __forceinline__ void stage_all(const Params& p_, PrefetchSmem& ps, co
   for (int t = 0; t < T; ++t) {
 #pragma unroll
     for (int g = 0; g < 2; ++g) {
-      float zp[G];
+      uint4 rows[G];
 #pragma unroll
-      for (int j = 0; j < G; ++j) {
-        float wf[8];
-        unpack_bf16x8(sm.fb[(hw + 16 * (g * G + j)) * kRowVecs + hl], wf);
-        zp[j] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) zp[j] = fmaf(wf[e], fa[t][e], zp[j]);
-      }
-      half_reduce_scatter<G>(zp, hl);
+      for (int j = 0; j < G; ++j) rows[j] = sm.fb[(hw + 16 * (g * G + j)) * kRowVecs + hl];
+      const float z = gate_preact<G>(rows, fa[t], hl);
       const int gi = hw + 16 * (g * G + (hl >> 2));
-      if ((hl & 3) == 0) sm.eg[t][gi] = decay<C::kGate>(zp[0] + sm.dtb[gi], a_gate);
+      if ((hl & 3) == 0) sm.eg[t][gi] = decay<C::kGate>(z + sm.dtb[gi], a_gate);
     }
   }
 }
@@ -272,6 +298,19 @@ __device__ __forceinline__ void rows_from_smem(const float* buf, float (&d)[kRow
   }
 }
 
+// The item's start rows once its bulk copy has landed (phase flips): BF16 halves when a BF16 ssm
+// is the start (pending 0), else FP32 words.
+template <class C>
+__device__ __forceinline__ void take_rows(const float* buf, unsigned long long* bar, unsigned& phase, int pend,
+                                          float (&d)[kRows][8]) {
+  mbar_wait(bar, phase);
+  phase ^= 1;
+  if (C::kBf16State && pend == 0)
+    rows_from_smem<true>(buf, d);
+  else
+    rows_from_smem<false>(buf, d);
+}
+
 // L2 warming of item `it` before the PDL wait, by the whole CTA: its start state (record or ssm,
 // chosen from racing hint reads of slot and pending), the f_b rows of its head and one line each
 // of its staging inputs. Hints only: nothing is read into registers or shared memory.
@@ -350,12 +389,7 @@ __device__ __forceinline__ void run_prefetch(const Params& p_, int batch, int wa
     if (threadIdx.x == 0 && has_next) nlk = resolve<C>(p_, nslot);
     if (nslot >= 0 && nslot < p_.num_slots) prefetch_inputs<C>(p_, nx, nslot, threadIdx.x);
     float d[kRows][8];
-    mbar_wait(&ps.sbar, sphase);
-    sphase ^= 1;
-    if (C::kBf16State && pend == 0)
-      rows_from_smem<true>(ps.state, d);
-    else
-      rows_from_smem<false>(ps.state, d);
+    take_rows<C>(ps.state, &ps.sbar, sphase, pend, d);
     __syncthreads();  // staged chunk visible; every thread's rows are out of the buffer
     if (threadIdx.x == 0 && has_next) issue_state<C>(p_, ps, nx.h, nlk, par ^ 1);
     float* rec_slot = p_.draft_rec + static_cast<long long>(slot) * M * H * kHead;

@@ -43,7 +43,7 @@ struct __align__(128) SplitSmem {
   float cols[3][2 + kChunk][kHalfRows];  // conv-cache columns of the owned q, k, v channels
   unsigned long long sbar, xbar[2];
   int meta[2][2];                        // (slot, pending) of the item of each parity
-  int end;                               // i1: re-read per item instead of held (spilled) in a register
+  int begin, end;                        // item range, read from here instead of held (spilled) in registers
 };
 
 static_assert(4 * (sizeof(SplitSmem) + 1024) <= 228 * 1024, "four split CTAs per SM");
@@ -81,27 +81,12 @@ __device__ __forceinline__ void stage_half(const Params& p_, SplitSmem& sm, cons
   const bool has_v = tid < kHalfRows, owns_qk = (tid >> 6) == rank;
   const int cq = h * kDim + tid, ck = D + cq, cv = 2 * D + h * kDim + v0 + (tid & (kHalfRows - 1));
   const float* ce = p_.conv_ext + static_cast<long long>(slot) * (3 * D) * CE;
-  const float* ce_q = ce + static_cast<long long>(cq) * CE;
-  const float* ce_k = ce + static_cast<long long>(ck) * CE;
-  const float* ce_v = ce + static_cast<long long>(cv) * CE;
   // ---- loads -------------------------------------------------------------------------------
-  float wq[3], wk[3], wv[3] = {0.0f, 0.0f, 0.0f}, xq[T], xk[T], xv[T], fa[T][8], gl[2], bl = 0.0f, nwl = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 3; ++i) wq[i] = ce_q[pend + i], wk[i] = ce_k[pend + i];
-  if (has_v) {
-#pragma unroll
-    for (int i = 0; i < 3; ++i) wv[i] = ce_v[pend + i];
-  }
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    const __nv_bfloat16* xrow = tk.qkvg + (tk.tok0 + t) * tk.qkvg_stride;
-    xq[t] = __bfloat162float(xrow[cq]);
-    xk[t] = __bfloat162float(xrow[ck]);
-    xv[t] = has_v ? __bfloat162float(xrow[cv]) : 0.0f;
-    const __nv_bfloat16* farow = tk.fa + (tk.tok0 + t) * tk.fa_stride + 8 * hl;  // 2-byte aligned rows
-#pragma unroll
-    for (int e = 0; e < 8; ++e) fa[t][e] = __bfloat162float(farow[e]);
-  }
+  float wq[3], wk[3], wv[3] = {0.0f, 0.0f, 0.0f}, xq[T], xk[T], xv[T] = {}, fa[T][8], gl[2], bl = 0.0f, nwl = 0.0f;
+  load_channel<T, CE>(ce, cq, pend, tk, wq, xq);
+  load_channel<T, CE>(ce, ck, pend, tk, wk, xk);
+  if (has_v) load_channel<T, CE>(ce, cv, pend, tk, wv, xv);
+  load_fa<T>(tk, hl, fa);
   const int gc = tid & (kHalfRows - 1);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {  // g_out of tokens (tid >> 6) + 2 j at row v0 + gc
@@ -129,17 +114,9 @@ __device__ __forceinline__ void stage_half(const Params& p_, SplitSmem& sm, cons
     for (int t = 0; t < T; ++t) cv_cols[(2 + t) * kHalfRows] = xv[t];
   }
   // ---- conv + SiLU, beta, norm gate ----------------------------------------------------------
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    sm.q[t][tid] = conv_silu(tq, wq[0], wq[1], wq[2], xq[t]);
-    wq[0] = wq[1], wq[1] = wq[2], wq[2] = xq[t];
-    sm.k[t][tid] = conv_silu(tk4, wk[0], wk[1], wk[2], xk[t]);
-    wk[0] = wk[1], wk[1] = wk[2], wk[2] = xk[t];
-    if (has_v) {
-      sm.v[t][tid] = conv_silu(tv, wv[0], wv[1], wv[2], xv[t]);
-      wv[0] = wv[1], wv[1] = wv[2], wv[2] = xv[t];
-    }
-  }
+  conv_tokens<T>(tq, wq, xq, sm.q[0] + tid, kDim);
+  conv_tokens<T>(tk4, wk, xk, sm.k[0] + tid, kDim);
+  if (has_v) conv_tokens<T>(tv, wv, xv, sm.v[0] + tid, kHalfRows);
 #pragma unroll
   for (int j = 0; j < 2; ++j)
     if ((tid >> 6) + 2 * j < T) sm.gsig[(tid >> 6) + 2 * j][gc] = sigmoidf_(gl[j]);
@@ -157,17 +134,8 @@ __device__ __forceinline__ void stage_half(const Params& p_, SplitSmem& sm, cons
     const float dtb = __ldg(p_.w.dt_bias + h * kDim + gi);
 #pragma unroll
     for (int t = 0; t < T; ++t) {
-      float zp[G];
-#pragma unroll
-      for (int j = 0; j < G; ++j) {
-        float wf[8];
-        unpack_bf16x8(wraw[j], wf);
-        zp[j] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) zp[j] = fmaf(wf[e], fa[t][e], zp[j]);
-      }
-      half_reduce_scatter<G>(zp, hl);
-      if ((hl & 3) == 0) sm.eg[t][gi] = decay<C::kGate>(zp[0] + dtb, a_gate);
+      const float z = gate_preact<G>(wraw, fa[t], hl);
+      if ((hl & 3) == 0) sm.eg[t][gi] = decay<C::kGate>(z + dtb, a_gate);
     }
   }
 }
@@ -208,6 +176,7 @@ __device__ __forceinline__ void run_split(const Params& p_, int batch) {
     fence_proxy_async_smem();
     mbar_arrive_expect_tx(&sm.xbar[0], kXBytes);
     mbar_arrive_expect_tx(&sm.xbar[1], kXBytes);
+    sm.begin = i0;
     sm.end = i1;
   }
   __syncthreads();
@@ -215,16 +184,17 @@ __device__ __forceinline__ void run_split(const Params& p_, int batch) {
   // previous kernel under PDL).
   cluster_arrive_relaxed();
   cluster_wait();
-  if (i0 >= i1) return;  // uniform over the cluster
+  const int first = sm.begin;
+  if (first >= sm.end) return;  // uniform over the cluster
   griddep_wait();        // every read below may see the previous kernel's writes
   if (tid == 0) {
-    const Item it = Item{i0 / batch, i0 % batch};
+    const Item it = Item{first / batch, first % batch};
     issue_half<C>(p_, sm, it.h, resolve<C>(p_, __ldg(p_.slots + it.b)), 0, rank);
   }
   unsigned sphase = 0, nx_ex = 0;
-  for (int i = i0; i < sm.end; ++i) {
+  for (int i = first; i < sm.end; ++i) {
     const Item it = Item{i / batch, i % batch};
-    const int par = static_cast<int>((i - i0) & 1);
+    const int par = (i - first) & 1;
     __syncthreads();  // meta[par] is written; the previous item's readers of shared memory are done
     Tokens tk = p_.tk;
     tk.tok0 = static_cast<long long>(it.b) * T;
@@ -249,12 +219,7 @@ __device__ __forceinline__ void run_split(const Params& p_, int batch) {
       prefetch_inputs<C>(p_, nx, nslot, unit);
     }
     float d[kRows][8];
-    mbar_wait(&sm.sbar, sphase);
-    sphase ^= 1;
-    if (C::kBf16State && pend == 0)
-      rows_from_smem<true>(sm.state, d);
-    else
-      rows_from_smem<false>(sm.state, d);
+    take_rows<C>(sm.state, &sm.sbar, sphase, pend, d);
     __syncthreads();  // staged values visible; every thread's rows are out of the buffer
     if (tid == 0 && has_next) issue_half<C>(p_, sm, nx.h, nlk, par ^ 1, rank);
     const long long at = (static_cast<long long>(slot) * H + it.h) * kHead + v0 * kDim;
