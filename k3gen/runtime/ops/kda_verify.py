@@ -46,7 +46,7 @@ def choose_schedule(batch: int, heads: int, sms: int, available: bool) -> str:
     """The fastest schedule measured at this many (head, sequence) items; the row kernel where the
     cubin has no other (M > 3, or the original variant).
 
-    H200, two runs of the same day (2026-11-30 11:40 and 11:58, bench/NOTES.md "kda_verify: split
+    H200, two runs (2026-11-30 11:37 and 11:39, bench/NOTES.md "kda_verify: split
     schedule"; H 6 / 12 / 96, FP32 and BF16 state, M = 3, 8 input sets per case; us):
     - up to 36 items: split 12.1-12.8, prefetch 13.5-14.1, rows 14.8-16.5 (each item's rows on
       two CTAs, each moving half the bytes);
