@@ -176,6 +176,7 @@ PREFETCH_CASES = [  # (H, M, B, ssm, padded)
     (6, 1, 101, SsmDtype.FP32, tuple(range(0, 101, 3))),
     (96, 3, 4, SsmDtype.FP32, (3,)),
     (96, 3, 3, SsmDtype.BF16, ()),
+    (12, 3, 9, SsmDtype.FP32, (4,)),   # 108 items: at most one CTA per SM (prefetch spread over SMs)
 ]
 
 
@@ -201,7 +202,7 @@ def test_prefetch_schedule_reference_and_bitwise_rows(H, M, B, ssm, padded, sche
 def test_schedule_choice_and_errors():
     from k3gen.errors import SpecError
     op = verify_op(12, 3)
-    assert op.schedule_for(1) == "split" and op.schedule_for(8) == "rows"
+    assert op.schedule_for(1) == "split" and op.schedule_for(8) == "prefetch"
     assert op.schedule_for(512) == "prefetch"
     t = Case(12, 3, 2, SsmDtype.FP32, seed=5).gpu()
     with pytest.raises(SpecError):

@@ -212,9 +212,8 @@ def test_compiles_without_spills(target, drafts, ssm, variant):
 def test_prefetch_schedule_choice_and_source():
     from k3gen.lower.jinja import render
     from k3gen.runtime.ops.kda_verify import PREFETCH_ENTRY, KdaVerify, choose_schedule, has_prefetch
-    want = {(1, 12): "split", (3, 12): "split", (4, 12): "prefetch", (1, 96): "rows", (8, 12): "rows",
-            (9, 12): "rows", (10, 12): "prefetch", (12, 12): "prefetch", (2, 96): "prefetch", (3, 96): "prefetch",
-            (32, 12): "prefetch", (128, 12): "prefetch", (8, 96): "prefetch"}
+    want = {(1, 12): "split", (3, 12): "split", (4, 12): "prefetch", (1, 96): "prefetch", (8, 12): "prefetch",
+            (12, 12): "prefetch", (3, 96): "prefetch", (32, 12): "prefetch", (128, 12): "prefetch"}
     for (b, h), sched in want.items():
         assert choose_schedule(b, h, 132, True) == sched, (b, h)
     assert all(choose_schedule(b, 12, 132, False) == "rows" for b in (1, 32, 512))
@@ -238,7 +237,9 @@ def test_split_schedule_geometry():
     """Clusters never outnumber items (each CTA pair owns at least one), and at most per_sm CTAs
     per SM; the source carries the cluster entry and its shared-memory size for four per SM."""
     from k3gen.lower.jinja import render
-    from k3gen.runtime.ops.kda_verify import SPLIT_ENTRY, split_clusters
+    from k3gen.runtime.ops.kda_verify import SPLIT_ENTRY, SPREAD_SMEM, split_clusters
+    # The padded prefetch launch fits one CTA per SM (228 KB per SM, 1 KB reserved per CTA), not two.
+    assert SPREAD_SMEM + 1024 <= 228 * 1024 < 2 * (SPREAD_SMEM + 1024)
     assert split_clusters(128, 12, 132, 4) == 264 and split_clusters(128, 12, 132, 2) == 132
     assert split_clusters(1, 6, 132, 4) == 6 and split_clusters(0, 6, 132, 4) == 1
     assert split_clusters(32, 12, 132, 3) == 198

@@ -24,6 +24,10 @@ PREFETCH_ENTRY = "k3gen_kda_verify_prefetch"
 SPLIT_ENTRY = "k3gen_kda_verify_split"
 PREFETCH_MAX_DRAFTS = 3   # the prefetch and split kernels stage all 1 + M tokens in one chunk
 SPLIT_PER_SM = (2, 3, 4)  # CTAs per SM the split schedule may be launched with (its occupancy is 4)
+# Dynamic shared memory that leaves room for one prefetch CTA per SM (2 x (116 + 1) KB > 228 KB).
+# With a grid of at most one CTA per SM the block scheduler otherwise packs two CTAs onto some SMs
+# and leaves others idle: H200, 96 items (H12 B8), 21.5 us packed vs 16.9 us spread (rows 18.9).
+SPREAD_SMEM = 116 * 1024
 
 
 def has_prefetch(spec) -> bool:
@@ -39,20 +43,21 @@ def split_clusters(batch: int, heads: int, sms: int, per_sm: int) -> int:
 
 # Schedule by items (B * H) per SM: (upper bound in items / SMs, schedule), first match wins;
 # beyond the last band, prefetch.
-SCHEDULE_BANDS = ((0.3, "split"), (0.5, "prefetch"), (0.9, "rows"))
+SCHEDULE_BANDS = ((0.3, "split"),)
 
 
 def choose_schedule(batch: int, heads: int, sms: int, available: bool) -> str:
     """The fastest schedule measured at this many (head, sequence) items; the row kernel where the
     cubin has no other (M > 3, or the original variant).
 
-    H200, two runs (2026-11-30 11:37 and 11:39, bench/NOTES.md "kda_verify: split
+    H200, three runs (2026-11-30 11:37, 11:39 and 12:23, bench/NOTES.md "kda_verify: split
     schedule"; H 6 / 12 / 96, FP32 and BF16 state, M = 3, 8 input sets per case; us):
     - up to 36 items: split 12.1-12.8, prefetch 13.5-14.1, rows 14.8-16.5 (each item's rows on
       two CTAs, each moving half the bytes);
-    - 48: prefetch 14.0-14.6, split 14.2-14.8, rows 15.8-16.7;
-    - 72 and 96: rows 16.4-18.8, prefetch 16.9-22.0, split 18.4-22.8;
-    - 132 to 288: prefetch 18.6-48.1, rows 20.8-49.0 (by 1-10%);
+    - 48: prefetch 14.3-14.6, split 14.2-14.8, rows 15.8-16.7;
+    - 72 to 132, prefetch one CTA per SM (SPREAD_SMEM): 15.7 / 16.9 / 17.9 (H12 B6 / B8 / B11)
+      and 17.4 (H96 B1) vs rows 17.2 / 18.9 / 20.8 / 18.7;
+    - 144 to 288: prefetch 23.7-48.1, rows 25.1-49.0 (by 1-10%);
     - 384: prefetch 51.7-52.6, rows 56.8-57.7; with 2 input sets (the bench's cold-L2 rotation,
       a 0.27 GB footprint instead of 1 GB) rows is ~4% ahead instead (51.7-52.5 vs 54.1-54.9):
       serving pools are large, so the large footprint decides;
@@ -79,7 +84,7 @@ class KdaVerify(Launcher):
             dev = self.device_index
             self._prefetch = self._kernel.sibling(PREFETCH_ENTRY)
             self._prefetch_smem = self._prefetch.read_i32(PREFETCH_ENTRY + "_smem", dev)
-            self._prefetch.set_max_dynamic_smem(self._prefetch_smem, dev)
+            self._prefetch.set_max_dynamic_smem(max(self._prefetch_smem, SPREAD_SMEM), dev)
             self._prefetch.prefer_max_smem(dev)
             self._split = self._kernel.sibling(SPLIT_ENTRY)
             self._split_smem = self._split.read_i32(SPLIT_ENTRY + "_smem", dev)
@@ -159,10 +164,11 @@ class KdaVerify(Launcher):
         if schedule == "prefetch":
             self.load()
             grid = (min(B * self.spec.heads, 2 * self.sm_count), 1, 1)
+            smem = max(self._prefetch_smem, SPREAD_SMEM) if grid[0] <= self.sm_count else self._prefetch_smem
             pdl = settings().pdl if pdl is None else pdl
             warm = pdl if warm is None else warm
             self._prefetch.launch_ex(grid, (self.spec.threads, 1, 1), None, args + (B, int(warm)),
-                                     types + (I32, I32), dev, stream, smem=self._prefetch_smem, pdl=pdl)
+                                     types + (I32, I32), dev, stream, smem=smem, pdl=pdl)
             return out
         if schedule == "split":
             if B * self.spec.heads >= 2**31:
