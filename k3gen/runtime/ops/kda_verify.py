@@ -130,11 +130,13 @@ class KdaVerify(Launcher):
         """One verify step of 1 + M tokens for `slots.shape[0]` sequences; returns `out`
         [B, 1 + M, H, 128]. Token t of sequence b is row b * (1 + M) + t of qkvg / fa / beta_logit.
         `schedule` forces "rows", "prefetch" or "split" (the last two: NVFP4 variant, M <= 3; all
-        three give the same bits); by default it depends on B only. The split schedule runs each
-        item's 128 state rows on the two CTAs of a cluster, `per_sm` (2..4, default 4) CTAs per SM. The prefetch schedule launches with programmatic dependent
-        launch when `pdl` (default: setting K3GEN_PDL, on) and then, unless `warm` is False, warms L2
-        with each CTA's first item before its griddepcontrol.wait (its grid is one wave); the row
-        schedule (shared with the frozen original kernel) launches plainly."""
+        three give the same bits); by default it depends on B only (choose_schedule). The split
+        schedule runs each item's 128 state rows on the two CTAs of a cluster, `per_sm` (2..4,
+        default 4) CTAs per SM. The prefetch schedule runs one CTA per SM when its grid fits one
+        wave (SPREAD_SMEM) and launches with programmatic dependent launch when `pdl` (default:
+        setting K3GEN_PDL, on); then, unless `warm` is False, each CTA warms L2 with its first item
+        before its griddepcontrol.wait. The split schedule also honours `pdl`; the row schedule
+        (shared with the frozen original kernel) launches plainly."""
         import torch
         if schedule is not None and schedule not in SCHEDULES:
             raise SpecError("schedule", schedule, list(SCHEDULES))

@@ -1,12 +1,13 @@
 // kda_verify, split schedule (M <= 3): the prefetch schedule's persistent walk over (head,
 // sequence) items, with each item's 128 state rows split between the two CTAs of a cluster.
 //
-// Why (bench/NOTES.md, kda_verify): at H12 B128 the prefetch kernel's CTAs each own 5-6 items of
-// ~320 KB, and the last ~11% of the kernel is the tail where SMs whose CTAs have finished idle.
 // State rows are independent in the V-first layout (kda_common.cuh, recur), so half an item is 64
 // rows: 160 KB, one 128-thread CTA with the same 8 register rows per half-warp. Four such CTAs
-// fit an SM (128 registers, ~48 KB of shared memory each), so an SM still holds 512 threads, and
-// while one CTA stages or waits for its exchange three others stream stores.
+// fit an SM (128 registers, ~48 KB of shared memory each). Measured (bench/NOTES.md, kda_verify:
+// split schedule): the fastest schedule up to ~0.3 items per SM, where each item's bytes then
+// stream through two SMs (H12 B1: 12.0 us vs 15.2 rows, 13.3 prefetch); built to shorten the tail
+// of the prefetch kernel at H12 B128, which it does not (a half item at four CTAs per SM takes as
+// long as a whole one at two).
 //
 // What the two halves share, and how:
 //  - q, k and exp(g) of all 128 key channels: every CTA computes them (conv of 256 channels, the
