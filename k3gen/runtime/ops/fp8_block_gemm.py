@@ -12,7 +12,6 @@ concurrently on two streams (they would share the counters).
 from __future__ import annotations
 
 import collections
-import ctypes
 import threading
 
 from ...config import settings
@@ -22,22 +21,9 @@ from ...ir.ops.fp8_block_gemm import BLOCK, MAX_SPLIT, cdiv, choose_split, nt_fo
 from ..bind import Launcher
 from ..checks import check_tensor
 from ..loader import I32, PTR, ArgPack, _check
+from ..tma import encode_tma_2d
 
 TMA_CACHE = 64   # encoded maps kept per launcher (weights are few; activations rotate through a handful)
-
-
-def encode_tma_2d(ptr: int, dims: tuple[int, int], strides: tuple[int], box: tuple[int, int]) -> bytes:
-    """128-byte CUtensorMap of a row-major uint8 matrix (dims innermost first), 128B swizzle, zero
-    fill out of bounds, 256-byte L2 promotion."""
-    from cuda.bindings import driver as d
-    u64, u32 = d.cuuint64_t, d.cuuint32_t
-    tmap = _check(d.cuTensorMapEncodeTiled(
-        d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, ptr, [u64(v) for v in dims],
-        [u64(v) for v in strides], [u32(v) for v in box], [u32(1), u32(1)],
-        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-    return ctypes.string_at(int(tmap.getPtr()), 128)
 
 
 def scale_torch_dtype(recipe: ScaleRecipe):
