@@ -3,17 +3,18 @@
 Bytes are the KV bytes the kernel must read (MlaDecodeSpec.kv_bytes: codes + scales, NVFP4 also
 its HP tail rows); % of copy is on those. The peer is the naive absorbed PyTorch decode over a
 dense, already-gathered BF16 KV (bmm, FP32 softmax, bmm; no paging, no causal mask: both favour
-the peer). FP8/NVFP4 rows carry `x_bf16`, the speed-up over the BF16-KV mma.sync kernel at the same shape.
-Every KV dtype runs both schedules (column `schedule`): the mma.sync kernel and the sm_90a wgmma one;
-wgmma rows carry `x_mma`, their speed-up over the mma.sync row of the same KV dtype and shape, and
-NVFP4 rows `x_fp8`, over the faster FP8 row of the shape.
+the peer). FP8/NVFP4 rows carry `x_bf16`, the speed-up over the fastest BF16-KV kernel at the same shape.
+Every KV dtype runs both schedules (column `schedule`): the mma.sync kernel and the sm_90a wgmma one,
+BF16 also "wgmma_qm" (query rows on the wgmma M side); wgmma rows carry `x_mma`, their speed-up over
+the mma.sync row of the same KV dtype and shape, and NVFP4 rows `x_fp8`, over the faster FP8 row of
+the shape.
 
 `k3gen bench --op mla_decode_bars`: the bars' memory-bound H = 12 shapes, B in {32, 128} x L in {8K,
-32K}, every KV dtype through mma.sync, FP8 and NVFP4 also through wgmma.
+32K}, every KV dtype through mma.sync, BF16 also through wgmma_qm, FP8 and NVFP4 through wgmma.
 
-`k3gen bench --op mla_decode_heads`: BF16 KV through both schedules over H in HEADS_SWEEP (T = 1,
-L = 8K, B = 32 and 128) - where the wgmma schedule overtakes mma.sync (MlaDecodeSpec's
-AUTO_WGMMA_ROWS, schedule="auto").
+`k3gen bench --op mla_decode_heads`: BF16 KV through the three schedules over H in HEADS_SWEEP (T = 1,
+L = 8K, B = 32 and 128) - where each wgmma schedule overtakes mma.sync (MlaDecodeSpec's schedule="auto"
+thresholds).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ BATCHES = (1, 32, 128)
 LENGTHS = (1024, 8192, 32768)
 TOKENS = (1, 4)
 HEADS_SWEEP = (12, 16, 32, 64, 96, 128)
+SCHEDULES = ("mma", "wgmma", "wgmma_qm")   # BF16 KV
 MAX_SET_BYTES = 12 * 2**30     # skip shapes whose input sets would not fit comfortably
 
 
@@ -46,7 +48,8 @@ def bench_specs(quick: bool = False) -> list:
     # The wgmma schedule right after the BF16 rows; FP8 through wgmma (16 query rows per CTA, more
     # rows as more CTAs) after all mma.sync rows, so its x_mma and x_bf16 find their baselines.
     return specs[:len(heads) * len(tokens)] + [
-        MlaDecodeSpec(target=tgt, heads=h, tokens=t, schedule="wgmma") for h in heads for t in tokens
+        MlaDecodeSpec(target=tgt, heads=h, tokens=t, schedule=sc) for sc in ("wgmma", "wgmma_qm")
+        for h in heads for t in tokens
     ] + specs[len(heads) * len(tokens):] + [
         MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=kv, schedule="wgmma", **kw)
         for kv, kw in _kv_formats()[1:] for h in heads for t in tokens]
@@ -83,22 +86,23 @@ def _naive(q, kv, T: int, H: int):
 
 
 def heads_sweep_specs(quick: bool = False) -> list:
-    """mla_decode_heads: per H, the mma.sync spec then the wgmma one (BF16 KV, T = 1)."""
+    """mla_decode_heads: per H, the mma.sync spec then the two wgmma ones (BF16 KV, T = 1)."""
     from .ir.ops.mla_decode import MlaDecodeSpec
     from .targets import get_target
     tgt = get_target("sm90")
     heads = (12, 32, 128) if quick else HEADS_SWEEP
-    return [MlaDecodeSpec(target=tgt, heads=h, schedule=s) for h in heads for s in ("mma", "wgmma")]
+    return [MlaDecodeSpec(target=tgt, heads=h, schedule=s) for h in heads for s in SCHEDULES]
 
 
 def bars_specs() -> list:
     """mla_decode_bars: issue 6's memory-bound H = 12 shapes (B * L >= 256K tokens), T = 1, every KV
-    dtype through mma.sync, FP8 and NVFP4 also through wgmma."""
+    dtype through mma.sync, BF16 also through wgmma_qm, FP8 and NVFP4 also through wgmma."""
     from .ir.dtypes import KvDtype
     from .ir.ops.mla_decode import MlaDecodeSpec
     from .targets import get_target
     tgt = get_target("sm90")
-    return [MlaDecodeSpec(target=tgt, heads=12, kv=kv, schedule="mma", **kw) for kv, kw in _kv_formats()] + [
+    return [MlaDecodeSpec(target=tgt, heads=12, schedule=s) for s in ("mma", "wgmma_qm")] + [
+        MlaDecodeSpec(target=tgt, heads=12, kv=kv, schedule="mma", **kw) for kv, kw in _kv_formats()[1:]] + [
         MlaDecodeSpec(target=tgt, heads=12, kv=kv, schedule="wgmma", **kw) for kv, kw in _kv_formats()[1:]]
 
 
@@ -156,13 +160,14 @@ def mla_decode(ceiling: float, quick: bool = False, *, specs=None, batches=None,
                 key = (H, T, B, L)
                 us_by[(spec.kv.value, spec.schedule) + key] = us
                 peer, peer_us = "", None
-                if spec.kv.value != "bf16" and ("bf16", "mma") + key in us_by:
-                    extra["x_bf16"] = us_by[("bf16", "mma") + key] / us
+                bf16 = [us_by[("bf16", s) + key] for s in SCHEDULES if ("bf16", s) + key in us_by]
+                if spec.kv.value != "bf16" and bf16:   # vs the fastest BF16 schedule measured at this shape
+                    extra["x_bf16"] = min(bf16) / us
                 if spec.kv.value == "nvfp4":   # vs the faster FP8 schedule measured at this shape
                     fp8 = [us_by[k] for k in (("fp8", "wgmma") + key, ("fp8", "mma") + key) if k in us_by]
                     if fp8:
                         extra["x_fp8"] = min(fp8) / us
-                if spec.schedule == "wgmma":
+                if spec.schedule != "mma":
                     if (spec.kv.value, "mma") + key in us_by:
                         extra["x_mma"] = us_by[(spec.kv.value, "mma") + key] / us
                     if spec.kv.value == "bf16":
@@ -179,7 +184,7 @@ def mla_decode(ceiling: float, quick: bool = False, *, specs=None, batches=None,
                     except Exception as e:  # noqa: BLE001  (an OOM of the peer must not lose our row)
                         extra["peer_error"] = repr(e)[:200]
                     torch.cuda.empty_cache()
-                name = f"{spec.kv.value}{'-wgmma' if spec.schedule == 'wgmma' else ''} H{H} T{T} B{B} L{L}"
+                name = f"{spec.kv.value}{'' if spec.schedule == 'mma' else '-' + spec.schedule} H{H} T{T} B{B} L{L}"
                 rows.append(make_row(op_name, name, us, nbytes, ceiling,
                                      same, peer=peer, peer_us=peer_us, extra=extra))
     return rows

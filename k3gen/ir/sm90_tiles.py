@@ -41,6 +41,12 @@ def tma_sw128_offset(row: int, kbyte: int) -> int:
     return swizzle128(row * ROW_BYTES + kbyte)
 
 
+def blocked_sw128_offset(rows: int, row: int, chunk: int) -> int:
+    """Byte offset of 16-byte chunk `chunk` of `row` in a [rows][K] operand stored as consecutive SW128
+    K-major blocks of [rows][128 bytes] (mla_decode's Q, P and KV tiles: the templates' sw_off)."""
+    return (chunk >> 3) * rows * ROW_BYTES + (row >> 3) * 1024 + (row & 7) * ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4)
+
+
 def encode_desc(addr: int, f: DescFields = SW128_KMAJOR) -> int:
     """The 64-bit wgmma matrix descriptor (PTX: start >> 4 in bits 0-13, LBO >> 4 in 16-29,
     SBO >> 4 in 32-45, base offset in 49-51 (0 here), layout type in 62-63)."""
@@ -75,6 +81,13 @@ def wgmma_read_addr(desc: int, row: int, k: int, elem_bytes: int = 1) -> int:
 # schedule reads M = 64 BF16 = exactly one M block, so LBO is never applied; it encodes LBO = SBO =
 # 1024 so either reading of the two fields gives the same addresses.
 SW128_MNMAJOR_1BLOCK = DescFields(lbo=ATOM_ROWS * ROW_BYTES, sbo=ATOM_ROWS * ROW_BYTES, layout=LAYOUT_SW128)
+
+
+def sw128_mnmajor(block_stride: int) -> DescFields:
+    """MN-major SW128 operand wider than one 64-element block (PTX: LBO = the offset between
+    (swizzle bytes / 16)-row groups of the MN dimension, SBO = between 8-column K groups):
+    mla_decode's wgmma_qm schedule reads 128 V dims as two [64 tok][64 dims] blocks of the stage."""
+    return DescFields(lbo=block_stride, sbo=ATOM_ROWS * ROW_BYTES, layout=LAYOUT_SW128)
 
 
 def wgmma_read_addr_mn(desc: int, mn: int, k: int, elem_bytes: int = 2) -> int:

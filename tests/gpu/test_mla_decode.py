@@ -47,6 +47,9 @@ QUICK_SHAPES = [(12, 1), (12, 4), (96, 1), (16, 8)]
 # the last as two consumers of 32 rows; (40, 1): the second consumer half padding; (96, 1), (12, 8):
 # the last group's second consumer all padding (it only passes the stages on).
 WG_SHAPES = SHAPES + [(16, 1), (16, 2), (16, 8), (40, 1), (64, 1), (128, 2), (128, 4), (128, 8)]
+# The wgmma_qm schedule (BF16 KV, 64 query rows per CTA on the wgmma M side): padded groups (12, 40,
+# 96, 6 x 4), whole ones (64, 128), many groups (128 x 8), mixed T.
+QM_SHAPES = [(12, 1), (6, 1), (12, 4), (40, 1), (64, 1), (96, 1), (128, 1), (128, 2), (16, 8), (128, 8)]
 # The FP8 wgmma schedule (16 query rows per CTA, so H * T <= 16): both scale granularities.
 WG8_SHAPES = [(12, 1), (6, 1), (16, 1), (4, 4), (8, 2), (2, 8)]
 FP8_FORMATS = ("fp8-tok128", "fp8-tensor")
@@ -71,9 +74,11 @@ ATTN_SPECS.update({("bf16", h, t, sched): _attn_spec("bf16", h, t, sched)
 ATTN_SPECS.update({(f, h, t, sched): _attn_spec(f, h, t, sched)
                    for f in FP8_FORMATS for h, t in WG8_SHAPES for sched in ("mma", "wgmma")})
 ATTN_SPECS.update({(NV, h, t, sched): _attn_spec(NV, h, t, sched) for h, t in WG4_SHAPES for sched in ("mma", "wgmma")})
+ATTN_SPECS.update({("bf16", h, t, sched): _attn_spec("bf16", h, t, sched)
+                   for h, t in QM_SHAPES for sched in ("mma", "wgmma_qm")})
 # (fmt, schedule) pairs for the tests that run every format: BF16 and FP8 also through wgmma.
-FMT_SCHED = ([(f, "mma") for f in FORMATS] + [("bf16", "wgmma")] + [(f, "wgmma") for f in FP8_FORMATS]
-             + [(NV, "wgmma")])
+FMT_SCHED = ([(f, "mma") for f in FORMATS] + [("bf16", "wgmma"), ("bf16", "wgmma_qm")]
+             + [(f, "wgmma") for f in FP8_FORMATS] + [(NV, "wgmma")])
 
 
 def heads_for(fmt: str, sched: str, T: int, H: int = 12) -> int:
@@ -193,21 +198,23 @@ def test_random_batches(key, seed):
         assert_close(b.run(op, q, plan=plan), ref, f"{key} splits={plan.splits} lens={b.lens}")
 
 
-@pytest.mark.parametrize("H,T", WG_SHAPES, ids=lambda v: str(v))
-def test_wgmma_schedule_matches_mma_schedule(H, T):
-    """Same inputs through both BF16 schedules: both within the reference tolerance and close to
-    each other (they round the same BF16 probabilities; only FP32 summation orders differ)."""
+@pytest.mark.parametrize("sched,H,T", [("wgmma", h, t) for h, t in WG_SHAPES] + [("wgmma_qm", h, t) for h, t in QM_SHAPES],
+                         ids=lambda v: str(v))
+def test_wgmma_schedule_matches_mma_schedule(sched, H, T):
+    """Same inputs through a wgmma BF16 schedule and mma.sync: both within the reference tolerance
+    and close to each other (they round the same BF16 probabilities; only FP32 summation orders
+    differ)."""
     rng = random.Random(77 + H * T)
     b = Batch("bf16", ragged(rng, 5, T) + [T, 64, 65], T, seed=12)
     q = b.query(H, 12)
     ref = b.reference(q)
     for splits in (1, 4):
         got = {}
-        for sched in ("mma", "wgmma"):
-            op = attn("bf16", H, T, sched)
-            got[sched] = b.run(op, q, plan=op.plan(len(b.lens), max(b.lens), splits=splits)).clone()
-            assert_close(got[sched], ref, f"{sched} H{H} T{T} s{splits} lens={b.lens}")
-        assert rel_rms(got["wgmma"], got["mma"]) < 4e-3
+        for sc in ("mma", sched):
+            op = attn("bf16", H, T, sc)
+            got[sc] = b.run(op, q, plan=op.plan(len(b.lens), max(b.lens), splits=splits)).clone()
+            assert_close(got[sc], ref, f"{sc} H{H} T{T} s{splits} lens={b.lens}")
+        assert rel_rms(got[sched], got["mma"]) < 4e-3
 
 
 @pytest.mark.parametrize("fmt,sched", FMT_SCHED, ids=lambda v: str(v))
@@ -221,7 +228,24 @@ def test_long_sequences(fmt, sched, T):
     assert_close(b.run(op, q), b.reference(q), f"{fmt} T{T} long")
 
 
-@pytest.mark.parametrize("sched", ["mma", "wgmma"])
+@pytest.mark.parametrize("sched", ["mma", "wgmma", "wgmma_qm"])
+def test_nan_past_the_sequence_end_is_never_read(sched):
+    """Rows past a sequence's length in its last page hold NaN (a recycled page may hold anything):
+    masked scores and zero probabilities must keep them out of the output (the wgmma_qm TMA loads the
+    whole page, so its consumers zero those V rows)."""
+    T, H = 2, 128 if sched == "wgmma_qm" else 12
+    b = Batch("bf16", [65, 130, 64, 5, 200], T, seed=13)
+    for i, L in enumerate(b.lens):
+        last = -(-L // 64) - 1
+        b.cache["kv"][int(b.bt[i, last]), L % 64 or 64:].fill_(float("nan"))
+    q = b.query(H, 13)
+    ref = b.reference(q)
+    op = attn("bf16", H, T, sched)
+    for splits in (1, 3):
+        assert_close(b.run(op, q, plan=op.plan(len(b.lens), max(b.lens), splits=splits)), ref, f"{sched} s{splits}")
+
+
+@pytest.mark.parametrize("sched", ["mma", "wgmma", "wgmma_qm"])
 def test_split_counts_agree(sched):
     b = Batch("bf16", [3000, 17, 640], 1, seed=4)
     op = attn("bf16", 12, 1, sched)
@@ -326,7 +350,8 @@ def test_quantized_kv_error_vs_bf16():
 
 # -- CUDA graphs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("fp8-tok128", "mma"), ("nvfp4-linear-m3", "mma"),
-                                       ("bf16", "wgmma"), ("fp8-tok128", "wgmma"), (NV, "wgmma")],
+                                       ("bf16", "wgmma"), ("bf16", "wgmma_qm"), ("fp8-tok128", "wgmma"),
+                                       (NV, "wgmma")],
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("B", [1, 5])
 def test_cuda_graph_replay_with_changed_lengths(fmt, sched, B):
@@ -390,8 +415,8 @@ def test_bad_page_ids_raise_with_validation(fmt, sched, monkeypatch):
         b.run(op, q)
 
 
-@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("bf16", "wgmma"), ("fp8-tok128", "wgmma"),
-                                       (NV, "wgmma")], ids=lambda v: str(v))
+@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("bf16", "wgmma"), ("bf16", "wgmma_qm"),
+                                       ("fp8-tok128", "wgmma"), (NV, "wgmma")], ids=lambda v: str(v))
 def test_bad_page_ids_without_validation_read_zeros(fmt, sched, monkeypatch):
     """Out-of-range ids are not dereferenced: those rows read as zeros (no fault, no NaN)."""
     monkeypatch.delenv("K3GEN_VALIDATE", raising=False)
@@ -434,6 +459,7 @@ def test_typed_errors(sched):
 # -- compute-sanitizer (scripts/h200.sh runs `-k sanitize` under memcheck) ----------------------------
 # wgmma: every row plan (N = 64 split rows with an idle consumer, 64 with half, 16, 32).
 SANITIZE_SHAPES = {"mma": [(12, 4)], "wgmma": [(12, 4), (96, 1), (40, 1), (6, 1), (16, 2)],
+                   "wgmma_qm": [(12, 4), (128, 1), (40, 1)],
                    "wgmma-fp8": [(12, 1), (4, 4)], "wgmma-nvfp4": [(12, 1), (4, 4)]}
 
 

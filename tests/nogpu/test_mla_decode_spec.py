@@ -31,7 +31,7 @@ SM90, SM100, SM103, SM107 = (TARGETS[n] for n in ("sm90", "sm100-mxfp4", "sm103-
     (dict(heads=12, scale_layout=ScaleLayout.SWIZZLE_128X4), "scale_layout='swz128x4'"),
     (dict(heads=12, kv=KvDtype.FP8, max_drafts=3), "max_drafts=3"),
     (dict(heads=12, kv=KvDtype.NVFP4, max_drafts=8), "max_drafts=8"),
-    (dict(heads=12, m_tiles=4), "m_tiles=4"),
+    (dict(heads=12, m_tiles=4, schedule="mma"), "m_tiles=4"), (dict(heads=12, m_tiles=1, schedule="wgmma_qm"), "m_tiles=1"),
 ])
 def test_spec_validation(kw, needle):
     with pytest.raises(SpecError, match=needle.replace("(", r"\(")):
@@ -43,10 +43,10 @@ def test_nvfp4_not_on_original_target_and_defaults():
         MlaDecodeSpec(target=SM100, heads=12, kv=KvDtype.NVFP4)
     assert MlaDecodeSpec(target=SM103, heads=12, kv=KvDtype.NVFP4).scale_layout is ScaleLayout.SWIZZLE_128X4
     assert MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.NVFP4).scale_layout is ScaleLayout.LINEAR
-    assert MlaDecodeSpec(target=SM90, heads=12).m_tiles == 1
+    assert MlaDecodeSpec(target=SM90, heads=12, schedule="mma").m_tiles == 1
     assert MlaDecodeSpec(target=SM90, heads=12, tokens=4, schedule="mma").m_tiles == 2
     assert MlaDecodeSpec(target=SM90, heads=128, tokens=8, schedule="mma").groups == 32
-    assert MlaDecodeSpec(target=SM90, heads=12, tokens=4).m_tiles == 4   # auto: wgmma, 64 rows per CTA
+    assert MlaDecodeSpec(target=SM90, heads=12, tokens=4).m_tiles == 4   # auto: wgmma_qm, 64 rows per CTA
 
 
 @pytest.mark.parametrize("kv", list(KvDtype), ids=str)
@@ -71,7 +71,7 @@ def test_two_ctas_per_sm_for_fp8_and_nvfp4_single_tile():
         assert "__launch_bounds__(256, 2)" in src and "kCtasPerSm = 2" in src
         t = MlaDecodeSpec(target=SM90, heads=12, tokens=4, kv=kv, schedule="mma", **kw)   # two tiles: 1 CTA/SM
         assert t.ctas_per_sm == 1 and "__launch_bounds__(256, 1)" in lower(t).source
-    b = MlaDecodeSpec(target=SM90, heads=12)
+    b = MlaDecodeSpec(target=SM90, heads=12, schedule="mma")
     assert b.ctas_per_sm == 1 and b.q_in_registers and b.stages == 3
     # The split planner then sees twice the CTA slots: B = 128 at H = 12 splits in two.
     assert choose_splits(128, 8192, 12, 2 * 132) == 2
@@ -219,7 +219,10 @@ def test_compiles_without_spills(target, kv, heads, tokens):
     for x in r.resources:
         assert x["local"] == 0 and x["stack"] == 0 and x["registers"] <= spec.max_registers, x
         if x["function"] == "k3gen_mla_decode":
-            # "auto" picks wgmma for BF16 128 x 8 and for FP8 on sm90 (E4M3 wgmma: QGMMA)
-            mma = ("QGMMA" if kv is KvDtype.FP8 else "HGMMA") if spec.schedule == "wgmma" else "HMMA"
+            # "auto" on sm90: wgmma_qm for BF16, wgmma for FP8 (E4M3 wgmma: QGMMA) and NVFP4
+            mma = ("QGMMA" if kv is KvDtype.FP8 else "HGMMA") if spec.schedule != "mma" else "HMMA"
             assert x["sass"].get(mma, 0) > 0, "QK/PV must run on tensor cores"
-            assert x["sass"].get("LDGSTS", 0) > 0, "KV tiles stream through cp.async"
+            if spec.schedule == "wgmma_qm":
+                assert x["sass"].get("UTMALDG", 0) > 0, "KV tiles stream through TMA"
+            else:
+                assert x["sass"].get("LDGSTS", 0) > 0, "KV tiles stream through cp.async"

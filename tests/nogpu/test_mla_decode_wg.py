@@ -13,8 +13,8 @@ from k3gen.build import build_one, lower
 from k3gen.errors import SpecError, TargetError
 from k3gen.ir.dtypes import KvDtype, ScaleLayout
 from k3gen.ir.ops.mla_decode import SMEM_LIMIT, WG_THREADS, MlaDecodeSpec
-from k3gen.ir.sm90_tiles import (SW128_KMAJOR, SW128_MNMAJOR_1BLOCK, encode_desc, swizzle128, wgmma_read_addr,
-                                 wgmma_read_addr_mn)
+from k3gen.ir.sm90_tiles import (SW128_KMAJOR, SW128_MNMAJOR_1BLOCK, blocked_sw128_offset, encode_desc, swizzle128,
+                                 wgmma_read_addr, wgmma_read_addr_mn)
 from k3gen.targets import TARGETS
 
 SM90 = TARGETS["sm90"]
@@ -41,8 +41,8 @@ def test_validation():
 
 
 def test_default_schedule_and_slug():
-    base = MlaDecodeSpec(target=SM90, heads=12)
-    assert base.schedule == "mma" and base.threads == 256
+    base = MlaDecodeSpec(target=SM90, heads=12, schedule="mma")
+    assert base.threads == 256
     for h, t in ((12, 1), (12, 4), (128, 1), (16, 8)):
         a, b = MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule="mma"), wg(h, t)
         assert b.slug() == a.slug() + "-wgmma" and b.digest() != a.digest()
@@ -82,14 +82,9 @@ def test_shared_memory_plan(h, t, mt):
 
 
 # -- addresses -----------------------------------------------------------------------------------------
-def sw_off(rows: int, row: int, c: int) -> int:
-    """mla_decode_wg.cuh's sw_off: 16-byte chunk c (of 72) of `row` in a [rows][576] BF16 operand."""
-    return (c >> 3) * rows * 128 + (row >> 3) * 1024 + (row & 7) * 128 + (((c & 7) ^ (row & 7)) << 4)
-
-
 def elem(rows: int, row: int, d: int) -> int:
-    """Byte of element d (of 576) of `row`, as the kernel's stores place it."""
-    return sw_off(rows, row, d // 8) + (d % 8) * 2
+    """Byte of element d (of 576) of `row`, as the kernel's stores place it (mla_decode_wg.cuh's sw_off)."""
+    return blocked_sw128_offset(rows, row, d // 8) + (d % 8) * 2
 
 
 def test_sw_off_is_the_sw128_kmajor_layout():
@@ -237,12 +232,11 @@ def test_compiles_to_bf16_wgmma_without_spills(h, t, mt, n):
 
 
 # -- schedule="auto" -------------------------------------------------------------------------------------
-def test_auto_schedule_resolves_by_rows_target_and_kv():
-    from k3gen.ir.ops.mla_decode import AUTO_WGMMA_ROWS
+def test_auto_schedule_resolves_by_target_and_kv():
     for h, t in ((6, 1), (12, 1), (16, 1), (8, 2), (12, 2), (32, 1), (96, 1), (128, 8)):
         a = MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule="auto")
-        want = "wgmma" if h * t > AUTO_WGMMA_ROWS else "mma"
-        assert a.schedule == want, (h, t)
+        want = "wgmma_qm"   # BF16 KV on sm_90a at every H * T (measured: ir/ops/mla_decode.py)
+        assert a.schedule == want and a.rows == 64, (h, t)
         # Resolved at construction: the same kernel (slug, digest) as the explicit schedule.
         assert a == MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule=want)
         assert a.digest() == MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule=want).digest()
@@ -260,9 +254,9 @@ def test_auto_schedule_resolves_by_rows_target_and_kv():
         assert MlaDecodeSpec(target=TARGETS[t], heads=12, kv=KvDtype.NVFP4).schedule == "mma"
     for t in ("sm103-nvfp4", "sm107-nvfp4"):
         assert MlaDecodeSpec(target=TARGETS[t], heads=128, schedule="auto").schedule == "mma"
-    # "auto" is the default (the threshold was confirmed on the H200, see AUTO_WGMMA_ROWS).
-    assert MlaDecodeSpec(target=SM90, heads=128).schedule == "wgmma"
-    assert MlaDecodeSpec(target=SM90, heads=12).schedule == "mma"
+    # "auto" is the default.
+    assert MlaDecodeSpec(target=SM90, heads=128).schedule == "wgmma_qm"
+    assert MlaDecodeSpec(target=SM90, heads=12).schedule == "wgmma_qm"
 
 
 def test_heads_sweep_bench_specs():
@@ -270,6 +264,8 @@ def test_heads_sweep_bench_specs():
     from k3gen.bench_cases_mla import HEADS_SWEEP, heads_sweep_specs
     assert callable(bench_cases.mla_decode_heads)
     full = heads_sweep_specs()
-    assert [(s.heads, s.schedule) for s in full] == [(h, s) for h in HEADS_SWEEP for s in ("mma", "wgmma")]
+    assert [(s.heads, s.schedule) for s in full] == [(h, s) for h in HEADS_SWEEP
+                                                     for s in ("mma", "wgmma", "wgmma_qm")]
     assert {s.rows for s in full if s.schedule == "wgmma"} == {16, 32, 64}
-    assert len(heads_sweep_specs(quick=True)) == 6
+    assert len(heads_sweep_specs(quick=True)) == 9
+    assert {s.rows for s in full if s.schedule == "wgmma_qm"} == {64}

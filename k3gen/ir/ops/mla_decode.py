@@ -34,6 +34,17 @@ Above 32 query rows (H * T > 32) a CTA covers 64 rows (`m_tiles` 4) and the two 
 rows instead (32 each, both on every tile, nothing to merge): half the CTAs per sequence re-read the
 KV of the N = 32 plan, and the 227 KB still hold two stages, the 64-row Q and both P tiles.
 
+`schedule="wgmma_qm"` (sm_90a, BF16 KV; templates/include/k3gen/mla_decode_wgq.cuh; the sm90 default
+for BF16) puts 64 query rows on the wgmma M side instead: S = Q K^T as m64n64k16 and O += P V as
+m64n128k16, both operands from shared memory, V read N-major straight from the tile. One consumer
+warpgroup runs QK, the softmax (a row's scores in the 4 lanes of a quad) and PV over latent dims
+0..255, the other PV over 256..511 once P is published; a TMA producer thread streams each tile as 9
+boxes of [64 tok][128 B] (one page, SW128-swizzled by the map: the wgmma layout), so one thread keeps
+a whole 72 KB tile in flight (cp.async from a warpgroup reached ~21 GB/s per SM with two stages, TMA
+~31). Rows past the sequence end are not zero-filled by the box: each consumer zeroes the V rows it
+multiplies, and the scores there are masked by a select. The launcher passes the map of the `kv`
+tensor by value (encoded on the host, cached per pointer).
+
 `schedule="wgmma"` over FP8 KV (templates/include/k3gen/mla_decode_wg8.cuh; the sm90 default for
 FP8) keeps that frame with 16 query rows per CTA (`m_tiles` 1; more rows are more CTAs) and E4M3
 wgmma on the codes themselves: the query and the probabilities enter as E4M3 hi + lo pairs (a BF16
@@ -69,11 +80,12 @@ SMEM_PER_SM = 228 * 1024      # shared memory per SM, shared by its resident CTA
 MAX_TOKENS = 8
 SOFTMAX_SCALE = 192 ** -0.5
 _PAD = 8                      # BF16 elements of padding per shared probability row
-SCHEDULES = ("mma", "wgmma")
-# schedule="auto" (the default) resolves to "wgmma" on wgmma targets for BF16 KV above this many
-# query rows (H * T). Measured on the H200 (bench mla_decode_heads, 2026-11-30 00:23, T1 B128
-# L8K): H12 mma.sync 329 us vs wgmma 357 us; H32 571 vs 400 us; H128 2252 vs 1053 us.
-AUTO_WGMMA_ROWS = 16
+SCHEDULES = ("mma", "wgmma", "wgmma_qm")
+WG_SCHEDULES = ("wgmma", "wgmma_qm")   # the sm_90a warp-specialized ones (384 threads)
+# schedule="auto" (the default) resolves BF16 KV to "wgmma_qm" on wgmma targets at every H * T. H200,
+# 2026-11-30 13:29 (one run, T1 L8K): B128 H128 530 us (wgmma 1070, mma.sync 2160; the naive peer
+# 2030), H64 305 (wgmma 549), H16 302 (mma.sync 324), H12 302 (mma.sync 328); H12 T4 B4 27.0 (mma.sync
+# 45.8, wgmma 33.4). The one loss: H12 T1 B1 L8K 15.4 us vs mma.sync 14.3 (B1 L32K 25.3 vs 25.6).
 # FP8 KV resolves to "wgmma" on wgmma targets at every H * T (16 query rows per CTA there). H200,
 # bench mla_decode --quick 2026-11-30 06:04-06:11, T1 L8K: H12 B128 182.3-185.8 us vs mma.sync
 # 291.3-294.4 us; H128 B128 1358.8-1373.8 vs 2105.8-2114.0 us; B1 within 1 us (23.1-25.5 vs 22.4-38.1).
@@ -107,7 +119,8 @@ class MlaDecodeSpec(OpSpec):
     scale_layout: ScaleLayout | None = None  # NVFP4 only; defaults to the target's layout
     max_drafts: int = 0                   # NVFP4 HP tail ring = 16 + max_drafts rows
     m_tiles: int | None = None            # 16-row query tiles per CTA; default from H * T (and schedule)
-    schedule: str = "auto"                # "mma" (mma.sync, every target), "wgmma" (sm_90a) or
+    schedule: str = "auto"                # "mma" (mma.sync, every target), "wgmma" (sm_90a),
+                                          # "wgmma_qm" (sm_90a, BF16 KV, query rows on M) or
                                           # "auto" (resolved here by target, KV dtype and H * T)
 
     def __post_init__(self):
@@ -115,10 +128,9 @@ class MlaDecodeSpec(OpSpec):
                 and hasattr(self.target, "mma")):
             layout = self.scale_layout or self.target.nvfp4_scale_layout
             wg = self.target.mma == "wgmma" and (
-                self.kv is KvDtype.FP8
-                or (self.kv is KvDtype.NVFP4 and layout is ScaleLayout.LINEAR)
-                or (self.kv is KvDtype.BF16 and self.heads * self.tokens > AUTO_WGMMA_ROWS))
-            object.__setattr__(self, "schedule", "wgmma" if wg else "mma")
+                self.kv is KvDtype.FP8 or (self.kv is KvDtype.NVFP4 and layout is ScaleLayout.LINEAR))
+            qm = self.target.mma == "wgmma" and self.kv is KvDtype.BF16
+            object.__setattr__(self, "schedule", "wgmma_qm" if qm else "wgmma" if wg else "mma")
         if self.scale_layout is None:
             object.__setattr__(self, "scale_layout", self.target.nvfp4_scale_layout
                                if self.kv is KvDtype.NVFP4 else ScaleLayout.LINEAR)
@@ -128,6 +140,8 @@ class MlaDecodeSpec(OpSpec):
 
     def _default_m_tiles(self) -> int:
         ht = self.heads * self.tokens
+        if self.schedule == "wgmma_qm":
+            return 4
         if ht <= 16 or (self.schedule == "wgmma" and self.kv is not KvDtype.BF16):
             return 1
         return 4 if self.schedule == "wgmma" and ht > 32 else 2
@@ -149,14 +163,18 @@ class MlaDecodeSpec(OpSpec):
             raise SpecError("max_drafts", self.max_drafts, [0], "only NVFP4 KV keeps an HP tail ring")
         if self.schedule not in SCHEDULES:
             raise SpecError("schedule", self.schedule, list(SCHEDULES))
-        if self.schedule == "wgmma":
+        if self.schedule in WG_SCHEDULES:
             if self.target.mma != "wgmma":
                 raise TargetError("schedule", self.schedule, ["mma"], f"target {self.target.name} has no wgmma")
             if self.kv is KvDtype.NVFP4 and self.scale_layout is not ScaleLayout.LINEAR:
                 raise SpecError("scale_layout", self.scale_layout.value, [ScaleLayout.LINEAR.value],
                                 "the NVFP4 wgmma schedule reads linear tile scales (the 128x4 swizzle is "
                                 "the SM100 family's; schedule 'mma' reads both)")
-        if self.schedule == "wgmma" and self.kv is not KvDtype.BF16:
+        if self.schedule == "wgmma_qm" and self.kv is not KvDtype.BF16:
+            raise SpecError("kv", self.kv.value, [KvDtype.BF16.value], "schedule 'wgmma_qm' reads BF16 KV")
+        if self.schedule == "wgmma_qm":
+            allowed = [4]
+        elif self.schedule == "wgmma" and self.kv is not KvDtype.BF16:
             allowed = [1]
         else:
             allowed = [1, 2, 4] if self.schedule == "wgmma" else [1, 2]
@@ -181,7 +199,7 @@ class MlaDecodeSpec(OpSpec):
     # -- geometry (mirrored by static_asserts in the template) -------------------------------
     @property
     def threads(self) -> int:
-        return WG_THREADS if self.schedule == "wgmma" else THREADS
+        return WG_THREADS if self.schedule in WG_SCHEDULES else THREADS
 
     @property
     def combine_threads(self) -> int:
@@ -194,7 +212,7 @@ class MlaDecodeSpec(OpSpec):
         """One CTA per SM (the pipeline takes most of the shared memory): 255 costs no occupancy.
         The wgmma schedule launches 384 threads: 168 each at launch, then setmaxnreg moves the
         producer to 56 and the consumers to 224 (128 * 56 + 256 * 224 <= 65536)."""
-        return 168 if self.schedule == "wgmma" else 255
+        return 168 if self.schedule in WG_SCHEDULES else 255
 
     @property
     def softmax_scale(self) -> float:
@@ -256,7 +274,7 @@ class MlaDecodeSpec(OpSpec):
     @property
     def stages(self) -> int:
         """cp.async ring depth: as many stages as fit, 2..4 (BF16 tiles are their own buffer)."""
-        if self.schedule == "wgmma":
+        if self.schedule in WG_SCHEDULES:
             if self.kv is not KvDtype.BF16:
                 plan = self._wg8_plan if self.kv is KvDtype.FP8 else self._wg4_plan
                 for st in (4, 3, 2):
@@ -281,7 +299,7 @@ class MlaDecodeSpec(OpSpec):
 
     @property
     def smem_bytes(self) -> int:
-        if self.schedule == "wgmma":
+        if self.schedule in WG_SCHEDULES:
             return self.wg_smem()["total"]
         return self._fixed_smem() + self.stages * self.raw_stage_bytes
 
@@ -298,6 +316,8 @@ class MlaDecodeSpec(OpSpec):
             return self._wg8_plan(self.stages)
         if self.kv is KvDtype.NVFP4:
             return self._wg4_plan(self.stages)
+        if self.schedule == "wgmma_qm":
+            return self._qm_plan()
         r, n = self.rows, self.wg_cols
         plan, off = {}, 0
         for name, size in (("stages", WG_STAGES * self.raw_stage_bytes), ("q", r * MLA_ROW * 2),
@@ -308,6 +328,19 @@ class MlaDecodeSpec(OpSpec):
         plan["end"] = off
         plan["total"] = off + WG_ALIGN          # slack to align the dynamic window up
         assert r * WG_OSTRIDE * 4 <= WG_STAGES * self.raw_stage_bytes
+        return plan
+
+    def _qm_plan(self) -> dict:
+        """wgmma_qm plan (mla_decode_wgq.cuh's QmGeo): the two 72 KB stages, Q (9 SW128 blocks of [64
+        rows][64 dims]), P ([64 rows][64 tok] SW128), the tile's per-row rescale factors, the final m
+        and l per row, full/empty mbarriers per stage."""
+        plan, off = {}, 0
+        for name, size in (("stages", WG_STAGES * self.raw_stage_bytes), ("q", 64 * MLA_ROW * 2),
+                           ("p", 64 * TILE_TOKENS * 2), ("alpha", 64 * 4), ("stats", 2 * 64 * 4), ("bars", 4 * 8)):
+            plan[name] = off
+            off += size
+        plan["end"] = off
+        plan["total"] = off + WG_ALIGN
         return plan
 
     def _wg8_plan(self, stages: int) -> dict:
@@ -346,8 +379,11 @@ class MlaDecodeSpec(OpSpec):
     def wg_desc_probe(self) -> tuple[int, int]:
         """(shared address, descriptor) the template's static_assert checks the device encoder
         against: the MN-major V^T operand of the last PV step of the second stage."""
-        from ..sm90_tiles import SW128_MNMAJOR_1BLOCK, encode_desc
+        from ..sm90_tiles import SW128_MNMAJOR_1BLOCK, encode_desc, sw128_mnmajor
         addr = self.raw_stage_bytes + 7 * TILE_TOKENS * 128 + 3 * 2048 + 1024
+        if self.schedule == "wgmma_qm":   # V as N-major B over two 64-dim blocks: dims 384..511, last k16
+            addr = self.raw_stage_bytes + 6 * TILE_TOKENS * 128 + 3 * 2048
+            return addr, encode_desc(addr, sw128_mnmajor(TILE_TOKENS * 128))
         return addr, encode_desc(addr, SW128_MNMAJOR_1BLOCK)
 
     def slug(self) -> str:

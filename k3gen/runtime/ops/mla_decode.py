@@ -15,13 +15,15 @@ from ...config import settings
 from ...errors import PageIndexError, SpecError
 from ...ir.dtypes import KvDtype
 from ...ir.layouts import MLA_LATENT, MLA_ROW
-from ...ir.ops.mla_decode import choose_splits
+from ...ir.ops.mla_decode import TILE_TOKENS, choose_splits
 from ..bind import Launcher
 from ..checks import check_one_device, check_tensor
-from ..loader import F32, I32, PTR, ptr
+from ..loader import F32, I32, PTR, ArgPack, ptr
+from ..tma import encode_tma_2d
 
 I64 = ctypes.c_longlong
 MAX_GRID_YZ = 65535
+TMA_MAPS = 16        # encoded KV maps kept per launcher (a serving process has one cache per layer)
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "e4m3": "uint8", "e2m1": "uint8", "int32": "int32"}
 
 
@@ -40,6 +42,7 @@ class MlaDecode(Launcher):
         super().__init__(spec)
         self._smem_set: set[int] = set()
         self._combine = None
+        self._maps: dict = {}   # (kv pointer, pages, device) -> TMA map bytes (wgmma_qm)
 
     def load(self):
         if self._kernel is None:
@@ -57,6 +60,20 @@ class MlaDecode(Launcher):
         if self.spec.ctas_per_sm > 1:
             self._kernel.prefer_max_smem(device)
         self._smem_set.add(device)
+
+    def _kv_map(self, kv, num_pages: int) -> bytes:
+        """TMA map of the BF16 KV pages (wgmma_qm): [pages * page rows][1152 bytes] as uint8, box
+        [64 rows][128 bytes] = one SW128 block of a tile; rows past the end read as zeros (bad page ids
+        point there). Encoded once per (pointer, pages, device)."""
+        key = (kv.data_ptr(), num_pages, kv.device.index)
+        raw = self._maps.get(key)
+        if raw is None:
+            row = MLA_ROW * 2
+            raw = encode_tma_2d(kv.data_ptr(), (row, num_pages * self.spec.page), (row,), (128, TILE_TOKENS))
+            if len(self._maps) >= TMA_MAPS:
+                self._maps.pop(next(iter(self._maps)))
+            self._maps[key] = raw
+        return raw
 
     # -- planning (outside graphs) ---------------------------------------------------------------
     def splits_for(self, batch: int, max_len: int) -> int:
@@ -168,8 +185,15 @@ class MlaDecode(Launcher):
                 block_table.shape[1], num_pages, ptr(ring_slot), num_slots, *cptr, float(scale), out.data_ptr(),
                 ptr(plan.part_o), ptr(plan.part_lse), n)
         types = (PTR, PTR, PTR, I64, I32, I32, PTR, I32, PTR, PTR, PTR, PTR, F32, PTR, PTR, PTR, I32)
-        self.kernel.launch((self.spec.groups, n, B), (self.spec.threads, 1, 1), args, types, dev, stream,
-                           self.spec.smem_bytes)
+        grid, block = (self.spec.groups, n, B), (self.spec.threads, 1, 1)
+        if self.spec.schedule == "wgmma_qm":
+            pack = ArgPack()
+            for v, t in zip(args, types):
+                pack.add(t(v))
+            pack.add(self._kv_map(cache["kv"], num_pages))
+            self.kernel.launch_ex(grid, block, None, pack.address(), None, dev, stream, self.spec.smem_bytes)
+        else:
+            self.kernel.launch(grid, block, args, types, dev, stream, self.spec.smem_bytes)
         if n > 1:
             # The workspace rows are [plan.batch, n, T*H]: the combine indexes them with the
             # plan's split count, sequences 0..B-1.
