@@ -228,21 +228,25 @@ def test_long_sequences(fmt, sched, T):
     assert_close(b.run(op, q), b.reference(q), f"{fmt} T{T} long")
 
 
-@pytest.mark.parametrize("sched", ["mma", "wgmma", "wgmma_qm"])
-def test_nan_past_the_sequence_end_is_never_read(sched):
-    """Rows past a sequence's length in its last page hold NaN (a recycled page may hold anything):
-    masked scores and zero probabilities must keep them out of the output (the wgmma_qm TMA loads the
-    whole page, so its consumers zero those V rows)."""
-    T, H = 2, 128 if sched == "wgmma_qm" else 12
-    b = Batch("bf16", [65, 130, 64, 5, 200], T, seed=13)
+@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("bf16", "wgmma"), ("bf16", "wgmma_qm"),
+                                       ("fp8-tok128", "wgmma"), ("fp8-tensor", "wgmma")], ids=lambda v: str(v))
+def test_nan_past_the_sequence_end_is_never_read(fmt, sched):
+    """Rows past a sequence's length in its last page hold NaN codes and scales (a recycled page may
+    hold anything): masked scores and zero probabilities must keep them out of the output (the TMA
+    schedules load whole pages, so their consumers zero those rows)."""
+    T = 2
+    H = 128 if sched == "wgmma_qm" else heads_for(fmt, sched, T)
+    b = Batch(fmt, [65, 130, 64, 5, 200], T, seed=13)
     for i, L in enumerate(b.lens):
-        last = -(-L // 64) - 1
-        b.cache["kv"][int(b.bt[i, last]), L % 64 or 64:].fill_(float("nan"))
+        pg = int(b.bt[i, -(-L // 64) - 1])
+        for name, t in b.cache.items():
+            t[pg, L % 64 or 64:].view(torch.uint8).fill_(0xFF)   # NaN in BF16, E4M3 and FP32
     q = b.query(H, 13)
     ref = b.reference(q)
-    op = attn("bf16", H, T, sched)
+    op = attn(fmt, H, T, sched)
     for splits in (1, 3):
-        assert_close(b.run(op, q, plan=op.plan(len(b.lens), max(b.lens), splits=splits)), ref, f"{sched} s{splits}")
+        assert_close(b.run(op, q, plan=op.plan(len(b.lens), max(b.lens), splits=splits)), ref,
+                     f"{fmt} {sched} s{splits}")
 
 
 @pytest.mark.parametrize("sched", ["mma", "wgmma", "wgmma_qm"])
