@@ -514,6 +514,19 @@ __device__ void decode(const Params& p) {
   }
 }
 
+// Max of x over the kThreads threads of the CTA: every thread calls it (a barrier inside) and gets the
+// result; scratch holds kThreads / 32 floats.
+template <int kThreads>
+__device__ __forceinline__ float block_max(float x, float* scratch) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) x = fmaxf(x, scratch[w]);
+  return x;
+}
+
 // Log-sum-exp merge of the splits: grid (T*H, B), kCombineThreads = 4 groups x 128 threads x 4
 // columns; group g takes splits g, g + 4, ... Small batches take many splits (64 at B = 1, L = 8K)
 // over few CTAs (one per row): one thread walking all splits kept only 2-3 partial rows in flight
@@ -528,12 +541,7 @@ __device__ __forceinline__ void combine(const float* part_o, const float* part_l
   const float* lse = part_lse + static_cast<long long>(b) * splits * ht + r;
   float mx = K3GEN_MLA_NEG_INF;
   for (int s = tid; s < splits; s += kCombineThreads) mx = fmaxf(mx, lse[static_cast<long long>(s) * ht]);
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (tid % 32 == 0) red[tid / 32] = mx;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kCombineThreads / 32; ++w) mx = fmaxf(mx, red[w]);
+  mx = block_max<kCombineThreads>(mx, red);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float wsum = 0.f;
   if (mx != K3GEN_MLA_NEG_INF) {

@@ -100,13 +100,7 @@ __device__ __forceinline__ float q_amax16(const uint4* qg, int r0, int ht, float
     if (r0 + i / kChunks >= ht) break;
     mx = fmaxf(mx, bf16x8_amax(qg[i]));
   }
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (tid % 32 == 0) scratch[tid / 32] = mx;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) mx = fmaxf(mx, scratch[w]);
-  return mx;
+  return block_max<kThreads>(mx, scratch);
 }
 
 // Max / sum over the 8 lanes that hold the same accumulator column (lanes differing in lane / 4).
