@@ -13,8 +13,7 @@ the shape.
 32K}, every KV dtype through mma.sync, BF16 also through wgmma_qm, FP8 and NVFP4 through wgmma.
 
 `k3gen bench --op mla_decode_heads`: BF16 KV through the three schedules over H in HEADS_SWEEP (T = 1,
-L = 8K, B = 32 and 128) - where each wgmma schedule overtakes mma.sync (MlaDecodeSpec's schedule="auto"
-thresholds).
+L = 8K, B = 32 and 128): the measurements behind MlaDecodeSpec's schedule="auto" for BF16 KV.
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def tma_sw128_offset(row: int, kbyte: int) -> int:
 def blocked_sw128_offset(rows: int, row: int, chunk: int) -> int:
     """Byte offset of 16-byte chunk `chunk` of `row` in a [rows][K] operand stored as consecutive SW128
     K-major blocks of [rows][128 bytes] (mla_decode's Q, P and KV tiles: the templates' sw_off)."""
-    return (chunk >> 3) * rows * ROW_BYTES + (row >> 3) * 1024 + (row & 7) * ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4)
+    return (chunk >> 3) * rows * ROW_BYTES + swizzle128(row * ROW_BYTES + (chunk & 7) * 16)
 
 
 def encode_desc(addr: int, f: DescFields = SW128_KMAJOR) -> int:

@@ -3,7 +3,9 @@ touches no device state, so a launch may encode its maps inside a CUDA-graph cap
 copied into the kernel's parameters like any pointer argument."""
 from __future__ import annotations
 
+import collections
 import ctypes
+import threading
 
 from .loader import _check
 
@@ -20,3 +22,28 @@ def encode_tma_2d(ptr: int, dims: tuple[int, int], strides: tuple[int], box: tup
         d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
     return ctypes.string_at(int(tmap.getPtr()), 128)
+
+
+class MapCache:
+    """Encoded maps of one launcher, least recently used dropped past `size`; thread-safe. Keyed by the
+    tensor's pointer and device and the map's geometry, so a captured graph and later eager calls on
+    the same tensor reuse one encoding."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._maps: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, t, dims: tuple[int, int], strides: tuple[int], box: tuple[int, int]) -> bytes:
+        key = (t.data_ptr(), t.device.index, dims, strides, box)
+        with self._lock:
+            raw = self._maps.get(key)
+            if raw is not None:
+                self._maps.move_to_end(key)
+                return raw
+        raw = encode_tma_2d(t.data_ptr(), dims, strides, box)
+        with self._lock:
+            self._maps[key] = raw
+            while len(self._maps) > self.size:
+                self._maps.popitem(last=False)
+        return raw

@@ -109,6 +109,18 @@ WG4_RING_BYTES = 16 * MLA_ROW * 2
 WG4_V_BYTES = TILE_TOKENS * MLA_LATENT * 2
 
 
+def _stacked(parts) -> dict:
+    """Byte offsets of (name, size) regions laid one after another, plus "end" and "total" (end + the
+    slack the kernel uses to align the dynamic window up to 1024 bytes)."""
+    plan, off = {}, 0
+    for name, size in parts:
+        plan[name] = off
+        off += size
+    plan["end"] = off
+    plan["total"] = off + WG_ALIGN
+    return plan
+
+
 @register_op("mla_decode")
 @dataclass(frozen=True, kw_only=True)
 class MlaDecodeSpec(OpSpec):
@@ -273,7 +285,8 @@ class MlaDecodeSpec(OpSpec):
 
     @property
     def stages(self) -> int:
-        """cp.async ring depth: as many stages as fit, 2..4 (BF16 tiles are their own buffer)."""
+        """KV ring depth: as many stages as fit, 2..4 (BF16 tiles are their own buffer; the BF16 wgmma
+        schedules keep two 72 KB stages beside the query)."""
         if self.schedule in WG_SCHEDULES:
             if self.kv is not KvDtype.BF16:
                 plan = self._wg8_plan if self.kv is KvDtype.FP8 else self._wg4_plan
@@ -319,14 +332,9 @@ class MlaDecodeSpec(OpSpec):
         if self.schedule == "wgmma_qm":
             return self._qm_plan()
         r, n = self.rows, self.wg_cols
-        plan, off = {}, 0
-        for name, size in (("stages", WG_STAGES * self.raw_stage_bytes), ("q", r * MLA_ROW * 2),
-                           ("p", 2 * n * TILE_TOKENS * 2), ("red", 2 * 4 * n * 4),
-                           ("stats", 0 if self.wg_split_rows else 2 * 2 * r * 4), ("bars", 4 * 8)):
-            plan[name] = off
-            off += size
-        plan["end"] = off
-        plan["total"] = off + WG_ALIGN          # slack to align the dynamic window up
+        plan = _stacked((("stages", WG_STAGES * self.raw_stage_bytes), ("q", r * MLA_ROW * 2),
+                         ("p", 2 * n * TILE_TOKENS * 2), ("red", 2 * 4 * n * 4),
+                         ("stats", 0 if self.wg_split_rows else 2 * 2 * r * 4), ("bars", 4 * 8)))
         assert r * WG_OSTRIDE * 4 <= WG_STAGES * self.raw_stage_bytes
         return plan
 
@@ -334,14 +342,8 @@ class MlaDecodeSpec(OpSpec):
         """wgmma_qm plan (mla_decode_wgq.cuh's QmGeo): the two 72 KB stages, Q (9 SW128 blocks of [64
         rows][64 dims]), P ([64 rows][64 tok] SW128), the tile's per-row rescale factors, the final m
         and l per row, full/empty mbarriers per stage."""
-        plan, off = {}, 0
-        for name, size in (("stages", WG_STAGES * self.raw_stage_bytes), ("q", 64 * MLA_ROW * 2),
-                           ("p", 64 * TILE_TOKENS * 2), ("alpha", 64 * 4), ("stats", 2 * 64 * 4), ("bars", 4 * 8)):
-            plan[name] = off
-            off += size
-        plan["end"] = off
-        plan["total"] = off + WG_ALIGN
-        return plan
+        return _stacked((("stages", WG_STAGES * self.raw_stage_bytes), ("q", 64 * MLA_ROW * 2),
+                         ("p", 64 * TILE_TOKENS * 2), ("alpha", 64 * 4), ("stats", 2 * 64 * 4), ("bars", 4 * 8)))
 
     def _wg8_plan(self, stages: int) -> dict:
         """FP8 wgmma plan (mla_decode_wg8.cuh's Geo8): stages of codes, their scales, then from a

@@ -11,8 +11,6 @@ concurrently on two streams (they would share the counters).
 """
 from __future__ import annotations
 
-import collections
-import threading
 
 from ...config import settings
 from ...errors import DeviceError, SpecError
@@ -21,7 +19,7 @@ from ...ir.ops.fp8_block_gemm import BLOCK, MAX_SPLIT, cdiv, choose_split, nt_fo
 from ..bind import Launcher
 from ..checks import check_tensor
 from ..loader import I32, PTR, ArgPack, _check
-from ..tma import encode_tma_2d
+from ..tma import MapCache
 
 TMA_CACHE = 64   # encoded maps kept per launcher (weights are few; activations rotate through a handful)
 
@@ -35,8 +33,7 @@ class Fp8BlockGemm(Launcher):
     def __init__(self, spec):
         super().__init__(spec)
         self._smem_set: set[int] = set()
-        self._maps: collections.OrderedDict = collections.OrderedDict()
-        self._maps_lock = threading.Lock()
+        self._maps = MapCache(TMA_CACHE)
         self._ws: dict = {}   # device -> (partials, counters) of the streaming mode
 
     def load(self):
@@ -90,18 +87,7 @@ class Fp8BlockGemm(Launcher):
         return self.spec.plan(m, self.sm_count, split, ctas, pf)
 
     def _tma_map(self, t, geom: dict) -> bytes:
-        key = (t.data_ptr(), t.device.index, geom["dims"], geom["box"])
-        with self._maps_lock:
-            raw = self._maps.get(key)
-            if raw is not None:
-                self._maps.move_to_end(key)
-                return raw
-        raw = encode_tma_2d(t.data_ptr(), geom["dims"], geom["strides"], geom["box"])
-        with self._maps_lock:
-            self._maps[key] = raw
-            while len(self._maps) > TMA_CACHE:
-                self._maps.popitem(last=False)
-        return raw
+        return self._maps.get(t, geom["dims"], geom["strides"], geom["box"])
 
     def tile_weights(self, w_codes):
         """W codes [N, K] -> the pre-tiled layout the wgmma kernel streams with one 16 KB bulk copy

@@ -19,7 +19,7 @@ from ...ir.ops.mla_decode import TILE_TOKENS, choose_splits
 from ..bind import Launcher
 from ..checks import check_one_device, check_tensor
 from ..loader import F32, I32, PTR, ArgPack, ptr
-from ..tma import encode_tma_2d
+from ..tma import MapCache
 
 I64 = ctypes.c_longlong
 MAX_GRID_YZ = 65535
@@ -42,7 +42,7 @@ class MlaDecode(Launcher):
         super().__init__(spec)
         self._smem_set: set[int] = set()
         self._combine = None
-        self._maps: dict = {}   # (kv pointer, pages, device) -> TMA map bytes (wgmma_qm)
+        self._maps = MapCache(TMA_MAPS)   # the KV maps of wgmma_qm
 
     def load(self):
         if self._kernel is None:
@@ -64,16 +64,9 @@ class MlaDecode(Launcher):
     def _kv_map(self, kv, num_pages: int) -> bytes:
         """TMA map of the BF16 KV pages (wgmma_qm): [pages * page rows][1152 bytes] as uint8, box
         [64 rows][128 bytes] = one SW128 block of a tile; rows past the end read as zeros (bad page ids
-        point there). Encoded once per (pointer, pages, device)."""
-        key = (kv.data_ptr(), num_pages, kv.device.index)
-        raw = self._maps.get(key)
-        if raw is None:
-            row = MLA_ROW * 2
-            raw = encode_tma_2d(kv.data_ptr(), (row, num_pages * self.spec.page), (row,), (128, TILE_TOKENS))
-            if len(self._maps) >= TMA_MAPS:
-                self._maps.pop(next(iter(self._maps)))
-            self._maps[key] = raw
-        return raw
+        point there)."""
+        row = MLA_ROW * 2
+        return self._maps.get(kv, (row, num_pages * self.spec.page), (row,), (128, TILE_TOKENS))
 
     # -- planning (outside graphs) ---------------------------------------------------------------
     def splits_for(self, batch: int, max_len: int) -> int:

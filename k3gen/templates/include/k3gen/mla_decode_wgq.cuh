@@ -227,8 +227,8 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
   const int tid = threadIdx.x, wgi = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   const int g = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int r0 = g * kRows;
-  // The split's tiles, computed after each role's setmaxnreg: ptxas spills values that live across
-  // it (to local memory, reloaded in the tile loop).
+  // The split's tiles, recomputed where needed (the prologue's producer thread, then each role after its
+  // setmaxnreg): ptxas spills values that live across setmaxnreg (to local memory, reloaded per tile).
   auto tiles = [&](int& len, int& t_begin, int& n) {
     len = max(p.lengths[b], 0);
     const int ntiles = (len + kTok - 1) / kTok;
