@@ -1,3 +1,3 @@
-from .cli import main
+from k3gen.cli import main
 
 raise SystemExit(main())

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import K3genError
+from k3gen.errors import K3genError
 
 KV_CHOICES = ("bf16", "fp8", "nvfp4")
 SSM_CHOICES = ("fp32", "bf16")
@@ -23,7 +23,7 @@ def _console():
 
 
 def _targets(arch: str | None):
-    from .targets import TARGETS, get_target
+    from k3gen.targets import TARGETS, get_target
     return [get_target(arch)] if arch else list(TARGETS.values())
 
 
@@ -33,9 +33,9 @@ def cmd_build(a) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from . import build as B
-    from .ir.dtypes import KvDtype, SsmDtype
-    from .targets import ServingOptions, build_specs, check_serving, get_target
+    from k3gen.pipeline import build as B
+    from k3gen.ir.dtypes import KvDtype, SsmDtype
+    from k3gen.targets import ServingOptions, build_specs, check_serving, get_target
 
     t_start = time.perf_counter()
     con = _console()
@@ -67,7 +67,7 @@ def cmd_build(a) -> int:
     table = Table(title=f"k3gen build {target.name} ({target.arch})", title_justify="left")
     for col in ("kernel", "arch", "regs", "smem", "spills", "notable SASS", "time"):
         table.add_column(col, justify="right" if col in ("regs", "smem", "time") else "left")
-    from .compile.inspect import KernelResources
+    from k3gen.pipeline.inspect import KernelResources
     for r in results:
         for res in (KernelResources(**x) for x in r.resources):
             table.add_row(r.artifact.spec.kernel_name, r.meta.get("arch", ""), str(res.registers),
@@ -86,8 +86,8 @@ def cmd_build(a) -> int:
 
 def _guard_frozen(target, specs, root: Path) -> None:
     """A frozen target's landed kernel sources may never change; new ones may be added."""
-    from . import build as B
-    from .errors import SpecError
+    from k3gen.pipeline import build as B
+    from k3gen.errors import SpecError
     want = B.generated_files(target, specs)
     d = root / target.module_name
     for name, content in want.items():
@@ -100,7 +100,7 @@ def _guard_frozen(target, specs, root: Path) -> None:
 # -- list / show / inspect ----------------------------------------------------------------------
 
 def _find_spec(name: str, arch: str | None):
-    from .targets import build_specs
+    from k3gen.targets import build_specs
     hits = []
     for t in _targets(arch):
         for s in build_specs(t):
@@ -118,8 +118,8 @@ def _find_spec(name: str, arch: str | None):
 def cmd_list(a) -> int:
     from rich.table import Table
 
-    from .ir.spec import registry
-    from .targets import build_specs
+    from k3gen.ops import registry
+    from k3gen.targets import build_specs
     con = _console()
     t = Table(title="kernels", title_justify="left")
     for c in ("target", "kernel", "op", "lowering", "file"):
@@ -133,7 +133,7 @@ def cmd_list(a) -> int:
 
 
 def cmd_show(a) -> int:
-    from .build import lower
+    from k3gen.pipeline.build import lower
     spec = _find_spec(a.kernel, a.arch)
     print(lower(spec).source, end="")
     return 0
@@ -142,8 +142,8 @@ def cmd_show(a) -> int:
 def cmd_inspect(a) -> int:
     from rich.table import Table
 
-    from .build import build_one
-    from .compile.inspect import KernelResources, sass_text
+    from k3gen.pipeline.build import build_one
+    from k3gen.pipeline.inspect import KernelResources, sass_text
     con = _console()
     spec = _find_spec(a.kernel, a.arch)
     r = build_one(spec)
@@ -167,7 +167,7 @@ def cmd_inspect(a) -> int:
 # -- cache / env / bench ----------------------------------------------------------------------
 
 def cmd_cache(a) -> int:
-    from .runtime.cache import KernelCache
+    from k3gen.pipeline.store import KernelCache
     c = KernelCache()
     if a.action == "info":
         print(f"cache: {c.root}\nentries: {len(c.entries())}\nsize: {c.size_bytes() / 1e6:.2f} MB")
@@ -186,8 +186,8 @@ def collect_env(query_gpu: bool = True) -> dict:
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
-    from .compile.toolchain import cuda_include_dir, nvrtc_version, tool
-    from .config import describe
+    from k3gen.pipeline.toolchain import cuda_include_dir, nvrtc_version, tool
+    from k3gen.config import describe
     env = {"python": platform.python_version(), "platform": platform.platform(), "packages": {}}
     for pkg in ("k3gen", "torch", "cuda-bindings", "cuda-core", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime",
                 "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm", "nvidia-cutlass-dsl", "jinja2", "sympy",
@@ -234,7 +234,7 @@ def cmd_collect_env(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from .bench import main as bench_main
+    from bench.harness import main as bench_main
     return bench_main(a)
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import SpecError, TargetError
-from .ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout, ScaleRecipe, SsmDtype
-from .ir.layouts import PAGE_TOKENS
-from .ir.spec import OpSpec
-from .ir.target import Target
+from k3gen.errors import SpecError, TargetError
+from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout, ScaleRecipe, SsmDtype
+from k3gen.ir.layouts import PAGE_TOKENS
+from k3gen.ir.spec import OpSpec
+from k3gen.ir.target import Target
 
 
 def _nvfp4(name: str, arch: str, sm: int) -> Target:
@@ -94,7 +94,7 @@ def build_specs(target: Target, kv: KvDtype | None = None, ssm: SsmDtype | None 
     The generated source tree of a target always holds the full list; a narrowed build only
     compiles fewer cubins.
     """
-    from .ir.ops.kv_cache_write import KvCacheWriteSpec
+    from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
 
     kvs = target.kv_dtypes if kv is None else (kv,)
     specs: list[OpSpec] = []
@@ -125,8 +125,8 @@ ACT_QUANT_K = (1536, 7168)
 
 
 def _act_quant_specs(target: Target) -> list[OpSpec]:
-    from .ir.dtypes import ScaleRecipe
-    from .ir.ops.act_quant_fp8 import ActQuantFp8Spec
+    from k3gen.ir.dtypes import ScaleRecipe
+    from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
     if target.frozen:  # the original target gains ops only once they are final
         return []
     return [ActQuantFp8Spec(target=target, k=k, recipe=r) for k in ACT_QUANT_K for r in ScaleRecipe]
@@ -138,8 +138,8 @@ KDA_DECODE_TARGETS = ("sm90", "sm103-nvfp4", "sm107-nvfp4")
 
 
 def _kda_decode_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
-    from .ir.dtypes import GateKind
-    from .ir.ops.kda_decode import KdaDecodeSpec
+    from k3gen.ir.dtypes import GateKind
+    from k3gen.ops.kda_decode.spec import KdaDecodeSpec
     if target.name not in KDA_DECODE_TARGETS:
         return []
     out: list[OpSpec] = []
@@ -159,9 +159,9 @@ MLA_HEADS = (12, 96)
 
 
 def _fp8_proj_specs(target: Target) -> list[OpSpec]:
-    from .ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
-    from .ir.ops.mla_q_absorb import MlaQAbsorbSpec
-    from .ir.ops.mla_vb_gate import MlaVbGateSpec
+    from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
+    from k3gen.ops.mla_q_absorb.spec import MlaQAbsorbSpec
+    from k3gen.ops.mla_vb_gate.spec import MlaVbGateSpec
     if target.name not in FP8_PROJ_TARGETS:
         return []
     # Hopper runs both recipes here (the H200 tests pair each with its own activations).
@@ -199,7 +199,7 @@ KDA_VERIFY_ORIGINAL_TARGETS = ("sm100-mxfp4",)
 
 
 def _kda_prefill_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
-    from .ir.ops.kda_prefill import KdaPrefillSpec
+    from k3gen.ops.kda_prefill.spec import KdaPrefillSpec
     if target.name not in KDA_DECODE_TARGETS:
         return []
     return [KdaPrefillSpec(target=target, heads=h, ssm=s)
@@ -207,7 +207,7 @@ def _kda_prefill_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
 
 
 def _kda_verify_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
-    from .ir.ops.kda_verify import KdaVerifySpec, VerifyVariant
+    from k3gen.ops.kda_verify.spec import KdaVerifySpec, VerifyVariant
     if target.name in KDA_VERIFY_ORIGINAL_TARGETS:
         if ssm not in (None, SsmDtype.FP32):
             return []
@@ -232,7 +232,7 @@ MLA_DECODE_SHAPES = ((12, 1), (12, 4), (96, 1), (96, 4))
 
 
 def _mla_decode_specs(target: Target, kv: KvDtype | None) -> list[OpSpec]:
-    from .ir.ops.mla_decode import MlaDecodeSpec
+    from k3gen.ops.mla_decode.spec import MlaDecodeSpec
     if target.name not in MLA_DECODE_TARGETS:
         return []
     kvs = target.kv_dtypes if kv is None else (kv,)

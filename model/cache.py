@@ -22,9 +22,9 @@ import torch
 from k3gen.errors import K3genError, SpecError
 from k3gen.ir.dims import evaluate
 from k3gen.ir.dtypes import KvDtype
-from k3gen.reference.kv_cache_write import alloc_cache
+from k3gen.ops.kv_cache_write.reference import alloc_cache
 
-from .config import ModelConfig, TargetConfig
+from model.config import ModelConfig, TargetConfig
 
 
 class CacheCapacityError(K3genError):

@@ -28,7 +28,7 @@ import torch
 
 from k3gen.errors import K3genError
 
-from .config import ModelConfig
+from model.config import ModelConfig
 
 PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"

@@ -32,12 +32,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_generate(a) -> int:
-    from .generate import run
+    from model.generate import run
     return run(a)
 
 
 def run_plan(a) -> int:
-    from .plan import run
+    from model.plan import run
     return run(a)
 
 

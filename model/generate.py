@@ -12,7 +12,7 @@ import torch
 
 from k3gen.errors import K3genError, SpecError
 
-from .model import K3Model
+from model.model import K3Model
 
 
 @dataclass
@@ -188,10 +188,10 @@ def build_model(config: str, arch: str, kv: str, ssm: str, max_drafts: int, path
     import tempfile
     from pathlib import Path
 
-    from .cache import HybridCache
-    from .checkpoint import write_random_checkpoint
-    from .config import TargetConfig, get_config
-    from .weights import load_weights
+    from model.cache import HybridCache
+    from model.checkpoint import write_random_checkpoint
+    from model.config import TargetConfig, get_config
+    from model.weights import load_weights
     cfg = get_config(config)
     tcfg = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=max_drafts, path=path)
     if checkpoint is None:
@@ -207,7 +207,7 @@ def build_model(config: str, arch: str, kv: str, ssm: str, max_drafts: int, path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import add_generate_arguments
+    from model.cli import add_generate_arguments
     add_generate_arguments(p)
 
 

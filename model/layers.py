@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from k3gen.reference.mla_q_absorb import rms_norm_bf16
+from k3gen.ops.mla_q_absorb.reference import rms_norm_bf16
 
-from .config import ModelConfig
-from .mla_attention import prefill_attention
-from .ops import Ops
-from .weights import DenseMlpWeights, KdaLayerWeights, MlaLayerWeights, MoeWeights
+from model.config import ModelConfig
+from model.mla_attention import prefill_attention
+from model.ops import Ops
+from model.weights import DenseMlpWeights, KdaLayerWeights, MlaLayerWeights, MoeWeights
 
 BF16 = torch.bfloat16
 Q_LORA, KV_LORA, ROPE = 1536, 512, 64

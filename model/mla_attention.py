@@ -17,8 +17,7 @@ import torch
 
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ir.layouts import MLA_LATENT, MLA_ROW, NVFP4_BLOCK, NVFP4_TILE_TOKENS, KvLayout, swizzle_128x4_offset
-from k3gen.reference import quant as Q
-
+from k3gen import numerics as Q
 SOFTMAX_SCALE = 1.0 / math.sqrt(192.0)
 
 

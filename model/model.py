@@ -6,18 +6,18 @@ from __future__ import annotations
 import torch
 
 from k3gen.errors import SpecError
-from k3gen.reference.kda_verify import commit as kda_commit
+from k3gen.ops.kda_verify.reference import commit as kda_commit
 
-from . import layers as L
-from .cache import HybridCache
-from .config import TargetConfig
-from .ops import make_ops
-from .weights import DenseMlpWeights, KdaLayerWeights, ModelWeights
+from model import layers as L
+from model.cache import HybridCache
+from model.config import TargetConfig
+from model.ops import make_ops
+from model.weights import DenseMlpWeights, KdaLayerWeights, ModelWeights
 
 
 def gemm_shapes_for(cfg, tp: int = 1) -> list[tuple[int, int]]:
     """(N, K) of every FP8 linear of `cfg` at `tp` (what the loader produces: fused and padded)."""
-    from .weights import KV_A_PAD
+    from model.weights import KV_A_PAD
     sh = cfg.for_tp(tp)
     D, Hm = sh.kda_heads * 128, sh.mla_heads * 128
     fab = -(-(128 + sh.kda_heads) // 16) * 16

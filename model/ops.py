@@ -15,18 +15,18 @@ import torch
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import GateKind, KvDtype, ScaleRecipe, SsmDtype
 from k3gen.ir.layouts import KvLayout
-from k3gen.reference.act_quant_fp8 import act_quant_fp8 as ref_act_quant
-from k3gen.reference.act_quant_fp8 import dequantize as ref_act_dequant
-from k3gen.reference.kda_decode import KdaWeights
-from k3gen.reference.kda_decode import kda_decode as ref_kda_decode
-from k3gen.reference.kda_prefill import kda_prefill as ref_kda_prefill
-from k3gen.reference.kda_verify import kda_verify as ref_kda_verify
-from k3gen.reference.kv_cache_write import kv_cache_write as ref_kv_write
-from k3gen.reference.mla_q_absorb import NOPE, Q_LORA, rms_norm_bf16
-from k3gen.reference.mla_vb_gate import mla_vb_gate as ref_vb_gate
+from k3gen.ops.act_quant_fp8.reference import act_quant_fp8 as ref_act_quant
+from k3gen.ops.act_quant_fp8.reference import dequantize as ref_act_dequant
+from k3gen.ops.kda_decode.reference import KdaWeights
+from k3gen.ops.kda_decode.reference import kda_decode as ref_kda_decode
+from k3gen.ops.kda_prefill.reference import kda_prefill as ref_kda_prefill
+from k3gen.ops.kda_verify.reference import kda_verify as ref_kda_verify
+from k3gen.ops.kv_cache_write.reference import kv_cache_write as ref_kv_write
+from k3gen.ops.mla_q_absorb.reference import NOPE, Q_LORA, rms_norm_bf16
+from k3gen.ops.mla_vb_gate.reference import mla_vb_gate as ref_vb_gate
 
-from . import mla_attention as attn
-from .weights import Fp8Linear
+from model import mla_attention as attn
+from model.weights import Fp8Linear
 
 BF16 = torch.bfloat16
 QK_HEAD = 192
@@ -111,14 +111,14 @@ class KernelOps(Ops):
     # -- specs ------------------------------------------------------------------------------------
     def specs(self, gemm_shapes) -> list:
         """Every spec this model runs (gemm_shapes: the (N, K) of its FP8 linears)."""
-        from k3gen.ir.ops.act_quant_fp8 import ActQuantFp8Spec
-        from k3gen.ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
-        from k3gen.ir.ops.kda_decode import KdaDecodeSpec
-        from k3gen.ir.ops.kda_prefill import KdaPrefillSpec
-        from k3gen.ir.ops.kda_verify import KdaVerifySpec
-        from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
-        from k3gen.ir.ops.mla_q_absorb import MlaQAbsorbSpec
-        from k3gen.ir.ops.mla_vb_gate import MlaVbGateSpec
+        from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
+        from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
+        from k3gen.ops.kda_decode.spec import KdaDecodeSpec
+        from k3gen.ops.kda_prefill.spec import KdaPrefillSpec
+        from k3gen.ops.kda_verify.spec import KdaVerifySpec
+        from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
+        from k3gen.ops.mla_q_absorb.spec import MlaQAbsorbSpec
+        from k3gen.ops.mla_vb_gate.spec import MlaVbGateSpec
         t = self.target
         out = [KdaDecodeSpec(target=t, heads=self.heads_kda, ssm=self.ssm, gate=self.gate),
                KdaPrefillSpec(target=t, heads=self.heads_kda, ssm=self.ssm, gate=self.gate),
@@ -143,7 +143,7 @@ class KernelOps(Ops):
     def mla_decode_spec(self, T: int):
         """The attention spec whose KvLayout is exactly the cache's (page, FP8 scale granularity,
         NVFP4 scale layout, HP tail ring of 16 + drafts rows)."""
-        from k3gen.ir.ops.mla_decode import MlaDecodeSpec
+        from k3gen.ops.mla_decode.spec import MlaDecodeSpec
         lay = self.kv_layout
         nvfp4 = lay.kv is KvDtype.NVFP4
         kw = dict(target=self.target, heads=self.heads_mla, kv=lay.kv, fp8_scales=lay.fp8_scales,
@@ -160,7 +160,7 @@ class KernelOps(Ops):
         """The loaded launcher of `spec`. Loading compiles or reads a cubin: never inside capture."""
         key = spec.digest()
         if key not in self._launchers:
-            from k3gen.runtime.bind import launcher_class
+            from k3gen.ops import launcher_class
             self._launchers[key] = launcher_class(spec.op)(spec)
         op = self._launchers[key]
         if op._kernel is None:
@@ -189,7 +189,7 @@ class KernelOps(Ops):
         return plan
 
     def _get(self, op: str, **kw):
-        from k3gen.ir.spec import registry
+        from k3gen.ops import registry
         return self.launcher(registry()[op](target=self.target, **kw))
 
     # -- ops --------------------------------------------------------------------------------------

@@ -6,9 +6,9 @@ import argparse
 
 from k3gen.errors import K3genError
 
-from .cache import CacheCapacityError, cache_bytes, plan_capacity
-from .checkpoint import expected_tensors
-from .config import TargetConfig, get_config
+from model.cache import CacheCapacityError, cache_bytes, plan_capacity
+from model.checkpoint import expected_tensors
+from model.config import TargetConfig, get_config
 
 CONTEXTS = (4096, 32768, 131072)
 
@@ -47,7 +47,7 @@ def plan_rows(config: str, arch: str, tp: int, gpu_gib: float, util: float, max_
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import add_plan_arguments
+    from model.cli import add_plan_arguments
     add_plan_arguments(p)
 
 

@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.reference import quant as Q
-from k3gen.reference.fp8_block_gemm import dequantize_weights, quantize_weights
-from k3gen.reference.kda_decode import KdaWeights
+from k3gen import numerics as Q
+from k3gen.ops.fp8_block_gemm.reference import dequantize_weights, quantize_weights
+from k3gen.ops.kda_decode.reference import KdaWeights
 
-from .checkpoint import (INDEX, LM_HEAD, PREFIX, BadValueError, CheckpointError, MissingTensorError,
+from model.checkpoint import (INDEX, LM_HEAD, PREFIX, BadValueError, CheckpointError, MissingTensorError,
                          TensorShapeError, expected_tensors)
-from .config import ModelConfig
+from model.config import ModelConfig
 
 KV_A_PAD = 640
 

@@ -4,12 +4,12 @@
 // digest: 4e762c6707f24f55fa3ac917bc61197ee2d2b98e5a23da870f4823fbb82122a7
 
 // kda_prefill h12-bounded-bf16 (chunk16) for sm_103a
-// Algorithm: include/k3gen/kda_prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
+// Algorithm: include/k3gen/kda/prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
 // k3gen/ir/ops/kda_prefill.py. Launch: grid (12, B), 256 threads,
 // 90112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_prefill_chunk.cuh"
+#include "k3gen/kda/prefill_chunk.cuh"
 struct Config {
   static constexpr int kHeads = 12;
   static constexpr bool kBf16State = true;

@@ -4,12 +4,12 @@
 // digest: dd49b57e525455cb12c9aef7fca971e9273184565e1801da784f02678235c2dc
 
 // kda_prefill h12-bounded-fp32 (chunk16) for sm_103a
-// Algorithm: include/k3gen/kda_prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
+// Algorithm: include/k3gen/kda/prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
 // k3gen/ir/ops/kda_prefill.py. Launch: grid (12, B), 256 threads,
 // 90112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_prefill_chunk.cuh"
+#include "k3gen/kda/prefill_chunk.cuh"
 struct Config {
   static constexpr int kHeads = 12;
   static constexpr bool kBf16State = false;

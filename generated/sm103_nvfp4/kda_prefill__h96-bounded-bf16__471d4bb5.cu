@@ -4,12 +4,12 @@
 // digest: 471d4bb57ef0552f2ee7ca0528a258097c802027ba1d750335c0ff105b0182cc
 
 // kda_prefill h96-bounded-bf16 (chunk16) for sm_103a
-// Algorithm: include/k3gen/kda_prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
+// Algorithm: include/k3gen/kda/prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
 // k3gen/ir/ops/kda_prefill.py. Launch: grid (96, B), 256 threads,
 // 90112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_prefill_chunk.cuh"
+#include "k3gen/kda/prefill_chunk.cuh"
 struct Config {
   static constexpr int kHeads = 96;
   static constexpr bool kBf16State = true;

@@ -4,12 +4,12 @@
 // digest: c3d28efc00abb5cd204ee4a1006f79124d3f0af23836eb011edfce2d6ac80b43
 
 // kda_prefill h96-bounded-fp32 (chunk16) for sm_103a
-// Algorithm: include/k3gen/kda_prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
+// Algorithm: include/k3gen/kda/prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
 // k3gen/ir/ops/kda_prefill.py. Launch: grid (96, B), 256 threads,
 // 90112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_prefill_chunk.cuh"
+#include "k3gen/kda/prefill_chunk.cuh"
 struct Config {
   static constexpr int kHeads = 96;
   static constexpr bool kBf16State = false;

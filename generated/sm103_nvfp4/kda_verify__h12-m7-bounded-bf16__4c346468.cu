@@ -4,11 +4,11 @@
 // digest: 4c3464686846119d5f7b709763cd7c621e5377dc599914bda961467252daf3c8
 
 // kda_verify h12-m7-bounded-bf16 (nvfp4 variant) for sm_103a
-// Algorithm: include/k3gen/kda_verify.cuh. Contract: k3gen/ir/ops/kda_verify.py.
+// Algorithm: include/k3gen/kda/verify.cuh. Contract: k3gen/ops/kda_verify/spec.py.
 // Launch: grid (12, B), 256 threads, no cluster, static shared memory only.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_verify.cuh"
+#include "k3gen/kda/verify.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

@@ -4,11 +4,11 @@
 // digest: a8673b99e5576ce2c67c4cf8f6b55c42322d1051e628462838d1236bff3061df
 
 // kda_verify h96-m7-bounded-bf16 (nvfp4 variant) for sm_103a
-// Algorithm: include/k3gen/kda_verify.cuh. Contract: k3gen/ir/ops/kda_verify.py.
+// Algorithm: include/k3gen/kda/verify.cuh. Contract: k3gen/ops/kda_verify/spec.py.
 // Launch: grid (96, B), 256 threads, no cluster, static shared memory only.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_verify.cuh"
+#include "k3gen/kda/verify.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;

@@ -4,11 +4,11 @@
 // digest: 38bab6dd5d67dde4cf8ce92580d2bdad91b5d7020395a4cdd89352ea7bcad309
 
 // kda_verify h96-m7-bounded-fp32 (nvfp4 variant) for sm_103a
-// Algorithm: include/k3gen/kda_verify.cuh. Contract: k3gen/ir/ops/kda_verify.py.
+// Algorithm: include/k3gen/kda/verify.cuh. Contract: k3gen/ops/kda_verify/spec.py.
 // Launch: grid (96, B), 256 threads, no cluster, static shared memory only.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_verify.cuh"
+#include "k3gen/kda/verify.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;

@@ -4,11 +4,11 @@
 // digest: 70f22596e08533751d34993221c8575a3aadb47fcc482a7165633baa1b827f16
 
 // kv_cache_write bf16-p64 for sm_103a
-// Algorithm: include/k3gen/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
+// Algorithm: include/k3gen/mla/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv  bf16[num_pages, 64, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/kv_write.cuh"
+#include "k3gen/mla/kv_write.cuh"
 
 struct Config {
   static constexpr k3gen::KvKind kKv = k3gen::KvKind::kBf16;

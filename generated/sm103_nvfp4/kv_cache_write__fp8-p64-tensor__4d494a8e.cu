@@ -4,11 +4,11 @@
 // digest: 4d494a8e7ecb86bbfe4f47ab824ee8ae285f764604db220c0865883491708990
 
 // kv_cache_write fp8-p64-tensor for sm_103a
-// Algorithm: include/k3gen/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
+// Algorithm: include/k3gen/mla/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv_codes  e4m3[num_pages, 64, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/kv_write.cuh"
+#include "k3gen/mla/kv_write.cuh"
 
 struct Config {
   static constexpr k3gen::KvKind kKv = k3gen::KvKind::kFp8;

@@ -4,13 +4,13 @@
 // digest: 2801659b6a40efd078be40cfe0658c835e41ce0d11c1129b345b8f4b5318ac36
 
 // kv_cache_write nvfp4-p128-swz128x4-m0 for sm_103a
-// Algorithm: include/k3gen/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
+// Algorithm: include/k3gen/mla/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv_codes  e4m3[num_pages, 128, 288]
 //   c1 = scales  e4m3[num_pages, 4608]
 //   c2 = hp_tail  bf16[num_slots, 16, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/kv_write.cuh"
+#include "k3gen/mla/kv_write.cuh"
 
 struct Config {
   static constexpr k3gen::KvKind kKv = k3gen::KvKind::kNvfp4;

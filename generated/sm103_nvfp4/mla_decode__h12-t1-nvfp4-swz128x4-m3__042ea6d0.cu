@@ -4,7 +4,7 @@
 // digest: 042ea6d013d3db11b26951161d00e56fc7865823c0e0da13067b3be4675d5ad7
 
 // mla_decode h12-t1-nvfp4-swz128x4-m3 for sm_103a
-// Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (1, splits, B), 256 threads, 113408 B dynamic smem
 //   k3gen_mla_decode_combine  grid (12, B), 512 threads (only when splits > 1)
@@ -14,8 +14,8 @@
 //   c2 = hp_tail  bf16[num_slots, 19, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

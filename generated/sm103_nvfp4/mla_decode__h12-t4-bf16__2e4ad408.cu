@@ -4,7 +4,7 @@
 // digest: 2e4ad4082c7b80a1c5534aed80cbe4ca7929c5fb9d2a1061488d0384a1fcb528
 
 // mla_decode h12-t4-bf16 for sm_103a
-// Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (2, splits, B), 256 threads, 198144 B dynamic smem
 //   k3gen_mla_decode_combine  grid (48, B), 512 threads (only when splits > 1)
@@ -12,8 +12,8 @@
 //   c0 = kv  bf16[num_pages, 64, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

@@ -4,7 +4,7 @@
 // digest: 82f22b942a44d53031ac19ac5c734a38f408af26026619d7224f1e4d693ca263
 
 // mla_decode h96-t1-bf16 for sm_103a
-// Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (3, splits, B), 256 threads, 198144 B dynamic smem
 //   k3gen_mla_decode_combine  grid (96, B), 512 threads (only when splits > 1)
@@ -12,8 +12,8 @@
 //   c0 = kv  bf16[num_pages, 64, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;

@@ -4,7 +4,7 @@
 // digest: 093e2c46178d0cb5754d61dd4c99f1986470bf4a45dbd914e5caaef6182afd09
 
 // mla_decode h96-t4-nvfp4-swz128x4-m3 for sm_103a
-// Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (12, splits, B), 256 threads, 139776 B dynamic smem
 //   k3gen_mla_decode_combine  grid (384, B), 512 threads (only when splits > 1)
@@ -14,8 +14,8 @@
 //   c2 = hp_tail  bf16[num_slots, 19, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;

@@ -4,11 +4,11 @@
 // digest: 101e900b88a06c1f74bf5e67e083417ebf54bf4887876d8244b4b1d2c74ead29
 
 // mla_vb_gate h12 for sm_103a
-// Algorithm: include/k3gen/mla_proj.cuh. Contract: k3gen/ir/ops/mla_vb_gate.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_vb_gate.py.
 // Launch: grid (12, ceil(B / 8)), 256 threads.
 #include <cuda_bf16.h>
 
-#include "k3gen/mla_proj.cuh"
+#include "k3gen/mla/proj.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

@@ -4,16 +4,16 @@
 // digest: 56e55ece1b11c9d402f3e06e56b6996a2c825652df62e77183ffe3024b0860e1
 
 // kda_decode h12-bounded-fp32 for sm_107a
-// Algorithm: include/k3gen/kda_decode.cuh. Contract: k3gen/ir/ops/kda_decode.py.
+// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ir/ops/kda_decode.py.
 // Launch: grid (split, 12, B), 256 threads, cluster (split, 1, 1);
 // split in 1, 2, 4, 8 up to 8, chosen by the launcher; warm, ahead:
-// L2 warming before the PDL wait and one wave ahead (kda_decode.cuh warm_cta; 0 turns each off).
+// L2 warming before the PDL wait and one wave ahead (kda/decode.cuh warm_cta; 0 turns each off).
 // Large batches: k3gen_kda_decode_stream, grid (persistent CTAs, at most
 // k3gen_kda_decode_stream_ctas per SM), same threads, dynamic shared memory
-// k3gen_kda_decode_stream_smem bytes (include/k3gen/kda_decode_stream.cuh).
+// k3gen_kda_decode_stream_smem bytes (include/k3gen/kda/decode_stream.cuh).
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_decode_stream.cuh"
+#include "k3gen/kda/decode_stream.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

@@ -4,12 +4,12 @@
 // digest: e6e09eaecd131dbd82b0757e6bcb7344148cb0d84e9a57681a293a6afdf3e4aa
 
 // kda_prefill h12-bounded-bf16 (chunk16) for sm_107a
-// Algorithm: include/k3gen/kda_prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
+// Algorithm: include/k3gen/kda/prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
 // k3gen/ir/ops/kda_prefill.py. Launch: grid (12, B), 256 threads,
 // 90112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_prefill_chunk.cuh"
+#include "k3gen/kda/prefill_chunk.cuh"
 struct Config {
   static constexpr int kHeads = 12;
   static constexpr bool kBf16State = true;

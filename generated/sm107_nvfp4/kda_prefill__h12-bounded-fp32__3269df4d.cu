@@ -4,12 +4,12 @@
 // digest: 3269df4d3288647859a6ee6df72ba3877d422ab1484c128330b65ba35d7f1d12
 
 // kda_prefill h12-bounded-fp32 (chunk16) for sm_107a
-// Algorithm: include/k3gen/kda_prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
+// Algorithm: include/k3gen/kda/prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
 // k3gen/ir/ops/kda_prefill.py. Launch: grid (12, B), 256 threads,
 // 90112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_prefill_chunk.cuh"
+#include "k3gen/kda/prefill_chunk.cuh"
 struct Config {
   static constexpr int kHeads = 12;
   static constexpr bool kBf16State = false;

@@ -4,12 +4,12 @@
 // digest: af132cfda643085a7f116bbc6e7d0548442465902de62f8de2c5ffd86978cafc
 
 // kda_verify h12-m3-bounded-bf16 (nvfp4 variant) for sm_107a
-// Algorithm: include/k3gen/kda_verify.cuh. Contract: k3gen/ir/ops/kda_verify.py.
+// Algorithm: include/k3gen/kda/verify.cuh. Contract: k3gen/ops/kda_verify/spec.py.
 // Launch: grid (12, B), 256 threads, no cluster, static shared memory only.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_verify.cuh"
-#include "k3gen/kda_verify_split.cuh"
+#include "k3gen/kda/verify.cuh"
+#include "k3gen/kda/verify_split.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;
@@ -39,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_verify(
   k3gen::kda::verify::run<Config>(p);
 }
 
-// Prefetch schedule (include/k3gen/kda_verify_prefetch.cuh): grid (P, 1, 1) persistent CTAs over
+// Prefetch schedule (include/k3gen/kda/verify_prefetch.cuh): grid (P, 1, 1) persistent CTAs over
 // the H * B (head, sequence) items, 256 threads, two CTAs per SM, dynamic shared
 // memory k3gen_kda_verify_prefetch_smem bytes. May be launched with PDL; `warm` != 0 warms L2 with
 // the first item's reads before griddepcontrol.wait.
@@ -58,7 +58,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_verify_prefetch(
   k3gen::kda::verify::run_prefetch<Config>(p, batch, warm);
 }
 
-// Split schedule (include/k3gen/kda_verify_split.cuh): grid (2 C, 1, 1) in clusters of (2, 1, 1),
+// Split schedule (include/k3gen/kda/verify_split.cuh): grid (2 C, 1, 1) in clusters of (2, 1, 1),
 // C persistent clusters over the H * B items, each CTA 64 state rows of every item of its
 // cluster, 128 threads, up to four CTAs per SM, dynamic shared memory k3gen_kda_verify_split_smem
 // bytes. May be launched with PDL.

@@ -4,11 +4,11 @@
 // digest: 00acd9111215f3df9b3914e731c91d887485445c97d516f049c8e6731a2589a4
 
 // kda_verify h12-m7-bounded-bf16 (nvfp4 variant) for sm_107a
-// Algorithm: include/k3gen/kda_verify.cuh. Contract: k3gen/ir/ops/kda_verify.py.
+// Algorithm: include/k3gen/kda/verify.cuh. Contract: k3gen/ops/kda_verify/spec.py.
 // Launch: grid (12, B), 256 threads, no cluster, static shared memory only.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_verify.cuh"
+#include "k3gen/kda/verify.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

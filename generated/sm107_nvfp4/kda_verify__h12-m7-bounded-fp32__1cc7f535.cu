@@ -4,11 +4,11 @@
 // digest: 1cc7f53586e08be1d4f0d0dd1cbba2b6e3cc277c7feba9646251b21abfeaff06
 
 // kda_verify h12-m7-bounded-fp32 (nvfp4 variant) for sm_107a
-// Algorithm: include/k3gen/kda_verify.cuh. Contract: k3gen/ir/ops/kda_verify.py.
+// Algorithm: include/k3gen/kda/verify.cuh. Contract: k3gen/ops/kda_verify/spec.py.
 // Launch: grid (12, B), 256 threads, no cluster, static shared memory only.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_verify.cuh"
+#include "k3gen/kda/verify.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

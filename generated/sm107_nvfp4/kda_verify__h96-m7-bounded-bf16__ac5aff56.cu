@@ -4,11 +4,11 @@
 // digest: ac5aff56ae04b092d0438820be881bd77aaeef612b9226453526a4de87b57b61
 
 // kda_verify h96-m7-bounded-bf16 (nvfp4 variant) for sm_107a
-// Algorithm: include/k3gen/kda_verify.cuh. Contract: k3gen/ir/ops/kda_verify.py.
+// Algorithm: include/k3gen/kda/verify.cuh. Contract: k3gen/ops/kda_verify/spec.py.
 // Launch: grid (96, B), 256 threads, no cluster, static shared memory only.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_verify.cuh"
+#include "k3gen/kda/verify.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;

@@ -4,11 +4,11 @@
 // digest: f501ae9d3700cca1e02fd1f0e95bccab60359b0985a82e3c86534c1b6c09321e
 
 // kda_verify h96-m7-bounded-fp32 (nvfp4 variant) for sm_107a
-// Algorithm: include/k3gen/kda_verify.cuh. Contract: k3gen/ir/ops/kda_verify.py.
+// Algorithm: include/k3gen/kda/verify.cuh. Contract: k3gen/ops/kda_verify/spec.py.
 // Launch: grid (96, B), 256 threads, no cluster, static shared memory only.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_verify.cuh"
+#include "k3gen/kda/verify.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;

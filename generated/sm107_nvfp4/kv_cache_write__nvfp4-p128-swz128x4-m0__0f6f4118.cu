@@ -4,13 +4,13 @@
 // digest: 0f6f41183185d263a79f201ca88d1bf122eb05c86b91745c03055c7d6ffec57c
 
 // kv_cache_write nvfp4-p128-swz128x4-m0 for sm_107a
-// Algorithm: include/k3gen/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
+// Algorithm: include/k3gen/mla/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv_codes  e4m3[num_pages, 128, 288]
 //   c1 = scales  e4m3[num_pages, 4608]
 //   c2 = hp_tail  bf16[num_slots, 16, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/kv_write.cuh"
+#include "k3gen/mla/kv_write.cuh"
 
 struct Config {
   static constexpr k3gen::KvKind kKv = k3gen::KvKind::kNvfp4;

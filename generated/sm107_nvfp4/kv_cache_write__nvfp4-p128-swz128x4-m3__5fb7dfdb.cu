@@ -4,13 +4,13 @@
 // digest: 5fb7dfdb814675149f61b99f8f8cd6ee3dd74d8dd0a43b34faa849881e36e039
 
 // kv_cache_write nvfp4-p128-swz128x4-m3 for sm_107a
-// Algorithm: include/k3gen/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
+// Algorithm: include/k3gen/mla/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv_codes  e4m3[num_pages, 128, 288]
 //   c1 = scales  e4m3[num_pages, 4608]
 //   c2 = hp_tail  bf16[num_slots, 19, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/kv_write.cuh"
+#include "k3gen/mla/kv_write.cuh"
 
 struct Config {
   static constexpr k3gen::KvKind kKv = k3gen::KvKind::kNvfp4;

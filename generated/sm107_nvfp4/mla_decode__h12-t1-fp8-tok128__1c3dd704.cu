@@ -4,7 +4,7 @@
 // digest: 1c3dd704552d5135a920b8de67d27f2f6fede0ecb9cd8b0e2430c2ab99bf06d3
 
 // mla_decode h12-t1-fp8-tok128 for sm_107a
-// Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (1, splits, B), 256 threads, 108288 B dynamic smem
 //   k3gen_mla_decode_combine  grid (12, B), 512 threads (only when splits > 1)
@@ -13,8 +13,8 @@
 //   c1 = kv_scales  fp32[num_pages, 64, 5]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

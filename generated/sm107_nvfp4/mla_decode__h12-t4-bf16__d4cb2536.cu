@@ -4,7 +4,7 @@
 // digest: d4cb2536c1b0001a9551575a1c4519708dd7e5c9c1f6f21c9372e9d18f5217e6
 
 // mla_decode h12-t4-bf16 for sm_107a
-// Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (2, splits, B), 256 threads, 198144 B dynamic smem
 //   k3gen_mla_decode_combine  grid (48, B), 512 threads (only when splits > 1)
@@ -12,8 +12,8 @@
 //   c0 = kv  bf16[num_pages, 64, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

@@ -4,7 +4,7 @@
 // digest: 1b6f011833d2c90c4dc541b34f065c979b280b7d7e0006bf1675e5f18b7ea400
 
 // mla_decode h12-t4-fp8-tok128 for sm_107a
-// Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (2, splits, B), 256 threads, 216576 B dynamic smem
 //   k3gen_mla_decode_combine  grid (48, B), 512 threads (only when splits > 1)
@@ -13,8 +13,8 @@
 //   c1 = kv_scales  fp32[num_pages, 64, 5]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

@@ -4,7 +4,7 @@
 // digest: 79ad98a6b60e94e8d7aa61a55b6c1ae97a35b6cc89fab6fe84805c33c7455b27
 
 // mla_decode h12-t4-nvfp4-swz128x4-m3 for sm_107a
-// Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (2, splits, B), 256 threads, 139776 B dynamic smem
 //   k3gen_mla_decode_combine  grid (48, B), 512 threads (only when splits > 1)
@@ -14,8 +14,8 @@
 //   c2 = hp_tail  bf16[num_slots, 19, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

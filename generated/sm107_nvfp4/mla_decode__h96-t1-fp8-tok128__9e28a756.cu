@@ -4,7 +4,7 @@
 // digest: 9e28a7565dd6f0af6f11574d3a5c6b5c681186bd2fb23cee154a56fe77d1385a
 
 // mla_decode h96-t1-fp8-tok128 for sm_107a
-// Algorithm: include/k3gen/mla_decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (3, splits, B), 256 threads, 216576 B dynamic smem
 //   k3gen_mla_decode_combine  grid (96, B), 512 threads (only when splits > 1)
@@ -13,8 +13,8 @@
 //   c1 = kv_scales  fp32[num_pages, 64, 5]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;

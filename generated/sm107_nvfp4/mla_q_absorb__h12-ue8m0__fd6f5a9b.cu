@@ -4,13 +4,13 @@
 // digest: fd6f5a9b4d5700fdee73c390547cd4ea78e964d941662332c2bbaab8c3575a82
 
 // mla_q_absorb h12-ue8m0 for sm_107a
-// Algorithm: include/k3gen/mla_proj.cuh. Contract: k3gen/ir/ops/mla_q_absorb.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_q_absorb.py.
 // Two entries, launched around the Q-B fp8_block_gemm (n2304-k1536-ue8m0):
 //   k3gen_mla_q_norm_quant  grid (B), 192 threads
 //   k3gen_mla_q_absorb      grid (12, ceil(B / 8)), 256 threads
 #include <cuda_bf16.h>
 
-#include "k3gen/mla_proj.cuh"
+#include "k3gen/mla/proj.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

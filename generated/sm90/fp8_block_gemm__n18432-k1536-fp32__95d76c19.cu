@@ -5,7 +5,7 @@
 
 // fp8_block_gemm n18432-k1536-fp32 for sm_90a
 // wgmma flavour. Contract: k3gen/ir/ops/fp8_block_gemm.py.
-// Algorithm: include/k3gen/fp8_gemm_wgmma.cuh. Launch (spec.plan): grid (split, ceil(M / nt),
+// Algorithm: include/k3gen/gemm/fp8_wgmma.cuh. Launch (spec.plan): grid (split, ceil(M / nt),
 // 144), 384 threads, cluster (split, 1, 1) when split > 1,
 // dynamic shared memory spec.smem_bytes_nt(nt); W and x are TMA tensor maps (spec.tma_boxes).
 // Streaming mode (plan.ctas > 0): grid (ctas, 1, 1), no cluster, FP32 partial slots `part` and
@@ -13,7 +13,7 @@
 // pf: L2 prefetch distance of the weight stream in K blocks (0 = off; launch-time, Plan.pf).
 #include <cuda_bf16.h>
 
-#include "k3gen/fp8_gemm_wgmma.cuh"
+#include "k3gen/gemm/fp8_wgmma.cuh"
 
 struct Config {
   static constexpr int kN = 18432;

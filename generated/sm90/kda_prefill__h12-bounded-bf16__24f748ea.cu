@@ -4,12 +4,12 @@
 // digest: 24f748ea0a8571c3c2647b4f1ae1a818fedc849abd2b733a5405f9f11c404bad
 
 // kda_prefill h12-bounded-bf16 (chunk16) for sm_90a
-// Algorithm: include/k3gen/kda_prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
+// Algorithm: include/k3gen/kda/prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
 // k3gen/ir/ops/kda_prefill.py. Launch: grid (12, B), 256 threads,
 // 90112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_prefill_chunk.cuh"
+#include "k3gen/kda/prefill_chunk.cuh"
 struct Config {
   static constexpr int kHeads = 12;
   static constexpr bool kBf16State = true;

@@ -4,12 +4,12 @@
 // digest: 5a2d9d5b590ce7119d1d6e677af3270cc23f0ec7f999c45ffc8b2debbf81cf62
 
 // kda_prefill h96-bounded-bf16 (chunk16) for sm_90a
-// Algorithm: include/k3gen/kda_prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
+// Algorithm: include/k3gen/kda/prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
 // k3gen/ir/ops/kda_prefill.py. Launch: grid (96, B), 256 threads,
 // 90112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_prefill_chunk.cuh"
+#include "k3gen/kda/prefill_chunk.cuh"
 struct Config {
   static constexpr int kHeads = 96;
   static constexpr bool kBf16State = true;

@@ -4,12 +4,12 @@
 // digest: 59465e050fa3ff053e6e4bc6a78d7d2a2de28481f41378cfa0cd71372fe9d458
 
 // kda_prefill h96-bounded-fp32 (chunk16) for sm_90a
-// Algorithm: include/k3gen/kda_prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
+// Algorithm: include/k3gen/kda/prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
 // k3gen/ir/ops/kda_prefill.py. Launch: grid (96, B), 256 threads,
 // 90112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
-#include "k3gen/kda_prefill_chunk.cuh"
+#include "k3gen/kda/prefill_chunk.cuh"
 struct Config {
   static constexpr int kHeads = 96;
   static constexpr bool kBf16State = false;

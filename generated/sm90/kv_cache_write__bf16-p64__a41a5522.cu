@@ -4,11 +4,11 @@
 // digest: a41a5522e1bb6a9e64873cde54a3514b99a75a54e0984ce147cf601aff1bea8e
 
 // kv_cache_write bf16-p64 for sm_90a
-// Algorithm: include/k3gen/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
+// Algorithm: include/k3gen/mla/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv  bf16[num_pages, 64, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/kv_write.cuh"
+#include "k3gen/mla/kv_write.cuh"
 
 struct Config {
   static constexpr k3gen::KvKind kKv = k3gen::KvKind::kBf16;

@@ -4,14 +4,14 @@
 // digest: 00ec3910bea66319dfde26ac7b7705e4976e8bc9435be14cf189bf2debe0ccca
 
 // kv_cache_write nvfp4-p128-linear-m0 for sm_90a
-// Algorithm: include/k3gen/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
+// Algorithm: include/k3gen/mla/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv_codes  e4m3[num_pages, 128, 288]
 //   c1 = tile_scales  e4m3[num_pages, 8, 32]
 //   c2 = rope_scales  e4m3[num_pages, 128, 4]
 //   c3 = hp_tail  bf16[num_slots, 16, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/kv_write.cuh"
+#include "k3gen/mla/kv_write.cuh"
 
 struct Config {
   static constexpr k3gen::KvKind kKv = k3gen::KvKind::kNvfp4;

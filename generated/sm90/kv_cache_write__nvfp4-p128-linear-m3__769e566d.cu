@@ -4,14 +4,14 @@
 // digest: 769e566d84bd736f9d651ab84366973957f9b55966b905d6d0cfc3b450e726fa
 
 // kv_cache_write nvfp4-p128-linear-m3 for sm_90a
-// Algorithm: include/k3gen/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
+// Algorithm: include/k3gen/mla/kv_write.cuh. Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv_codes  e4m3[num_pages, 128, 288]
 //   c1 = tile_scales  e4m3[num_pages, 8, 32]
 //   c2 = rope_scales  e4m3[num_pages, 128, 4]
 //   c3 = hp_tail  bf16[num_slots, 19, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/kv_write.cuh"
+#include "k3gen/mla/kv_write.cuh"
 
 struct Config {
   static constexpr k3gen::KvKind kKv = k3gen::KvKind::kNvfp4;

@@ -4,7 +4,7 @@
 // digest: e6d400864a70ccc75064f1fa247cbbddbf8c8235647a01d6dc15e8c6204db663
 
 // mla_decode h12-t1-fp8-tok128-wgmma for sm_90a
-// Algorithm: include/k3gen/mla_decode_wg8.cuh (FP8 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode_wg_fp8.cuh (FP8 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (1, splits, B), 384 threads, 207808 B dynamic smem
 //   k3gen_mla_decode_combine  grid (12, B), 512 threads (only when splits > 1)
@@ -13,8 +13,8 @@
 //   c1 = kv_scales  fp32[num_pages, 64, 5]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode_wg8.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode_wg_fp8.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

@@ -4,7 +4,7 @@
 // digest: 4432afd2b1c76a0a16a3edc814bc70ae144f33d9a6f476cd5d2e66164ea240ff
 
 // mla_decode h12-t1-nvfp4-linear-m3-wgmma for sm_90a
-// Algorithm: include/k3gen/mla_decode_wg4.cuh (NVFP4 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode_wg_nvfp4.cuh (NVFP4 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (1, splits, B), 384 threads, 231216 B dynamic smem
 //   k3gen_mla_decode_combine  grid (12, B), 512 threads (only when splits > 1)
@@ -15,8 +15,8 @@
 //   c3 = hp_tail  bf16[num_slots, 19, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode_wg4.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode_wg_nvfp4.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

@@ -4,7 +4,7 @@
 // digest: e4ad9ca6f4176b06093d76cda256d32fadbb81b846b2a8d62148f73cc4feeaa3
 
 // mla_decode h12-t4-nvfp4-linear-m3-wgmma for sm_90a
-// Algorithm: include/k3gen/mla_decode_wg4.cuh (NVFP4 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode_wg_nvfp4.cuh (NVFP4 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (3, splits, B), 384 threads, 231216 B dynamic smem
 //   k3gen_mla_decode_combine  grid (48, B), 512 threads (only when splits > 1)
@@ -15,8 +15,8 @@
 //   c3 = hp_tail  bf16[num_slots, 19, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode_wg4.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode_wg_nvfp4.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;

@@ -4,7 +4,7 @@
 // digest: 97ed6ce8afb8e29e7f562a6caf891a8c1864df64fa18d95de797ddc444d7e78b
 
 // mla_decode h96-t1-nvfp4-linear-m3-wgmma for sm_90a
-// Algorithm: include/k3gen/mla_decode_wg4.cuh (NVFP4 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode_wg_nvfp4.cuh (NVFP4 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (6, splits, B), 384 threads, 231216 B dynamic smem
 //   k3gen_mla_decode_combine  grid (96, B), 512 threads (only when splits > 1)
@@ -15,8 +15,8 @@
 //   c3 = hp_tail  bf16[num_slots, 19, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode_wg4.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode_wg_nvfp4.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;

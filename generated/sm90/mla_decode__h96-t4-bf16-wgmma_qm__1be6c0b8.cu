@@ -4,7 +4,7 @@
 // digest: 1be6c0b844b90357582403f268c2c84ac2e0deac82a50ff02180fd205eeb17d8
 
 // mla_decode h96-t4-bf16-wgmma_qm for sm_90a
-// Algorithm: include/k3gen/mla_decode_wgq.cuh (query rows on the wgmma M side). Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode_wg_qm.cuh (query rows on the wgmma M side). Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (6, splits, B), 384 threads, 231200 B dynamic smem
 //                             (+ kv_map: TMA map of c0 as uint8 [pages * 64 rows][1152], box [64][128], 128B swizzle)
@@ -13,8 +13,8 @@
 //   c0 = kv  bf16[num_pages, 64, 576]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode_wgq.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode_wg_qm.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;

@@ -4,7 +4,7 @@
 // digest: 0e8a0e263a9149b694ee893d49df637c894664739bc8f4ee3da01d304ddfdf23
 
 // mla_decode h96-t4-fp8-tok128-wgmma for sm_90a
-// Algorithm: include/k3gen/mla_decode_wg8.cuh (FP8 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode_wg_fp8.cuh (FP8 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
 // Entries:
 //   k3gen_mla_decode          grid (24, splits, B), 384 threads, 207808 B dynamic smem
 //   k3gen_mla_decode_combine  grid (384, B), 512 threads (only when splits > 1)
@@ -13,8 +13,8 @@
 //   c1 = kv_scales  fp32[num_pages, 64, 5]
 #include <cuda_bf16.h>
 
-#include "k3gen/pdl.cuh"
-#include "k3gen/mla_decode_wg8.cuh"
+#include "k3gen/common/pdl.cuh"
+#include "k3gen/mla/decode_wg_fp8.cuh"
 
 struct Config {
   static constexpr int kHeads = 96;

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from ..errors import SpecError
+from k3gen.errors import SpecError
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import sympy
 
-from ..errors import SpecError
-from .dims import sym
-from .dtypes import (BF16, E4M3, FP32, INT32, Fp8ScaleGranularity, KvDtype, ScalarType,
+from k3gen.errors import SpecError
+from k3gen.ir.dims import sym
+from k3gen.ir.dtypes import (BF16, E4M3, FP32, INT32, Fp8ScaleGranularity, KvDtype, ScalarType,
                      ScaleLayout, SsmDtype)
 
 MLA_LATENT = 512

@@ -1,4 +1,4 @@
-"""OpSpec: the frozen, keyword-only description of one fused operator, and the op registry."""
+"""OpSpec: the frozen, keyword-only description of one fused operator; `register_op` records its class."""
 from __future__ import annotations
 
 import enum
@@ -7,8 +7,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from ..errors import SpecError
-from .target import Target
+from k3gen.errors import SpecError
+from k3gen.ir.target import Target
 
 _REGISTRY: dict[str, type["OpSpec"]] = {}
 
@@ -24,8 +24,8 @@ def register_op(name: str):
     return deco
 
 
-def registry() -> dict[str, type["OpSpec"]]:
-    from . import ops  # noqa: F401  (importing registers every op)
+def registered() -> dict[str, type["OpSpec"]]:
+    """The spec classes registered so far (k3gen.ops.registry() imports every op first)."""
     return dict(_REGISTRY)
 
 
@@ -45,17 +45,43 @@ def _plain(v):
 class OpSpec:
     """Base of all op specs. Subclasses are `@dataclass(frozen=True, kw_only=True)`.
 
-    `lowering` says which path makes the kernel: "nvrtc" (a Jinja2 template under templates/)
-    or "cute" (a module under k3gen/cute/).
+    `variants` (set by the op's variants.py) lists the kernels that can implement the op; when
+    `variant_field` names a field, "auto" there is resolved to the first variant that can, before
+    `validate()` runs, and an explicit name is checked with that variant's `can_implement`.
     """
     target: Target
     op: ClassVar[str] = ""
-    lowering: ClassVar[str] = "nvrtc"
+    variants: ClassVar[object] = None        # a k3gen.ir.variant.VariantTable
+    variant_field: ClassVar[str | None] = None
 
     def __post_init__(self):
         if not isinstance(self.target, Target):
             raise SpecError("target", self.target, "a k3gen Target (see k3gen.targets)")
+        self.resolve()
+        if self.variant_field is not None and self.variants is not None:
+            name = getattr(self, self.variant_field)
+            object.__setattr__(self, self.variant_field,
+                               type(name)(self.variants.choose(self, str(getattr(name, "value", name))).name))
         self.validate()
+
+    def resolve(self) -> None:
+        """Fill defaults that depend on the target (runs before the variant is chosen)."""
+
+    def validate(self) -> None:
+        """Reject illegal field combinations with SpecError(field, value, allowed)."""
+
+    @property
+    def impl(self):
+        """The Variant that implements this spec."""
+        if self.variants is None:
+            raise SpecError("variants", None, "a VariantTable", f"op {self.op} declares none")
+        name = getattr(self, self.variant_field) if self.variant_field else "auto"
+        return self.variants.choose(self, str(getattr(name, "value", name)))
+
+    @property
+    def lowering(self) -> str:
+        """"nvrtc" (ops/<op>/template.cu.j2) or "cute" (ops/<op>/cute_kernel.py)."""
+        return self.impl.lowering
 
     def validate(self) -> None:
         """Reject illegal field combinations with SpecError(field, value, allowed)."""
@@ -95,23 +121,3 @@ class OpSpec:
 
     def flops(self):
         raise NotImplementedError
-
-
-def spec_from_canonical(text: str, target: Target) -> OpSpec:
-    """Rebuild a spec from canonical JSON using the field types of its class."""
-    import typing
-    d = json.loads(text)
-    cls = registry()[d.pop("op")]
-    d.pop("target")
-    hints = typing.get_type_hints(cls)
-    kw = {}
-    for k, v in d.items():
-        t = hints.get(k)
-        if v is not None and typing.get_args(t):  # Optional[X] / X | None: the non-None member
-            t = next((a for a in typing.get_args(t) if a is not type(None)), t)
-        if isinstance(t, type) and issubclass(t, enum.Enum):
-            v = t(v)
-        elif hasattr(t, "from_canonical"):
-            v = t.from_canonical(v)
-        kw[k] = v
-    return cls(target=target, **kw)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .dtypes import KvDtype, ScaleLayout, ScaleRecipe, SsmDtype
+from k3gen.ir.dtypes import KvDtype, ScaleLayout, ScaleRecipe, SsmDtype
 
 
 @dataclass(frozen=True)

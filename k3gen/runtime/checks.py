@@ -1,7 +1,7 @@
 """Host-side argument checks shared by the launchers: metadata only (no sync, no allocation)."""
 from __future__ import annotations
 
-from ..errors import SpecError
+from k3gen.errors import SpecError
 
 
 def check_tensor(name, t, dtype, shape, *, contiguous=True, inner_unit=False, align=0) -> None:
@@ -27,7 +27,7 @@ def check_kda_weights(heads: int, conv_w, fb_w, dt_bias, a_log, norm_w) -> None:
     """The per-layer KDA weights every KDA kernel reads (conv taps, f_b, dt_bias, A_log, norm)."""
     import torch
 
-    from ..ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
+    from k3gen.ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
     D = heads * KDA_DK
     check_tensor("conv_w", conv_w, torch.bfloat16, (3 * D, CONV_TAPS), align=8)
     check_tensor("fb_w", fb_w, torch.bfloat16, (D, KDA_DK), align=16)

@@ -19,8 +19,8 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from ..errors import SpecError
-from .loader import CudaKernel, _check
+from k3gen.errors import SpecError
+from k3gen.runtime.loader import CudaKernel, _check
 
 # k3gen element name -> torch dtypes accepted for it (E4M3/E5M2 may be raw uint8 storage).
 TORCH_DTYPES = {

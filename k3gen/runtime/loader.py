@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from ..errors import DeviceError
+from k3gen.errors import DeviceError
 
 _lock = threading.Lock()
 _ctx_ready: set[int] = set()

@@ -7,7 +7,7 @@ import collections
 import ctypes
 import threading
 
-from .loader import _check
+from k3gen.runtime.loader import _check
 
 
 def encode_tma_2d(ptr: int, dims: tuple[int, int], strides: tuple[int], box: tuple[int, int]) -> bytes:

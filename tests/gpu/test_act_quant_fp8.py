@@ -16,10 +16,10 @@ import torch
 
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ir.ops.act_quant_fp8 import ActQuantFp8Spec
-from k3gen.reference.act_quant_fp8 import act_quant_fp8
+from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
+from k3gen.ops.act_quant_fp8.reference import act_quant_fp8
 from k3gen.runtime.cute_launch import CuteKernel
-from k3gen.runtime.ops.act_quant_fp8 import ActQuantFp8
+from k3gen.ops.act_quant_fp8.launcher import ActQuantFp8
 from k3gen.targets import TARGETS
 
 pytestmark = pytest.mark.gpu

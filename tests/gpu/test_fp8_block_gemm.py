@@ -11,11 +11,11 @@ import torch
 
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
-from k3gen.reference.fp8_block_gemm import (dequantize_activations, dequantize_weights, fp8_block_gemm,
+from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
+from k3gen.ops.fp8_block_gemm.reference import (dequantize_activations, dequantize_weights, fp8_block_gemm,
                                             quantize_activations, quantize_weights)
 from k3gen.runtime.graphs import capture
-from k3gen.runtime.ops.fp8_block_gemm import Fp8BlockGemm
+from k3gen.ops.fp8_block_gemm.launcher import Fp8BlockGemm
 from k3gen.targets import TARGETS
 
 pytestmark = pytest.mark.gpu
@@ -283,6 +283,6 @@ def test_sanitize_small_ragged_case():
 
 
 def prebuild_specs():
-    from k3gen.bench_cases import fp8_block_gemm_specs   # k3gen bench --op fp8_block_gemm
-    from k3gen.bench_cases_fp8_gemm import sweep_specs   # scripts/sweep_gemm.py's cubins
+    from bench.cases import fp8_block_gemm_specs   # k3gen bench --op fp8_block_gemm
+    from bench.cases.fp8_block_gemm import sweep_specs   # scripts/sweep_gemm.py's cubins
     return list(SPECS.values()) + sweep_specs() + fp8_block_gemm_specs()

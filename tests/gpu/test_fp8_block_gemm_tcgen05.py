@@ -13,10 +13,10 @@ import torch
 
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ir.ops.fp8_block_gemm import Fp8BlockGemmSpec
-from k3gen.reference.fp8_block_gemm import fp8_block_gemm, quantize_activations, quantize_weights
+from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
+from k3gen.ops.fp8_block_gemm.reference import fp8_block_gemm, quantize_activations, quantize_weights
 from k3gen.runtime.graphs import capture
-from k3gen.runtime.ops.fp8_block_gemm import Fp8BlockGemm
+from k3gen.ops.fp8_block_gemm.launcher import Fp8BlockGemm
 from k3gen.targets import TARGETS
 
 pytestmark = pytest.mark.gpu

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from k3gen.ir.dtypes import GateKind, SsmDtype
-from k3gen.ir.ops.kda_decode import KdaDecodeSpec
-from k3gen.reference.kda_decode import kda_decode as ref_decode
-from k3gen.reference.kda_decode import kda_token_loop, random_weights
+from k3gen.ops.kda_decode.spec import KdaDecodeSpec
+from k3gen.ops.kda_decode.reference import kda_decode as ref_decode
+from k3gen.ops.kda_decode.reference import kda_token_loop, random_weights
 from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
 
@@ -32,7 +32,7 @@ TORCH_SSM = {SsmDtype.FP32: torch.float32, SsmDtype.BF16: torch.bfloat16}
 
 @functools.lru_cache(maxsize=None)
 def op_for(heads: int, gate: GateKind, ssm: SsmDtype):
-    from k3gen.runtime.ops.kda_decode import KdaDecode
+    from k3gen.ops.kda_decode.launcher import KdaDecode
     return KdaDecode(KdaDecodeSpec(target=get_target("sm90"), heads=heads, gate=gate, ssm=ssm)).load()
 
 

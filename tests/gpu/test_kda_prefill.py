@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from k3gen.ir.dtypes import GateKind, SsmDtype
-from k3gen.ir.ops.kda_prefill import KdaPrefillSpec, PrefillAlgo
-from k3gen.reference.kda_decode import random_weights
-from k3gen.reference.kda_prefill import kda_prefill as ref_prefill
+from k3gen.ops.kda_prefill.spec import KdaPrefillSpec, PrefillAlgo
+from k3gen.ops.kda_decode.reference import random_weights
+from k3gen.ops.kda_prefill.reference import kda_prefill as ref_prefill
 from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
 
@@ -39,7 +39,7 @@ def prebuild_specs():
 
 @functools.lru_cache(maxsize=None)
 def op_for(heads, ssm=SsmDtype.FP32, gate=GateKind.BOUNDED, algo=PrefillAlgo.CHUNK16):
-    from k3gen.runtime.ops.kda_prefill import KdaPrefill
+    from k3gen.ops.kda_prefill.launcher import KdaPrefill
     return KdaPrefill(KdaPrefillSpec(target=get_target("sm90"), heads=heads, ssm=ssm, gate=gate, algo=algo)).load()
 
 
@@ -140,7 +140,7 @@ def test_done_when_lengths_one_varlen_batch(ssm, algo):
 def test_chunkpar_both_state_passes(ssm, k_split):
     """chunkpar's launcher picks the k-split state pass only while its CTAs fit one per SM; force
     each on the full length matrix (and on a padded short batch at H = 96)."""
-    from k3gen.runtime.ops.kda_prefill import KdaPrefill
+    from k3gen.ops.kda_prefill.launcher import KdaPrefill
     for H, lengths, kw in ((12, LENGTHS, {}), (96, [3, 0, 17, 5, 64, 2, 33], {"padded": (3,)})):
         op = KdaPrefill(KdaPrefillSpec(target=get_target("sm90"), heads=H, ssm=ssm, algo=PrefillAlgo.CHUNKPAR)).load()
         op.k_split = k_split

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from k3gen.ir.dtypes import GateKind, SsmDtype
-from k3gen.ir.ops.kda_decode import KdaDecodeSpec
-from k3gen.ir.ops.kda_verify import KdaVerifySpec, VerifyVariant
-from k3gen.reference.kda_decode import kda_token_loop, random_weights
-from k3gen.reference.kda_verify import commit, start_of
-from k3gen.reference.kda_verify import kda_verify as ref_verify
+from k3gen.ops.kda_decode.spec import KdaDecodeSpec
+from k3gen.ops.kda_verify.spec import KdaVerifySpec, VerifyVariant
+from k3gen.ops.kda_decode.reference import kda_token_loop, random_weights
+from k3gen.ops.kda_verify.reference import commit, start_of
+from k3gen.ops.kda_verify.reference import kda_verify as ref_verify
 from k3gen.runtime.graphs import capture
-from k3gen.runtime.ops.kda_verify import PREFETCH_MAX_DRAFTS, SCHEDULES
+from k3gen.ops.kda_verify.launcher import PREFETCH_MAX_DRAFTS, SCHEDULES
 from k3gen.targets import get_target
 
 pytestmark = pytest.mark.gpu
@@ -40,14 +40,14 @@ def prebuild_specs():
 
 @functools.lru_cache(maxsize=None)
 def verify_op(heads, drafts, ssm=SsmDtype.FP32, gate=GateKind.BOUNDED, variant=VerifyVariant.NVFP4):
-    from k3gen.runtime.ops.kda_verify import KdaVerify
+    from k3gen.ops.kda_verify.launcher import KdaVerify
     return KdaVerify(KdaVerifySpec(target=get_target("sm90"), heads=heads, drafts=drafts, ssm=ssm, gate=gate,
                                    variant=variant)).load()
 
 
 @functools.lru_cache(maxsize=None)
 def decode_op(heads, ssm):
-    from k3gen.runtime.ops.kda_decode import KdaDecode
+    from k3gen.ops.kda_decode.launcher import KdaDecode
     return KdaDecode(KdaDecodeSpec(target=get_target("sm90"), heads=heads, ssm=ssm)).load()
 
 

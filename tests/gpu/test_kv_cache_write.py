@@ -16,8 +16,8 @@ import torch
 from k3gen.errors import PageIndexError
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ir.layouts import MLA_ROW
-from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
-from k3gen.reference.kv_cache_write import alloc_cache, kv_cache_write, poison_cache
+from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
+from k3gen.ops.kv_cache_write.reference import alloc_cache, kv_cache_write, poison_cache
 from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
 
@@ -52,7 +52,7 @@ NVFP4 = [k for k in SPECS if k.startswith("nvfp4")]
 
 @functools.lru_cache(maxsize=None)
 def op_for(name: str):
-    from k3gen.runtime.ops.kv_cache_write import KvCacheWrite
+    from k3gen.ops.kv_cache_write.launcher import KvCacheWrite
     return KvCacheWrite(SPECS[name]).load()
 
 

@@ -17,10 +17,10 @@ import torch
 from k3gen.errors import PageIndexError, SpecError
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ir.layouts import MLA_LATENT, MLA_ROW
-from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
-from k3gen.ir.ops.mla_decode import MlaDecodeSpec
-from k3gen.reference.kv_cache_write import alloc_cache, poison_cache
-from k3gen.reference.mla_decode import mla_decode as mla_ref
+from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
+from k3gen.ops.mla_decode.spec import MlaDecodeSpec
+from k3gen.ops.kv_cache_write.reference import alloc_cache, poison_cache
+from k3gen.ops.mla_decode.reference import mla_decode as mla_ref
 from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
 
@@ -89,20 +89,20 @@ def heads_for(fmt: str, sched: str, T: int, H: int = 12) -> int:
 
 def prebuild_specs():
     """Everything this module and `k3gen bench --op mla_decode` launch (scripts/prebuild_gpu.py)."""
-    from k3gen.bench_cases_mla import bars_specs, bench_specs, heads_sweep_specs
+    from bench.cases.mla_decode import bars_specs, bench_specs, heads_sweep_specs
     return (list(WRITE_SPECS.values()) + list(ATTN_SPECS.values()) + bench_specs() + heads_sweep_specs()
             + bars_specs())
 
 
 @functools.lru_cache(maxsize=None)
 def writer(fmt: str):
-    from k3gen.runtime.ops.kv_cache_write import KvCacheWrite
+    from k3gen.ops.kv_cache_write.launcher import KvCacheWrite
     return KvCacheWrite(WRITE_SPECS[fmt]).load()
 
 
 @functools.lru_cache(maxsize=None)
 def attn(fmt: str, heads: int, tokens: int, sched: str = "mma"):
-    from k3gen.runtime.ops.mla_decode import MlaDecode
+    from k3gen.ops.mla_decode.launcher import MlaDecode
     return MlaDecode(ATTN_SPECS[(fmt, heads, tokens, sched)]).load()
 
 

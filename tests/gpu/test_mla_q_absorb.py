@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ir.ops.mla_q_absorb import MlaQAbsorbSpec
-from k3gen.reference.fp8_block_gemm import quantize_weights
-from k3gen.reference.mla_q_absorb import mla_q_absorb
+from k3gen.ops.mla_q_absorb.spec import MlaQAbsorbSpec
+from k3gen.ops.fp8_block_gemm.reference import quantize_weights
+from k3gen.ops.mla_q_absorb.reference import mla_q_absorb
 from k3gen.runtime.graphs import capture
-from k3gen.runtime.ops.mla_q_absorb import MlaQAbsorb
+from k3gen.ops.mla_q_absorb.launcher import MlaQAbsorb
 from k3gen.targets import TARGETS
 
 pytestmark = pytest.mark.gpu

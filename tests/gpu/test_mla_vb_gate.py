@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3gen.ir.ops.mla_vb_gate import MlaVbGateSpec
-from k3gen.reference.mla_vb_gate import mla_vb_gate
+from k3gen.ops.mla_vb_gate.spec import MlaVbGateSpec
+from k3gen.ops.mla_vb_gate.reference import mla_vb_gate
 from k3gen.runtime.graphs import capture
-from k3gen.runtime.ops.mla_vb_gate import MlaVbGate
+from k3gen.ops.mla_vb_gate.launcher import MlaVbGate
 from k3gen.targets import TARGETS
 
 pytestmark = pytest.mark.gpu

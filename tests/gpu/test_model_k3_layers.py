@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.reference.fp8_block_gemm import quantize_weights
-from k3gen.reference.kda_decode import random_weights
+from k3gen.ops.fp8_block_gemm.reference import quantize_weights
+from k3gen.ops.kda_decode.reference import random_weights
 from model import layers as L
 from model.cache import HybridCache
 from model.config import TargetConfig, k3_config

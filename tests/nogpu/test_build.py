@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from k3gen.build import (GENERATED_ROOT, build_many, build_one, check_generated, generated_files, lower, resolve,
+from k3gen.pipeline.build import (GENERATED_ROOT, build_many, build_one, check_generated, generated_files, lower, resolve,
                          write_bundle, write_generated)
-from k3gen.compile.inspect import KernelResources, cubin_arch
+from k3gen.pipeline.inspect import KernelResources, cubin_arch
 from k3gen.errors import CompileError, MissingKernelError
 from k3gen.ir.dtypes import KvDtype
-from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
+from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
 from k3gen.targets import TARGETS, build_specs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,16 +60,16 @@ def test_frozen_original_target_sources():
     now = {n for n in generated_files(TARGETS["sm100-mxfp4"], build_specs(TARGETS["sm100-mxfp4"]))
            if n.endswith(".cu")}
     assert set(golden) <= now, "a frozen kernel is no longer generated"
-    assert now <= set(golden), "new sm100 sources: add them with `python -m k3gen.golden --add`"
+    assert now <= set(golden), "new sm100 sources: add them with `python -m k3gen.pipeline.golden --add`"
 
 
 def test_frozen_original_target_sass():
-    """The frozen sources include shared headers (the original verify kernel: kda_verify.cuh and
-    kda_common.cuh, which the NVFP4 verify kernels share), so source bytes alone do not prove the
+    """The frozen sources include shared headers (the original verify kernel: kda/verify.cuh and
+    kda/common.cuh, which the NVFP4 verify kernels share), so source bytes alone do not prove the
     kernels unchanged: each must still compile to the SASS recorded for this NVRTC."""
-    from k3gen.golden import GOLDEN_SASS, current_sass, nvrtc_key
+    from k3gen.pipeline.golden import GOLDEN_SASS, current_sass, nvrtc_key
     recorded = json.loads(GOLDEN_SASS.read_text()).get(nvrtc_key())
-    assert recorded, f"no SASS record for {nvrtc_key()}: check the frozen sources, then `python -m k3gen.golden --add`"
+    assert recorded, f"no SASS record for {nvrtc_key()}: check the frozen sources, then `python -m k3gen.pipeline.golden --add`"
     assert set(recorded) == set(json.loads(GOLDEN.read_text())), "SASS and source records cover the same files"
     now = current_sass()
     moved = sorted(n for n, h in recorded.items() if now.get(n) != h)
@@ -126,13 +126,13 @@ def test_disable_jit_raises_missing_kernel(tmp_path, monkeypatch):
 
 
 def test_compile_error_carries_log_options_and_repro(tmp_path):
-    from k3gen.compile.nvrtc import compile_cubin
+    from k3gen.pipeline.nvrtc import compile_cubin
     with pytest.raises(CompileError) as e:
         compile_cubin('extern "C" __global__ void k() { undefined_thing(); }', "broken", TARGETS["sm90"],
                       source_dir=tmp_path)
     err = e.value
     assert "undefined_thing" in err.log and "--gpu-architecture=sm_90a" in err.options
-    assert Path(err.source_path).exists() and "k3gen.compile.nvrtc" in err.repro
+    assert Path(err.source_path).exists() and "k3gen.pipeline.nvrtc" in err.repro
     # The repro command reproduces the failure.
     proc = subprocess.run(err.repro, shell=True, capture_output=True, text=True)
     assert proc.returncode == 1 and "undefined_thing" in proc.stderr
@@ -153,7 +153,7 @@ def test_cli_build_warm_is_fast_and_writes_bundle(tmp_path):
 
 def _build_in_process(canonical: str, barrier) -> tuple[bool, str]:
     from k3gen.targets import get_target
-    from k3gen.ir.spec import spec_from_canonical
+    from k3gen.ops import spec_from_canonical
     spec = spec_from_canonical(canonical, get_target("sm90"))
     barrier.wait()
     r = build_one(spec)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from k3gen.build import lower
+from k3gen.pipeline.build import lower
 from k3gen.ir.dtypes import KvDtype
-from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
-from k3gen.runtime.cache import KernelCache, cache_key
+from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
+from k3gen.pipeline.store import KernelCache, cache_key
 from k3gen.targets import TARGETS
 
 BASE = dict(spec_digest="a" * 64, source="src", inputs_digest="b" * 64, compiler="nvrtc-13.5",
@@ -33,7 +33,7 @@ def test_key_ignores_thread_count(monkeypatch):
 
 
 def test_template_change_changes_key(monkeypatch):
-    import k3gen.lower.jinja as J
+    import k3gen.pipeline.render as J
     s = KvCacheWriteSpec(target=TARGETS["sm90"], kv=KvDtype.BF16)
     k1 = lower(s).key
     monkeypatch.setattr(J, "template_inputs_digest", lambda op: "0" * 64)

@@ -14,12 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from k3gen.compile import cute as cc
-from k3gen.compile.toolchain import tool
+from k3gen.pipeline import cute as cc
+from k3gen.pipeline.toolchain import tool
 from k3gen.errors import CompileError, SpecError
-from k3gen.ir import evaluate, registry, spec_from_canonical
+from k3gen.ir import evaluate
+from k3gen.ops import registry, spec_from_canonical
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ir.ops.act_quant_fp8 import ActQuantFp8Spec
+from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
 from k3gen.ir.target import Target
 from k3gen.targets import TARGETS
 
@@ -197,7 +198,7 @@ sys.path.insert(0, sys.argv[1])
 import cutlass.cute as cute
 from cutlass.runtime import make_fake_stream
 import probe_kernel
-from k3gen.compile.cute import describe_tensors
+from k3gen.pipeline.cute import describe_tensors
 fn, args = probe_kernel.args()
 c = cute.compile(fn, *[a for _, a in args], make_fake_stream())
 out = Path(sys.argv[1])
@@ -287,8 +288,8 @@ def test_reference_e4m3_is_rne_satfinite():
     import ml_dtypes
     import numpy as np
 
-    from k3gen.reference import quant
-    from k3gen.reference.act_quant_fp8 import e4m3_rn_satfinite
+    from k3gen import numerics as quant
+    from k3gen.ops.act_quant_fp8.reference import e4m3_rn_satfinite
     q = _e4m3_probe_values()
     ours = e4m3_rn_satfinite(q)
     ml = torch.from_numpy(np.clip(q.numpy(), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
@@ -298,8 +299,8 @@ def test_reference_e4m3_is_rne_satfinite():
 
 @pytest.mark.parametrize("recipe", list(ScaleRecipe))
 def test_reference_matches_the_shared_quantizer(recipe):
-    from k3gen.reference import quant
-    from k3gen.reference.act_quant_fp8 import act_quant_fp8, dequantize
+    from k3gen import numerics as quant
+    from k3gen.ops.act_quant_fp8.reference import act_quant_fp8, dequantize
     g = torch.Generator().manual_seed(2)
     mag = torch.logspace(-38, 37, 40).unsqueeze(1)
     x = (torch.randn(40, 1024, generator=g) * mag).bfloat16()

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from k3gen.build import build_one
+from k3gen.pipeline.build import build_one
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ir.ops.act_quant_fp8 import ActQuantFp8Spec
-from k3gen.ir.ops.fp8_block_gemm import Fp8BlockGemmSpec, choose_split
-from k3gen.reference.fp8_block_gemm import (dequantize_weights, fp8_block_gemm, quantize_activations,
+from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
+from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec, choose_split
+from k3gen.ops.fp8_block_gemm.reference import (dequantize_weights, fp8_block_gemm, quantize_activations,
                                             quantize_weights)
-from k3gen.reference.quant import ue8m0_decode, ue8m0_encode
-from k3gen.runtime.ops.fp8_block_gemm import Fp8BlockGemm
+from k3gen.numerics import ue8m0_decode, ue8m0_encode
+from k3gen.ops.fp8_block_gemm.launcher import Fp8BlockGemm
 from k3gen.targets import TARGETS
 
 SM90, SM103, SM107 = TARGETS["sm90"], TARGETS["sm103-nvfp4"], TARGETS["sm107-nvfp4"]
@@ -174,6 +174,6 @@ def test_compiles_without_spills_with_tensor_core_sass(target, bm):
     assert sass.get("HMMA", 0) == 4 * (bm // 8) * 2, sass
     assert sass.get("F2FP", 0) <= 4 * 8 + 2 * 4 * (bm * 8 // 128) + 8, sass   # no per-MMA conversions
     assert sass.get("LDGSTS", 0) > 0 and sass.get("LDSM", 0) > 0
-    from k3gen.compile.inspect import sass_text
+    from k3gen.pipeline.inspect import sass_text
     text = sass_text(r.cubin)
     assert "HMMA.16816.F32" in text and "F2FP.F16.E4M3.UNPACK_B" in text

@@ -1,5 +1,5 @@
 """fp8_block_gemm on the tcgen05 targets (sm103/sm107) without a GPU: the spec selects the CuTe DSL
-kernel there and only there, and the cubins built through the normal pipeline (k3gen.build) are
+kernel there and only there, and the cubins built through the normal pipeline (k3gen.pipeline.build) are
 for the right arch, spill nothing, and are made of tcgen05 instructions: UTCQMMA fed from shared
 memory descriptors, block-scaled (scale factors copied to TMEM with UTCCP) for UE8M0, plain
 kind::f8f6f4 for FP32; cp.async loads, TMEM loads in the epilogue, no mma.sync."""
@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from k3gen.build import build_one
-from k3gen.compile.inspect import sass_text
+from k3gen.pipeline.build import build_one
+from k3gen.pipeline.inspect import sass_text
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ir.ops.fp8_block_gemm import TC_THREADS, Fp8BlockGemmSpec
+from k3gen.ops.fp8_block_gemm.spec import TC_THREADS, Fp8BlockGemmSpec
 from k3gen.targets import TARGETS, build_specs
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
@@ -104,5 +104,5 @@ def test_tcgen05_cubin(built, name, recipe, n, k, bm):
 
 
 def built_ptx(r) -> str:
-    from k3gen.compile.cute import compile_cute
+    from k3gen.pipeline.cute import compile_cute
     return compile_cute(r.artifact.spec).ptx

@@ -8,12 +8,12 @@ import re
 
 import pytest
 
-from k3gen.build import build_one, lower
+from k3gen.pipeline.build import build_one, lower
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ir.ops.fp8_block_gemm import (ALIGN90, BLOCK, BN90, MAX_SPLIT, NT_CHOICES, SPLIT90_MAX, THREADS90,
+from k3gen.ops.fp8_block_gemm.spec import (ALIGN90, BLOCK, BN90, MAX_SPLIT, NT_CHOICES, SPLIT90_MAX, THREADS90,
                                          Fp8BlockGemmSpec, choose_split90, nt_for, stream_owner, stream_ranges,
                                          stream_segments, work_items)
-from k3gen.ir.sm90_tiles import SW128_KMAJOR, decode_desc, encode_desc, wgmma_read_addr
+from k3gen.arch.sm90 import SW128_KMAJOR, decode_desc, encode_desc, wgmma_read_addr
 from k3gen.targets import FP8_GEMM_TP1, FP8_GEMM_TP8, TARGETS
 
 SM90 = TARGETS["sm90"]
@@ -31,7 +31,7 @@ def tma_box_byte(row: int, kbyte: int) -> int:
 
 def stage_layout(spec: Fp8BlockGemmSpec, nt: int, raw_base: int):
     """The kernel's stage tiles: (base of W rows of warpgroup wg, base of the token tile) per stage,
-    from the aligned dynamic shared-memory base; mirrors fp8_gemm_wgmma.cuh."""
+    from the aligned dynamic shared-memory base; mirrors gemm/fp8_wgmma.cuh."""
     base = (raw_base + ALIGN90 - 1) & ~(ALIGN90 - 1)
     stage = BN90 * BLOCK + nt * BLOCK
     out = []
@@ -75,7 +75,7 @@ def test_pretiled_weights_are_what_tma_would_write(n, k):
     row-major W (tma_box_byte), so the stage reads the same; everything else is zero padding."""
     import torch
 
-    from k3gen.runtime.ops.fp8_block_gemm import Fp8BlockGemm
+    from k3gen.ops.fp8_block_gemm.launcher import Fp8BlockGemm
     op = Fp8BlockGemm(Fp8BlockGemmSpec(target=SM90, n=n, k=k))
     g = torch.Generator().manual_seed(n + k)
     w = torch.randint(1, 256, (n, k), dtype=torch.uint8, generator=g)   # no zero codes: padding is visible
@@ -221,7 +221,7 @@ def test_compiles_to_fp8_wgmma_and_tma_without_spills(recipe):
     # ptxas kept the wgmma groups unserialized (C7518/C7514 would put a wait after every wgmma):
     # one warpgroup arrive and one wait per group of four k32 steps.
     assert sass.get("WARPGROUP", 0) * 2 == sass["QGMMA"], sass
-    from k3gen.compile.inspect import sass_text
+    from k3gen.pipeline.inspect import sass_text
     text = sass_text(r.cubin)
     for nt in NT_CHOICES:
         assert re.search(rf"QGMMA\.64x{nt}x32\.F32\.E4M3\.E4M3", text), nt
@@ -236,7 +236,7 @@ def test_flavours_by_target():
     fallback = Fp8BlockGemmSpec(target=dataclasses.replace(SM90, mma="mma.sync"), n=256, k=256)
     assert fallback.mma == "mma_sync" and fallback.threads == 128
     src = lower(fallback).source
-    assert '#include "k3gen/fp8_gemm.cuh"' in src and "fp8_gemm_wgmma.cuh" not in src
+    assert '#include "k3gen/gemm/fp8_mma_sync.cuh"' in src and "gemm/fp8_wgmma.cuh" not in src
 
 
 def test_streaming_plan_is_opt_in():

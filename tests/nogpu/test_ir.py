@@ -7,10 +7,11 @@ import pytest
 import sympy
 
 from k3gen.errors import SpecError
-from k3gen.ir import Dim, evaluate, registry, spec_from_canonical, sym
+from k3gen.ir import Dim, evaluate, sym
+from k3gen.ops import registry, spec_from_canonical
 from k3gen.ir.dtypes import BLOCK_SCALED, NVFP4, MXFP4, KvDtype, ScaleLayout, SsmDtype
 from k3gen.ir.layouts import KvLayout, StatePoolLayout, swizzle_128x4_offset
-from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
+from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
 from k3gen.targets import TARGETS, build_specs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,5 +107,5 @@ def test_every_op_has_all_layers():
             assert (ROOT / "k3gen" / "templates" / f"{name}.cu.j2").exists(), name
         if "cute" in lowerings:
             assert (ROOT / "k3gen" / "cute" / f"{name}.py").exists(), name
-        from k3gen.runtime.bind import LAUNCHERS
+        from k3gen.runtime.launcher import LAUNCHERS
         assert name in LAUNCHERS, name

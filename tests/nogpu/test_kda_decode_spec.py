@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from k3gen.errors import SpecError, TargetError
-from k3gen.ir import evaluate, spec_from_canonical
+from k3gen.ir import evaluate
+from k3gen.ops import spec_from_canonical
 from k3gen.ir.dtypes import GateKind, SsmDtype
-from k3gen.ir.ops.kda_decode import KdaDecodeSpec
-from k3gen.reference.kda_decode import kda_decode, kda_token_loop, random_weights
+from k3gen.ops.kda_decode.spec import KdaDecodeSpec
+from k3gen.ops.kda_decode.reference import kda_decode, kda_token_loop, random_weights
 from k3gen.targets import KDA_DECODE_HEADS, TARGETS, build_specs
 
 SM90, SM100, SM103, SM107 = (TARGETS[n] for n in ("sm90", "sm100-mxfp4", "sm103-nvfp4", "sm107-nvfp4"))
@@ -209,9 +210,9 @@ def test_fresh_sequence_zero_window_and_state():
 
 # -- compile ---------------------------------------------------------------------------------------
 def _ptxas(spec):
-    from k3gen.compile.inspect import sass_text
-    from k3gen.compile.nvrtc import compile_cubin
-    from k3gen.lower.jinja import render
+    from k3gen.pipeline.inspect import sass_text
+    from k3gen.pipeline.nvrtc import compile_cubin
+    from k3gen.pipeline.render import render
     cubin, log = compile_cubin(render(spec), spec.file_stem, spec.target, extra=("--ptxas-options=-v",))
     return cubin, log, sass_text(cubin)
 
@@ -220,7 +221,7 @@ def _ptxas(spec):
 @pytest.mark.parametrize("ssm,gate", [(SsmDtype.FP32, GateKind.BOUNDED), (SsmDtype.BF16, GateKind.BOUNDED),
                                       (SsmDtype.FP32, GateKind.SOFTPLUS)])
 def test_compiles_without_spills(target, ssm, gate):
-    from k3gen.compile.inspect import cubin_arch
+    from k3gen.pipeline.inspect import cubin_arch
     spec = KdaDecodeSpec(target=TARGETS[target], heads=12, ssm=ssm, gate=gate)
     cubin, log, sass = _ptxas(spec)
     assert cubin_arch(cubin) == spec.target.arch
@@ -236,7 +237,7 @@ def test_compiles_without_spills(target, ssm, gate):
 
 
 def test_split_choice_with_and_without_pdl():
-    from k3gen.runtime.ops.kda_decode import choose_split
+    from k3gen.ops.kda_decode.launcher import choose_split
     # (heads, batch) -> split with PDL / without (bench/NOTES.md 2026-11-30 01:54 and 2026-11-29)
     for (H, B), (on, off) in {(12, 1): (8, 8), (24, 1): (8, 4), (96, 1): (2, 1), (12, 8): (2, 1),
                               (24, 8): (1, 1), (12, 32): (1, 1)}.items():
@@ -247,7 +248,7 @@ def test_split_choice_with_and_without_pdl():
 
 
 def test_l2_warming_choice():
-    from k3gen.runtime.ops.kda_decode import choose_warming
+    from k3gen.ops.kda_decode.launcher import choose_warming
     R = 264   # two CTAs per SM on 132 SMs
     assert choose_warming(96, R, pdl=True) == (96, 0)          # H12 B1 split 8: one wave, warmed before the wait
     assert choose_warming(96, R, pdl=False) == (0, 0)          # ... which needs PDL
@@ -259,7 +260,7 @@ def test_l2_warming_choice():
 
 
 def test_stream_schedule_for_many_bf16_items():
-    from k3gen.runtime.ops.kda_decode import choose_schedule
+    from k3gen.ops.kda_decode.launcher import choose_schedule
     assert choose_schedule(440, 12, 132, True, True) == "stream"
     assert choose_schedule(439, 12, 132, True, True) == "rows"
     assert choose_schedule(512, 12, 132, True, False) == "rows"    # FP32 state: rows measured as fast
@@ -293,7 +294,7 @@ def _launch_args(H=12, B=3, S=5, ssm=torch.float32):
     ("out", lambda a: a["out"].cpu(), "device="),   # right shapes, but not on a CUDA device
 ])
 def test_launcher_checks(name, bad, needle):
-    from k3gen.runtime.ops.kda_decode import KdaDecode
+    from k3gen.ops.kda_decode.launcher import KdaDecode
     op = KdaDecode(KdaDecodeSpec(target=SM90, heads=12))
     args = _launch_args()
     args[name] = bad(args)
@@ -303,7 +304,7 @@ def test_launcher_checks(name, bad, needle):
 
 
 def test_launcher_split_override_is_checked():
-    from k3gen.runtime.ops.kda_decode import KdaDecode
+    from k3gen.ops.kda_decode.launcher import KdaDecode
     op = KdaDecode(KdaDecodeSpec(target=SM90, heads=12, max_split=2))
     with pytest.raises(SpecError, match="split=4"):
         op(**_launch_args(), split=4)
@@ -313,7 +314,7 @@ def test_launcher_split_override_is_checked():
 
 def test_validate_slots():
     from k3gen.errors import PageIndexError
-    from k3gen.runtime.ops.kda_decode import KdaDecode
+    from k3gen.ops.kda_decode.launcher import KdaDecode
     KdaDecode.validate_slots(torch.tensor([3, -1, 0, -1], dtype=torch.int32), 4)
     with pytest.raises(PageIndexError, match="slot 4"):
         KdaDecode.validate_slots(torch.tensor([4], dtype=torch.int32), 4)

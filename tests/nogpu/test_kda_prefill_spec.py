@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from k3gen.errors import SpecError, TargetError
-from k3gen.ir import evaluate, spec_from_canonical
+from k3gen.ir import evaluate
+from k3gen.ops import spec_from_canonical
 from k3gen.ir.dtypes import GateKind, SsmDtype
-from k3gen.ir.ops.kda_prefill import CHUNK_SMEM_BYTES, KdaPrefillSpec, PrefillAlgo
-from k3gen.reference.kda_decode import kda_token_loop, random_weights
-from k3gen.reference.kda_prefill import chunk_emulation, kda_prefill
+from k3gen.ops.kda_prefill.spec import CHUNK_SMEM_BYTES, KdaPrefillSpec, PrefillAlgo
+from k3gen.ops.kda_decode.reference import kda_token_loop, random_weights
+from k3gen.ops.kda_prefill.reference import chunk_emulation, kda_prefill
 from k3gen.targets import KDA_PREFILL_HEADS, TARGETS, build_specs
 
 SM90, SM100, SM103, SM107 = (TARGETS[n] for n in ("sm90", "sm100-mxfp4", "sm103-nvfp4", "sm107-nvfp4"))
@@ -174,8 +175,8 @@ def test_chunk_algebra_equals_token_recurrence(T, gate_scale):
                                            (SsmDtype.FP32, GateKind.BOUNDED, PrefillAlgo.CHUNKPAR),
                                            (SsmDtype.BF16, GateKind.SOFTPLUS, PrefillAlgo.CHUNKPAR)])
 def test_compiles_without_spills(target, ssm, gate, algo):
-    from k3gen.build import build_one
-    from k3gen.compile.inspect import cubin_arch
+    from k3gen.pipeline.build import build_one
+    from k3gen.pipeline.inspect import cubin_arch
     spec = KdaPrefillSpec(target=TARGETS[target], heads=12, ssm=ssm, gate=gate, algo=algo)
     r = build_one(spec)
     assert cubin_arch(r.cubin) == spec.target.arch
@@ -194,7 +195,7 @@ def test_compiles_without_spills(target, ssm, gate, algo):
 
 
 def test_launcher_checks():
-    from k3gen.runtime.ops.kda_prefill import KdaPrefill
+    from k3gen.ops.kda_prefill.launcher import KdaPrefill
     H, B, N, S = 12, 2, 10, 4
     D = H * K
     bf = torch.bfloat16

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from k3gen.errors import SpecError, TargetError
-from k3gen.ir import evaluate, spec_from_canonical
+from k3gen.ir import evaluate
+from k3gen.ops import spec_from_canonical
 from k3gen.ir.dtypes import GateKind, SsmDtype
-from k3gen.ir.ops.kda_verify import KdaVerifySpec, VerifyVariant
-from k3gen.reference.kda_decode import kda_decode, random_weights
-from k3gen.reference.kda_verify import commit, kda_verify
+from k3gen.ops.kda_verify.spec import KdaVerifySpec, VerifyVariant
+from k3gen.ops.kda_decode.reference import kda_decode, random_weights
+from k3gen.ops.kda_verify.reference import commit, kda_verify
 from k3gen.targets import KDA_VERIFY_DRAFTS, KDA_VERIFY_HEADS, TARGETS, build_specs
 
 SM90, SM100, SM103, SM107 = (TARGETS[n] for n in ("sm90", "sm100-mxfp4", "sm103-nvfp4", "sm107-nvfp4"))
@@ -189,8 +190,8 @@ def test_padded_rows_write_zeros_and_touch_nothing():
                                                 (7, SsmDtype.BF16, VerifyVariant.NVFP4),
                                                 (1, SsmDtype.FP32, VerifyVariant.ORIGINAL)])
 def test_compiles_without_spills(target, drafts, ssm, variant):
-    from k3gen.build import build_one
-    from k3gen.compile.inspect import cubin_arch
+    from k3gen.pipeline.build import build_one
+    from k3gen.pipeline.inspect import cubin_arch
     spec = KdaVerifySpec(target=TARGETS[target], heads=12, drafts=drafts, ssm=ssm, variant=variant)
     r = build_one(spec)
     assert cubin_arch(r.cubin) == spec.target.arch
@@ -199,19 +200,19 @@ def test_compiles_without_spills(target, drafts, ssm, variant):
     assert all(x["shared"] <= 48 * 1024 for x in r.resources)
     ops = {k for x in r.resources for k in x["sass"]}
     assert any(k.startswith("UBLKCP") for k in ops) and any(k.startswith("SYNCS") for k in ops), ops  # bulk copy
-    from k3gen.runtime.ops.kda_verify import PREFETCH_ENTRY, has_prefetch
+    from k3gen.ops.kda_verify.launcher import PREFETCH_ENTRY, has_prefetch
     pre = [x for x in r.resources if x["function"] == PREFETCH_ENTRY]
     assert len(pre) == (1 if has_prefetch(spec) else 0), [x["function"] for x in r.resources]
     assert all(x["registers"] <= 128 for x in pre), pre  # its launch bounds: two CTAs per SM
-    from k3gen.runtime.ops.kda_verify import SPLIT_ENTRY
+    from k3gen.ops.kda_verify.launcher import SPLIT_ENTRY
     split = [x for x in r.resources if x["function"] == SPLIT_ENTRY]
     assert len(split) == (1 if has_prefetch(spec) else 0), [x["function"] for x in r.resources]
     assert all(x["registers"] <= 128 for x in split), split  # its launch bounds: four CTAs per SM
 
 
 def test_prefetch_schedule_choice_and_source():
-    from k3gen.lower.jinja import render
-    from k3gen.runtime.ops.kda_verify import PREFETCH_ENTRY, KdaVerify, choose_schedule, has_prefetch
+    from k3gen.pipeline.render import render
+    from k3gen.ops.kda_verify.launcher import PREFETCH_ENTRY, KdaVerify, choose_schedule, has_prefetch
     want = {(1, 12): "split", (3, 12): "split", (4, 12): "prefetch", (1, 96): "prefetch", (8, 12): "prefetch",
             (12, 12): "prefetch", (3, 96): "prefetch", (32, 12): "prefetch", (128, 12): "prefetch"}
     for (b, h), sched in want.items():
@@ -236,8 +237,8 @@ def test_prefetch_schedule_choice_and_source():
 def test_split_schedule_geometry():
     """Clusters never outnumber items (each CTA pair owns at least one), and at most per_sm CTAs
     per SM; the source carries the cluster entry and its shared-memory size for four per SM."""
-    from k3gen.lower.jinja import render
-    from k3gen.runtime.ops.kda_verify import SPLIT_ENTRY, SPREAD_SMEM, split_clusters
+    from k3gen.pipeline.render import render
+    from k3gen.ops.kda_verify.launcher import SPLIT_ENTRY, SPREAD_SMEM, split_clusters
     # The padded prefetch launch fits one CTA per SM (228 KB per SM, 1 KB reserved per CTA), not two.
     assert SPREAD_SMEM + 1024 <= 228 * 1024 < 2 * (SPREAD_SMEM + 1024)
     assert split_clusters(128, 12, 132, 4) == 264 and split_clusters(128, 12, 132, 2) == 132
@@ -249,7 +250,7 @@ def test_split_schedule_geometry():
 
 # -- launcher (metadata checks only) ---------------------------------------------------------------
 def test_launcher_checks():
-    from k3gen.runtime.ops.kda_verify import KdaVerify
+    from k3gen.ops.kda_verify.launcher import KdaVerify
     H, M, B, S = 12, 3, 2, 4
     D, T = H * K, 1 + M
     bf = torch.bfloat16

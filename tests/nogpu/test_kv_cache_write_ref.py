@@ -1,4 +1,4 @@
-"""CPU tests of the FP32 reference of kv_cache_write (k3gen.reference.kv_cache_write)."""
+"""CPU tests of the FP32 reference of kv_cache_write (k3gen.ops.kv_cache_write.reference)."""
 from __future__ import annotations
 
 import random
@@ -9,8 +9,8 @@ import torch
 from k3gen.errors import PageIndexError
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ir.layouts import MLA_ROW, PAGE_TOKENS, KvLayout, swizzle_128x4_offset
-from k3gen.reference import quant as Q
-from k3gen.reference.kv_cache_write import (POISON_BYTE, alloc_cache, gather_rows, kv_cache_write,
+from k3gen import numerics as Q
+from k3gen.ops.kv_cache_write.reference import (POISON_BYTE, alloc_cache, gather_rows, kv_cache_write,
                                             poison_cache)
 
 G = 2688 / 30

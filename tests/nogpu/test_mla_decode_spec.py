@@ -11,15 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from k3gen.build import build_one, lower
+from k3gen.pipeline.build import build_one, lower
 from k3gen.errors import SpecError, TargetError
 from k3gen.ir import evaluate
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ir.layouts import MLA_ROW
-from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
-from k3gen.ir.ops.mla_decode import SMEM_LIMIT, MlaDecodeSpec, choose_splits, plan_splits
-from k3gen.reference.kv_cache_write import alloc_cache, gather_rows, kv_cache_write, poison_cache
-from k3gen.reference.mla_decode import attend, mla_decode
+from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
+from k3gen.ops.mla_decode.spec import SMEM_LIMIT, MlaDecodeSpec, choose_splits, plan_splits
+from k3gen.ops.kv_cache_write.reference import alloc_cache, gather_rows, kv_cache_write, poison_cache
+from k3gen.ops.mla_decode.reference import attend, mla_decode
 from k3gen.targets import TARGETS, build_specs
 
 SM90, SM100, SM103, SM107 = (TARGETS[n] for n in ("sm90", "sm100-mxfp4", "sm103-nvfp4", "sm107-nvfp4"))

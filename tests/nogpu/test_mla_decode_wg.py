@@ -1,7 +1,7 @@
 """mla_decode, wgmma schedule (sm_90a, BF16 KV), on the CPU: spec validation and identity, the
 shared-memory plan, the address arithmetic the GPU cannot show before it runs (what the producer's
 cp.async and the softmax's P stores write against what each wgmma descriptor reads, replayed
-through the PTX layout models of k3gen.ir.sm90_tiles), the accumulator fragment mappings of the
+through the PTX layout models of k3gen.arch.sm90), the accumulator fragment mappings of the
 softmax and the epilogue, and the NVRTC build (no spills, HGMMA, no HMMA)."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from k3gen.build import build_one, lower
+from k3gen.pipeline.build import build_one, lower
 from k3gen.errors import SpecError, TargetError
 from k3gen.ir.dtypes import KvDtype, ScaleLayout
-from k3gen.ir.ops.mla_decode import SMEM_LIMIT, WG_THREADS, MlaDecodeSpec
-from k3gen.ir.sm90_tiles import (SW128_KMAJOR, SW128_MNMAJOR_1BLOCK, blocked_sw128_offset, encode_desc, swizzle128,
+from k3gen.ops.mla_decode.spec import SMEM_LIMIT, WG_THREADS, MlaDecodeSpec
+from k3gen.arch.sm90 import (SW128_KMAJOR, SW128_MNMAJOR_1BLOCK, blocked_sw128_offset, encode_desc, swizzle128,
                                  wgmma_read_addr, wgmma_read_addr_mn)
 from k3gen.targets import TARGETS
 
@@ -83,7 +83,7 @@ def test_shared_memory_plan(h, t, mt):
 
 # -- addresses -----------------------------------------------------------------------------------------
 def elem(rows: int, row: int, d: int) -> int:
-    """Byte of element d (of 576) of `row`, as the kernel's stores place it (mla_decode_wg.cuh's sw_off)."""
+    """Byte of element d (of 576) of `row`, as the kernel's stores place it (mla/decode_wg.cuh's sw_off)."""
     return blocked_sw128_offset(rows, row, d // 8) + (d % 8) * 2
 
 
@@ -178,10 +178,10 @@ def test_template_checks_the_encoder_and_the_plan():
     src = lower(s).source
     m = re.search(r"wgmma_desc<1024, 1024, 1>\((\d+)u\) == (\d+)ull", src)
     assert m and int(m.group(2)) == desc_mn(int(m.group(1)))
-    assert '#include "k3gen/mla_decode_wg.cuh"' in src and "wg::decode<Config>" in src
+    assert '#include "k3gen/mla/decode_wg.cuh"' in src and "wg::decode<Config>" in src
     assert f"WgGeo::kSmem == {s.smem_bytes}" in src
     plain = lower(MlaDecodeSpec(target=SM90, heads=96, tokens=4, schedule="mma")).source
-    assert "mla_decode_wg.cuh" not in plain and "k3gen::mla::decode<Config>" in plain
+    assert "mla/decode_wg.cuh" not in plain and "k3gen::mla::decode<Config>" in plain
 
 
 # -- fragments -------------------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def test_compiles_to_bf16_wgmma_without_spills(h, t, mt, n):
     sass = k["sass"]
     assert sass.get("HGMMA", 0) == 36 + 32, sass        # QK 36 k16 steps, PV 8 x 4
     assert "HMMA" not in sass and sass.get("LDGSTS", 0) > 0, sass
-    from k3gen.compile.inspect import sass_text
+    from k3gen.pipeline.inspect import sass_text
     text = sass_text(r.cubin)
     assert len(re.findall(rf"HGMMA\.64x{n}x16\.F32\.BF16", text)) == 68
     assert "USETMAXREG" in text
@@ -260,8 +260,8 @@ def test_auto_schedule_resolves_by_target_and_kv():
 
 
 def test_heads_sweep_bench_specs():
-    from k3gen import bench_cases
-    from k3gen.bench_cases_mla import HEADS_SWEEP, heads_sweep_specs
+    from bench import cases as bench_cases
+    from bench.cases.mla_decode import HEADS_SWEEP, heads_sweep_specs
     assert callable(bench_cases.mla_decode_heads)
     full = heads_sweep_specs()
     assert [(s.heads, s.schedule) for s in full] == [(h, s) for h in HEADS_SWEEP

@@ -1,9 +1,9 @@
-"""mla_decode, wgmma schedule over NVFP4 KV (mla_decode_wg4.cuh), on the CPU: spec rules and the
+"""mla_decode, wgmma schedule over NVFP4 KV (mla/decode_wg_nvfp4.cuh), on the CPU: spec rules and the
 shared-memory plan, then the kernel's lane maps replayed on random codes and scales. The producer's
 chunk placement, the consumer's decode (which stage bytes a lane reads, which nibble becomes which
 register-A fragment element), the query's k order, the V-tile stores, the P^T stores and the
 epilogue's dim map are written out here as the kernel computes them; the products go through the
-wgmma read models of k3gen.ir.sm90_tiles. A wrong chunk, swizzle, permutation or dim map fails
+wgmma read models of k3gen.arch.sm90. A wrong chunk, swizzle, permutation or dim map fails
 here rather than as garbage on the GPU. Also the NVRTC build (no spills, no serialized wgmma)."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from k3gen.build import build_one
+from k3gen.pipeline.build import build_one
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import KvDtype, ScaleLayout
-from k3gen.ir.ops.mla_decode import SMEM_LIMIT, MlaDecodeSpec
-from k3gen.ir.sm90_tiles import SW128_KMAJOR, SW128_MNMAJOR_1BLOCK, encode_desc, wgmma_read_addr, wgmma_read_addr_mn
+from k3gen.ops.mla_decode.spec import SMEM_LIMIT, MlaDecodeSpec
+from k3gen.arch.sm90 import SW128_KMAJOR, SW128_MNMAJOR_1BLOCK, encode_desc, wgmma_read_addr, wgmma_read_addr_mn
 from k3gen.targets import TARGETS
 
 SM90 = TARGETS["sm90"]

@@ -1,6 +1,6 @@
-"""mla_decode, wgmma schedule over FP8 KV (mla_decode_wg8.cuh), on the CPU: spec rules and the
+"""mla_decode, wgmma schedule over FP8 KV (mla/decode_wg_fp8.cuh), on the CPU: spec rules and the
 shared-memory plan, then the kernel's address arithmetic replayed against the PTX layout models of
-k3gen.ir.sm90_tiles and the register fragment of an E4M3 register-A wgmma (CuTe's ALayout_64x32:
+k3gen.arch.sm90 and the register fragment of an E4M3 register-A wgmma (CuTe's ALayout_64x32:
 row 16 w + lane / 4 + 8 (r % 2), k 4 (lane % 4) + byte + 16 (r / 2) for register r). The PV test
 runs the whole V^T P^T product through those maps on random bytes, so a wrong chunk, swizzle,
 token permutation or output-dim map fails here rather than as garbage on the GPU. Also the NVRTC
@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k3gen.build import build_one
+from k3gen.pipeline.build import build_one
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype
-from k3gen.ir.ops.mla_decode import SMEM_LIMIT, MlaDecodeSpec
-from k3gen.ir.sm90_tiles import SW128_KMAJOR, encode_desc, swizzle128, wgmma_read_addr
+from k3gen.ops.mla_decode.spec import SMEM_LIMIT, MlaDecodeSpec
+from k3gen.arch.sm90 import SW128_KMAJOR, encode_desc, swizzle128, wgmma_read_addr
 from k3gen.targets import TARGETS
 
 SM90 = TARGETS["sm90"]

@@ -1,6 +1,6 @@
 """mla_decode, schedule "wgmma_qm" (query rows on the wgmma M side; sm_90a, BF16 KV), on the CPU: spec
 validation and identity, the shared-memory plan, the address arithmetic replayed through the PTX layout
-models of k3gen.ir.sm90_tiles (what the Q loader, the producer's cp.async and the softmax's P stores
+models of k3gen.arch.sm90 (what the Q loader, the producer's cp.async and the softmax's P stores
 write against what every QK and PV descriptor reads: V is read N-major across two 64-dim blocks, the
 one place the MN-major LBO field is applied), the accumulator fragment naming of the softmax and the
 epilogue, and the NVRTC build (no spills, no serialized wgmma)."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from k3gen.build import build_one, lower
+from k3gen.pipeline.build import build_one, lower
 from k3gen.errors import SpecError, TargetError
 from k3gen.ir.dtypes import KvDtype
-from k3gen.ir.ops.mla_decode import SMEM_LIMIT, WG_THREADS, MlaDecodeSpec, choose_splits
-from k3gen.ir.sm90_tiles import (SW128_KMAJOR, blocked_sw128_offset, encode_desc, sw128_mnmajor, tma_sw128_offset,
+from k3gen.ops.mla_decode.spec import SMEM_LIMIT, WG_THREADS, MlaDecodeSpec, choose_splits
+from k3gen.arch.sm90 import (SW128_KMAJOR, blocked_sw128_offset, encode_desc, sw128_mnmajor, tma_sw128_offset,
                                  wgmma_read_addr, wgmma_read_addr_mn)
 from k3gen.targets import TARGETS
 
@@ -179,7 +179,7 @@ def test_fragment_naming():
 def test_template_checks_the_encoder_and_the_plan():
     s = qm(96, 4)
     src = lower(s).source
-    assert '#include "k3gen/mla_decode_wgq.cuh"' in src and "wgq::decode<Config>" in src
+    assert '#include "k3gen/mla/decode_wg_qm.cuh"' in src and "wgq::decode<Config>" in src
     assert f"QmGeo::kSmem == {s.smem_bytes}" in src
     addr, d = s.wg_desc_probe
     assert d == desc_v(addr) and f"({addr}u) == {d}ull" in src
@@ -193,7 +193,7 @@ def test_compiles_without_spills_or_serialized_wgmma(h, t):
     res = {x["function"]: x for x in r.resources}
     k = res["k3gen_mla_decode"]
     assert k["local"] == 0 and k["stack"] == 0 and k["registers"] <= s.max_registers, k
-    from k3gen.compile.inspect import sass_text
+    from k3gen.pipeline.inspect import sass_text
     text = sass_text(r.cubin)
     # QK and the S warpgroup's PV, the O warpgroup's PV; KV tiles by TMA, no cp.async.
     assert text.count("HGMMA.64x64x16.F32.BF16") == 36 and text.count("HGMMA.64x128x16.F32.BF16") == 16

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3gen.build import build_one
+from k3gen.pipeline.build import build_one
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ir.ops.mla_q_absorb import MlaQAbsorbSpec
-from k3gen.ir.ops.mla_vb_gate import MlaVbGateSpec
-from k3gen.reference.fp8_block_gemm import quantize_weights
-from k3gen.reference.mla_q_absorb import mla_q_absorb
-from k3gen.reference.mla_vb_gate import mla_vb_gate
+from k3gen.ops.mla_q_absorb.spec import MlaQAbsorbSpec
+from k3gen.ops.mla_vb_gate.spec import MlaVbGateSpec
+from k3gen.ops.fp8_block_gemm.reference import quantize_weights
+from k3gen.ops.mla_q_absorb.reference import mla_q_absorb
+from k3gen.ops.mla_vb_gate.reference import mla_vb_gate
 from k3gen.targets import TARGETS
 
 SM90, SM103 = TARGETS["sm90"], TARGETS["sm103-nvfp4"]

@@ -8,7 +8,7 @@ import torch
 
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ir.layouts import KvLayout
-from k3gen.reference.kv_cache_write import alloc_cache, gather_rows, kv_cache_write
+from k3gen.ops.kv_cache_write.reference import alloc_cache, gather_rows, kv_cache_write
 from model.mla_attention import dequant_pages, paged_mla_attention, query_rows
 
 LAYOUTS = [KvLayout(kv=KvDtype.BF16, page=64),
@@ -64,8 +64,8 @@ def test_attention_matches_dense_softmax():
 def test_ref_q_absorb_matches_reference_function():
     """RefOps.q_absorb caches Q-B's dequantized weight; it must equal reference.mla_q_absorb."""
     from k3gen.ir.dtypes import ScaleRecipe
-    from k3gen.reference.fp8_block_gemm import quantize_weights
-    from k3gen.reference.mla_q_absorb import mla_q_absorb
+    from k3gen.ops.fp8_block_gemm.reference import quantize_weights
+    from k3gen.ops.mla_q_absorb.reference import mla_q_absorb
     from model.ops import RefOps
     from model.weights import Fp8Linear
     g = torch.Generator().manual_seed(4)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.reference.fp8_block_gemm import dequantize_weights
+from k3gen.ops.fp8_block_gemm.reference import dequantize_weights
 from model.checkpoint import (INDEX, PREFIX, BadValueError, CheckpointError, MissingTensorError, TensorShapeError,
                               expected_tensors, random_tensors, write_checkpoint)
 from model.config import tiny_config

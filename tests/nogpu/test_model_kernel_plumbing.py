@@ -12,9 +12,9 @@ import torch
 
 from k3gen.ir.dtypes import KvDtype
 from k3gen.ir.layouts import MLA_LATENT
-from k3gen.reference.mla_decode import mla_decode as mla_ref
-from k3gen.runtime.ops import mla_decode as launcher_mod
-from k3gen.runtime.ops.mla_decode import MlaDecode, SplitPlan
+from k3gen.ops.mla_decode.reference import mla_decode as mla_ref
+from k3gen.ops.mla_decode import launcher as launcher_mod
+from k3gen.ops.mla_decode.launcher import MlaDecode, SplitPlan
 from model.cache import HybridCache
 from model.config import TargetConfig, small_config, tiny_config
 from model.model import gemm_shapes_for
@@ -144,7 +144,7 @@ def test_kernel_specs_cover_every_launch(tk):
 def test_verify_attention_uses_the_decode_schedule(heads):
     # "auto" would give verify (T = 1 + M) wgmma above 16 query rows while decode keeps mma.sync;
     # the model pins every T to the decode step's schedule so spec decoding reproduces greedy.
-    from k3gen.ir.ops.mla_decode import MlaDecodeSpec
+    from k3gen.ops.mla_decode.spec import MlaDecodeSpec
     t = TargetConfig(kv="bf16", ssm="fp32", max_drafts=3, path="kernel")
     ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), heads, heads, 3)
     want = MlaDecodeSpec(target=t.target, heads=heads, tokens=1).schedule

@@ -1,4 +1,4 @@
-"""Bit-exact checks of k3gen.reference.quant against independent constructions.
+"""Bit-exact checks of k3gen.numerics against independent constructions.
 
 Independent = ml_dtypes casts (float8_e4m3fn, float4_e2m1fn, float8_e8m0fnu) and brute-force
 nearest-grid search in float64 with ties to the even code, on numpy (not torch) arithmetic.
@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3gen.ir.dtypes import E2M1_GRID, ScaleRecipe
-from k3gen.reference import quant as Q
-
+from k3gen import numerics as Q
 E4M3_GRID = np.array([np.float64(np.uint8(c).view(ml_dtypes.float8_e4m3fn)) for c in range(0x7F)])
 
 

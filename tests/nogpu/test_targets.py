@@ -5,7 +5,7 @@ import pytest
 from k3gen.errors import SpecError, TargetError
 from k3gen.ir.dtypes import KvDtype, ScaleLayout, SsmDtype
 from k3gen.ir.layouts import KvLayout
-from k3gen.ir.ops.kv_cache_write import KvCacheWriteSpec
+from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
 from k3gen.targets import ServingOptions, TARGETS, build_specs, check_serving, get_target
 
 SM90, SM100, SM103, SM107 = (TARGETS[n] for n in ("sm90", "sm100-mxfp4", "sm103-nvfp4", "sm107-nvfp4"))

@@ -1,0 +1,1 @@
+"""Benchmarks (GPU): `python -m bench --op OP` or `k3gen bench`."""

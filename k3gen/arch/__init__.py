@@ -1,0 +1,1 @@
+"""Per-arch facts the variants use (descriptor and swizzle math)."""

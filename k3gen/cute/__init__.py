@@ -1,1 +1,0 @@
-"""CuTe DSL kernels, one module per op (imported only by the compile worker: they import cutlass)."""

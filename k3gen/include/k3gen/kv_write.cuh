@@ -1,0 +1,3 @@
+// Forwarding header: the frozen sm100-mxfp4 sources (generated/sm100_mxfp4/) include this path.
+#pragma once
+#include "k3gen/mla/kv_write.cuh"

@@ -1,0 +1,441 @@
+"""fp8_block_gemm for sm_103a / sm_107a in CuTe DSL: tcgen05.mma with the accumulator in TMEM.
+
+The contract (layouts, scales, edges, M = 1) is stated once in `k3gen/ir/ops/fp8_block_gemm.py`;
+this module implements it for the tcgen05 targets:
+
+- Swap-AB: the 128 weight rows of an N tile are the MMA's M side, the CTA's `bm` tokens its N
+  side, so M = 1 pays for a 128 x bm MMA tile but streams W once (small M is bound by W bytes).
+- Warp roles (288 threads): warps 0-3 load, warp 4-7 are the epilogue (warp w reads TMEM lanes
+  32 * (w % 4), so the four cover all 128 accumulator rows), warp 8 issues tcgen05.mma.
+- Loads are cp.async (16-byte LDGSTS) into the K-major 128B-swizzled UMMA layout, one 128-column
+  K block (= one scale block) per stage. The loaders wait for their own copies with a lag of
+  `stages - 2` blocks, fence the generic->async proxy and arrive on the stage's full barrier.
+  TMA would need a CUtensorMap per operand in the launch ABI, which k3gen's by-value
+  tensor-struct ABI (k3gen.pipeline.cute) does not carry yet.
+- UE8M0 recipe: block-scaled MMA (kind::mxf8f6f4, one UE8M0 per 32 K). The loaders expand the
+  scales into the stage's SF tiles in shared memory (a weight tile's scale repeats over its 128
+  rows and 4 K groups, a token's over its 4 K groups); the MMA warp copies them to TMEM
+  (tcgen05.cp) and the product of both scales is applied inside the MMA, so the accumulator is
+  the whole result and the epilogue only converts it.
+- FP32 recipe: plain kind::f8f6f4 MMA per K block into one of two TMEM accumulators; the
+  epilogue promotes each block with w_scale * x_scale into FP32 registers (DeepGEMM-style) while
+  the MMA fills the other accumulator.
+- Edges: rows past N or tokens past M are loaded from nowhere (their results are never stored);
+  columns past K in the last block are zero in both operands (stale shared memory could hold
+  E4M3 NaN codes, and 0 * NaN is NaN).
+
+Importing this module imports cutlass; only the compile worker (k3gen.pipeline.cute) does.
+"""
+from __future__ import annotations
+
+import os
+
+import cuda.bindings.driver as cuda_drv
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100_utils
+import cutlass.utils.blockscaled_layout as bs_layout
+from cutlass import Float32, Int32, Uint8, Uint32
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.cute.runtime import make_fake_compact_tensor
+
+from k3gen.ir.dtypes import ScaleRecipe
+from k3gen.ops.fp8_block_gemm.spec import BLOCK, TC_TILE_N, Fp8BlockGemmSpec
+
+SF_VEC = 32                 # K elements per UE8M0 scale of the block-scaled MMA
+LOAD_WARPS = (0, 1, 2, 3)
+EPI_WARPS = (4, 5, 6, 7)
+MMA_WARP = 8
+THREADS = 32 * (len(LOAD_WARPS) + len(EPI_WARPS) + 1)
+TMEM_COLS = 256
+EPI_COLS = 32               # accumulator columns per tcgen05.ld (32 lanes x 32 bits x 32)
+ROW_CHUNKS = 8              # 16-byte chunks per 128-byte K row
+E8M0_ONE = 127
+# TMEM columns reserved for each SF tile: one tcgen05.cp.32x128b.warpx4 fills 4 columns
+# (128 bits per lane) per 128-column K block, on either MMA K (32 on sm_103a, 64 on sm_107a).
+SF_TMEM_COLS = 16
+
+
+def _rubin(arch: str) -> bool:
+    return arch.startswith("sm_107")
+
+
+class Fp8BlockGemmKernel:
+    """One compiled variant: N, K, recipe, bm and stages are compile-time constants."""
+
+    def __init__(self, spec: Fp8BlockGemmSpec, arch: str):
+        self.n, self.k, self.bm, self.stages = spec.n, spec.k, spec.bm, spec.stages
+        self.k_blocks = spec.k_blocks
+        self.ue8m0 = spec.recipe is ScaleRecipe.UE8M0
+        self.arch = arch
+        self.rubin = _rubin(arch)
+        self.acc_stages = 1 if self.ue8m0 else 2
+        self.lag = max(1, self.stages - 2)
+        self.k_tail = self.k % BLOCK != 0
+        self.smem_bytes = 0
+
+    # -- compile-time setup (needs the MLIR context: called while tracing) -------------------
+    def _make_mma(self, n: int):
+        e4m3, kmaj, one = cutlass.Float8E4M3FN, tcgen05.OperandMajorMode.K, tcgen05.CtaGroup.ONE
+        if self.ue8m0:
+            if self.rubin:
+                return utils.sm107.make_blockscaled_trivial_tiled_mma(
+                    e4m3, e4m3, kmaj, kmaj, cutlass.Float8E8M0FNU, SF_VEC, one, (TC_TILE_N, n, 64))
+            return sm100_utils.make_blockscaled_trivial_tiled_mma(
+                e4m3, e4m3, kmaj, kmaj, cutlass.Float8E8M0FNU, SF_VEC, one, (TC_TILE_N, n))
+        if self.rubin:
+            return utils.sm107.make_trivial_tiled_mma(e4m3, e4m3, kmaj, kmaj, Float32, one,
+                                                      (TC_TILE_N, n, 64))
+        return sm100_utils.make_trivial_tiled_mma(e4m3, e4m3, kmaj, kmaj, Float32, one, (TC_TILE_N, n))
+
+    def _setup(self):
+        self.tiled_mma = self._make_mma(self.bm)
+        self.mma_tiler = (TC_TILE_N, self.bm, BLOCK)
+        kmaj = tcgen05.OperandMajorMode.K
+        e4m3 = cutlass.Float8E4M3FN
+        # (rows, K, stage) views: the loaders copy into them, the MMA partitions them.
+        self.a_layout = sm100_utils.make_smem_layout(kmaj, (TC_TILE_N, BLOCK), e4m3, self.stages)
+        self.b_layout = sm100_utils.make_smem_layout(kmaj, (self.bm, BLOCK), e4m3, self.stages)
+        if self.ue8m0:
+            # SFB covers 128 token rows whatever bm is (the SF TMEM atom is 128 rows).
+            self.tiled_mma_sfb = self._make_mma(TC_TILE_N)
+            self.mma_tiler_sfb = (TC_TILE_N, TC_TILE_N, BLOCK)
+            self.sfa_layout = bs_layout.make_smem_layout_sfa(self.tiled_mma, self.mma_tiler, SF_VEC,
+                                                             self.stages)
+            self.sfb_layout = bs_layout.make_smem_layout_sfb(self.tiled_mma_sfb, self.mma_tiler_sfb,
+                                                             SF_VEC, self.stages)
+            # The same tile as a plain (row, k) -> byte map, for the loaders' scale writes.
+            self.sf_fill = cute.tile_to_shape(bs_layout.BlockScaledBasicChunk(SF_VEC).layout,
+                                              (TC_TILE_N, BLOCK), (2, 1))
+            self.sf_stage_bytes = cute.cosize(cute.filter_zeros(self.sf_fill))
+        else:
+            self.sf_stage_bytes = 0
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mXs: cute.Tensor, mW: cute.Tensor, mWs: cute.Tensor,
+                 mOut: cute.Tensor, stream: cuda_drv.CUstream):
+        # Traced only to compile; k3gen launches the cubin itself with the spec's grid.
+        self._setup()
+        stages, acc_stages = self.stages, self.acc_stages
+        sf_bytes = max(self.sf_stage_bytes * stages, 16)
+        xs_floats = 4 if self.ue8m0 else self.bm * self.k_blocks
+
+        @cute.struct
+        class SharedStorage:
+            ab_full: cute.struct.MemRange[cutlass.Int64, stages]
+            ab_empty: cute.struct.MemRange[cutlass.Int64, stages]
+            acc_full: cute.struct.MemRange[cutlass.Int64, acc_stages]
+            acc_empty: cute.struct.MemRange[cutlass.Int64, acc_stages]
+            tmem_holding: Int32
+            sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN,
+                                                       cute.cosize(self.a_layout.outer)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN,
+                                                       cute.cosize(self.b_layout.outer)], 1024]
+            sSFA: cute.struct.Align[cute.struct.MemRange[Uint8, sf_bytes], 128]
+            sSFB: cute.struct.Align[cute.struct.MemRange[Uint8, sf_bytes], 128]
+            sXs: cute.struct.Align[cute.struct.MemRange[Float32, xs_floats], 16]
+            sWs: cute.struct.Align[cute.struct.MemRange[Float32, self.k_blocks], 16]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        m = mX.shape[0]
+        grid = (1, (m + self.bm - 1) // self.bm, (self.n + TC_TILE_N - 1) // TC_TILE_N)
+        self.kernel(mX, mXs, mW, mWs, mOut).launch(
+            grid=grid, block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream)
+
+    # -- the kernel ---------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mXs: cute.Tensor, mW: cute.Tensor, mWs: cute.Tensor,
+               mOut: cute.Tensor):
+        # Layouts and the MMA are rebuilt here: values made while tracing the host function
+        # cannot be used inside the kernel's IR.
+        self._setup()
+        tiled_mma = self.tiled_mma
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        _, by, bz = cute.arch.block_idx()
+        m = mX.shape[0]
+        n0 = bz * TC_TILE_N
+        m0 = by * self.bm
+        nb = bz                                # the N tile is exactly one 128-row scale block
+        kb_begin = Int32(0)
+        n_kb = Int32(self.k_blocks)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipe = pipeline.PipelineAsyncUmma.create(
+            barrier_storage=storage.ab_full.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(LOAD_WARPS)),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_full.data_ptr(), num_stages=self.acc_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(EPI_WARPS)),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        tmem_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=32 * (len(EPI_WARPS) + 1))
+        epi_bar = pipeline.NamedBarrier(barrier_id=2, num_threads=32 * len(EPI_WARPS))
+        tmem = utils.TmemAllocator(storage.tmem_holding, barrier_for_retrieve=tmem_bar,
+                                   allocator_warp_id=EPI_WARPS[0], arch=self.arch[:6])
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        sA = storage.sA.get_tensor(self.a_layout.outer, swizzle=self.a_layout.inner)
+        sB = storage.sB.get_tensor(self.b_layout.outer, swizzle=self.b_layout.inner)
+        thr_mma = tiled_mma.get_slice(0)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stages))
+
+        if warp < len(LOAD_WARPS):
+            self._load(ab_pipe, storage, sA, sB, mX, mXs, mW, mWs, tidx, m, m0, n0, nb,
+                       kb_begin, n_kb)
+        if warp == MMA_WARP:
+            self._mma(tiled_mma, thr_mma, ab_pipe, acc_pipe, tmem, storage, sA, sB, tCtAcc_fake,
+                      n_kb)
+        if warp >= EPI_WARPS[0] and warp <= EPI_WARPS[-1]:
+            self._epilogue(acc_pipe, tmem, epi_bar, storage, tCtAcc_fake, mXs, mWs, mOut,
+                           tidx - 32 * EPI_WARPS[0], m, m0, n0, nb, kb_begin, n_kb)
+
+    # -- loaders: cp.async W/x tiles (+ UE8M0 scale tiles) into the stage ---------------------
+    @cute.jit
+    def _load(self, ab_pipe, storage, sA, sB, mX, mXs, mW, mWs, tid, m, m0, n0, nb, kb_begin, n_kb):
+        e4m3 = cutlass.Float8E4M3FN
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   e4m3, num_bits_per_copy=128)
+        rows_per_pass = 32 * len(LOAD_WARPS) // ROW_CHUNKS
+        tiled = cute.make_tiled_copy_tv(
+            atom, cute.make_layout((rows_per_pass, ROW_CHUNKS), stride=(ROW_CHUNKS, 1)),
+            cute.make_layout((1, 16)))
+        thr = tiled.get_slice(tid)
+        gW = cute.local_tile(mW, (TC_TILE_N, BLOCK), (None, None))      # (128, 128, NT, KB)
+        gX = cute.local_tile(mX, (self.bm, BLOCK), (None, None))        # (bm, 128, MT, KB)
+        cW = cute.local_tile(cute.make_identity_tensor(mW.shape), (TC_TILE_N, BLOCK), (None, None))
+        cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (self.bm, BLOCK), (None, None))
+        tWg, tWs, tWc = thr.partition_S(gW), thr.partition_D(sA), thr.partition_S(cW)
+        tXg, tXs, tXc = thr.partition_S(gX), thr.partition_D(sB), thr.partition_S(cX)
+        n_tile = n0 // TC_TILE_N
+        m_tile = m0 // self.bm
+        zero = cute.make_rmem_tensor(cute.make_layout((1, 16)), e4m3)
+        zero.fill(0.0)
+
+        w_sf = Uint32(0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        arrive = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for i in cutlass.range(n_kb, unroll=1):
+            kb = kb_begin + i
+            ab_pipe.producer_acquire(state)
+            s = state.index
+            for r in cutlass.range_constexpr(cute.size(tWs, mode=[1])):
+                crd = tWc[(0, r, 0, n_tile, kb)]
+                if crd[0] < self.n:
+                    self._copy_or_zero(atom, tWg[(None, r, 0, n_tile, kb)], tWs[(None, r, 0, s)],
+                                       crd[1], zero)
+            for r in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
+                crd = tXc[(0, r, 0, m_tile, kb)]
+                if crd[0] < m:
+                    self._copy_or_zero(atom, tXg[(None, r, 0, m_tile, kb)], tXs[(None, r, 0, s)],
+                                       crd[1], zero)
+            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(self.ue8m0):
+                # Row `tid` of both SF tiles: one byte per 32 K, four per 128-column block.
+                w_sf = Uint32(mWs[nb, kb]) * Uint32(0x01010101)
+                x_b = Uint32(E8M0_ONE)
+                tok = m0 + tid
+                if tok < m:
+                    x_b = Uint32(mXs[tok, kb])
+                off = s * self.sf_stage_bytes + self.sf_fill((tid, 0))
+                pa = cute.recast_ptr(storage.sSFA.data_ptr() + off, dtype=Uint32)
+                pb = cute.recast_ptr(storage.sSFB.data_ptr() + off, dtype=Uint32)
+                cute.make_tensor(pa, cute.make_layout(1))[0] = w_sf
+                cute.make_tensor(pb, cute.make_layout(1))[0] = x_b * Uint32(0x01010101)
+            if i >= self.lag:
+                cute.arch.cp_async_wait_group(self.lag)
+                cute.arch.fence_view_async_shared()
+                ab_pipe.producer_commit(arrive)
+                arrive.advance()
+            state.advance()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()
+        for _ in cutlass.range(cutlass.min(n_kb, self.lag), unroll=1):
+            ab_pipe.producer_commit(arrive)
+            arrive.advance()
+
+    @cute.jit
+    def _copy_or_zero(self, atom, src, dst, col, zero):
+        if cutlass.const_expr(self.k_tail):
+            if col < self.k:
+                cute.copy(atom, src, dst)
+            else:
+                cute.autovec_copy(zero, dst)
+        else:
+            cute.copy(atom, src, dst)
+
+    # -- MMA warp ------------------------------------------------------------------------------
+    @cute.jit
+    def _mma(self, tiled_mma, thr_mma, ab_pipe, acc_pipe, tmem, storage, sA, sB, tCtAcc_fake, n_kb):
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))   # (MMA, MMA_M, MMA_K, STAGE)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        tmem.wait_for_alloc()
+        acc_ptr = tmem.retrieve_ptr(Float32)
+        tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
+        n_k_inst = cute.size(tCrA, mode=[2])
+        ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
+        if cutlass.const_expr(self.ue8m0):
+            acc_cols = self.bm * self.acc_stages
+            sSFA = storage.sSFA.get_tensor(self.sfa_layout)
+            sSFB = storage.sSFB.get_tensor(self.sfb_layout)
+            sfa_ptr = cute.recast_ptr(acc_ptr + acc_cols, dtype=cutlass.Float8E8M0FNU)
+            sfb_ptr = cute.recast_ptr(acc_ptr + acc_cols + SF_TMEM_COLS,
+                                      dtype=cutlass.Float8E8M0FNU)
+            tCtSFA = cute.make_tensor(sfa_ptr, bs_layout.make_tmem_layout_sfa(
+                tiled_mma, self.mma_tiler, SF_VEC, cute.slice_(self.sfa_layout, (None, None, None, 0))))
+            tCtSFB = cute.make_tensor(sfb_ptr, bs_layout.make_tmem_layout_sfb(
+                tiled_mma, self.mma_tiler, SF_VEC, cute.slice_(self.sfb_layout, (None, None, None, 0))))
+            cp_a, sA_s2t, tA_s2t = self._s2t(sSFA, tCtSFA)
+            cp_b, sB_s2t, tB_s2t = self._s2t(sSFB, tCtSFB)
+            tCtAcc = tCtAcc_base[(None, None, None, 0)]
+            acc_pipe.producer_acquire(acc_state)
+            tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+            for _ in cutlass.range(n_kb, unroll=1):
+                ab_pipe.consumer_wait(ab_state)
+                s = ab_state.index
+                cute.copy(cp_a, sA_s2t[(None, None, None, None, s)], tA_s2t)
+                cute.copy(cp_b, sB_s2t[(None, None, None, None, s)], tB_s2t)
+                for kk in cutlass.range(n_k_inst, unroll_full=True):
+                    tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, kk)].iterator)
+                    tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, kk)].iterator)
+                    cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kk, s)], tCrB[(None, None, kk, s)],
+                              tCtAcc)
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                ab_pipe.consumer_release(ab_state)
+                ab_state.advance()
+            acc_pipe.producer_commit(acc_state)
+            acc_state.advance()
+        else:
+            for _ in cutlass.range(n_kb, unroll=1):
+                ab_pipe.consumer_wait(ab_state)
+                acc_pipe.producer_acquire(acc_state)
+                s = ab_state.index
+                tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for kk in cutlass.range(n_k_inst, unroll_full=True):
+                    cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kk, s)], tCrB[(None, None, kk, s)],
+                              tCtAcc)
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                ab_pipe.consumer_release(ab_state)
+                acc_pipe.producer_commit(acc_state)
+                ab_state.advance()
+                acc_state.advance()
+        acc_pipe.producer_tail(acc_state)
+
+    def _s2t(self, sSF, tSF):
+        s_compact = cute.filter_zeros(sSF)
+        t_compact = cute.filter_zeros(tSF)
+        atom = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), cutlass.Float8E8M0FNU)
+        tiled = tcgen05.make_s2t_copy(atom, t_compact)
+        thr = tiled.get_slice(0)
+        src = tcgen05.get_s2t_smem_desc_tensor(tiled, thr.partition_S(s_compact))
+        return tiled, src, thr.partition_D(t_compact)
+
+    # -- epilogue warps: TMEM -> registers (-> FP32 promotion) -> BF16 out ------------------------
+    @cute.jit
+    def _epilogue(self, acc_pipe, tmem, epi_bar, storage, tCtAcc_fake, mXs, mWs, mOut, etid, m, m0,
+                  n0, nb, kb_begin, n_kb):
+        sXs = storage.sXs.get_tensor(cute.make_layout(self.bm * self.k_blocks if not self.ue8m0 else 4))
+        sWs = storage.sWs.get_tensor(cute.make_layout(self.k_blocks))
+        if cutlass.const_expr(not self.ue8m0):
+            # Both scales of every K block of this tile, once: sXs[i * bm + j] = x_scale[m0 + j, kb].
+            for idx in cutlass.range(etid, n_kb * self.bm, 32 * len(EPI_WARPS), unroll=1):
+                i = idx // self.bm
+                j = idx - i * self.bm
+                v = Float32(0.0)
+                if m0 + j < m:
+                    v = mXs[m0 + j, kb_begin + i]
+                sXs[idx] = v
+            for i in cutlass.range(etid, n_kb, 32 * len(EPI_WARPS), unroll=1):
+                sWs[i] = mWs[nb, kb_begin + i]
+            epi_bar.arrive_and_wait()
+
+        tmem.allocate(TMEM_COLS)
+        tmem.wait_for_alloc()
+        acc_ptr = tmem.retrieve_ptr(Float32)
+        tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
+        tAcc = tCtAcc_base[((None, None), 0, 0, None)]                   # (128, bm, ACC_STAGE)
+        epi_tile = (TC_TILE_N, EPI_COLS)
+        tAcc_epi = cute.flat_divide(tAcc, epi_tile)                      # (128, 32, 1, C, ACC_STAGE)
+        atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32)
+        t2r = tcgen05.make_tmem_copy(atom, tAcc_epi[(None, None, 0, 0, 0)])
+        thr = t2r.get_slice(etid)
+        tTR_t = thr.partition_S(tAcc_epi)                               # (T2R, 1, 1, 1, C, ACC_STAGE)
+        cAcc = cute.flat_divide(cute.make_identity_tensor((TC_TILE_N, self.bm)), epi_tile)
+        tTR_c = thr.partition_D(cAcc)                                    # (T2R, 1, 1, 1, C)
+        chunks = self.bm // EPI_COLS
+        frag = cute.make_rmem_tensor(tTR_c[(None, None, None, 0, 0)].shape, Float32)
+        per = cute.size(frag)
+        acc = cute.make_rmem_tensor(cute.make_layout((per, chunks)), Float32)
+        acc.fill(0.0)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
+        if cutlass.const_expr(self.ue8m0):
+            acc_pipe.consumer_wait(state)
+            for c in cutlass.range_constexpr(chunks):
+                cute.copy(t2r, tTR_t[(None, None, None, 0, c, 0)], frag)
+                for e in cutlass.range_constexpr(per):
+                    acc[e, c] = frag[e]
+            cute.arch.fence_view_async_tmem_load()
+            acc_pipe.consumer_release(state)
+            state.advance()
+        else:
+            for i in cutlass.range(n_kb, unroll=1):
+                acc_pipe.consumer_wait(state)
+                ws = sWs[i]
+                for c in cutlass.range_constexpr(chunks):
+                    cute.copy(t2r, tTR_t[(None, None, None, 0, c, state.index)], frag)
+                    for e in cutlass.range_constexpr(per):
+                        col = tTR_c[(e, 0, 0, 0, c)][1]
+                        acc[e, c] = acc[e, c] + frag[e] * (ws * sXs[i * self.bm + col])
+                cute.arch.fence_view_async_tmem_load()
+                acc_pipe.consumer_release(state)
+                state.advance()
+
+        for c in cutlass.range_constexpr(chunks):
+            for e in cutlass.range_constexpr(per):
+                row, col = tTR_c[(e, 0, 0, 0, c)]
+                if n0 + row < self.n and m0 + col < m:
+                    mOut[m0 + col, n0 + row] = acc[e, c].to(cutlass.BFloat16)
+
+        tmem.relinquish_alloc_permit()
+        epi_bar.arrive_and_wait()
+        tmem.free(acc_ptr)
+
+
+# A short, stable symbol instead of the DSL's mangled one (which spells out every argument type).
+Fp8BlockGemmKernel.kernel.set_name_prefix("k3gen_fp8_block_gemm", remove_cutlass_symbol=True,
+                                          keep_mangled_name=False)
+
+
+def compile_args(spec: Fp8BlockGemmSpec):
+    """(jit callable, [(name, fake tensor), ...]) in kernel parameter order, for cute.compile.
+
+    M is the one dynamic dim (a 32-bit SymInt shared by x, x_scales and out); N, K and every stride
+    are static, so each tensor parameter carries its pointer and, for the M-sized ones, M.
+    """
+    arch = os.environ["CUTE_DSL_ARCH"]
+    m = cute.sym_int32(symbol="M")
+    scale_t = cutlass.Uint8 if spec.recipe is ScaleRecipe.UE8M0 else cutlass.Float32
+    e4m3 = cutlass.Float8E4M3FN
+    args = [
+        ("x_codes", make_fake_compact_tensor(e4m3, (m, spec.k), stride_order=(1, 0), assumed_align=16)),
+        ("x_scales", make_fake_compact_tensor(scale_t, (m, spec.k_blocks), stride_order=(1, 0),
+                                              assumed_align=scale_t.width // 8)),
+        ("w_codes", make_fake_compact_tensor(e4m3, (spec.n, spec.k), stride_order=(1, 0),
+                                             assumed_align=16)),
+        ("w_scales", make_fake_compact_tensor(scale_t, (spec.n_blocks, spec.k_blocks),
+                                              stride_order=(1, 0), assumed_align=scale_t.width // 8)),
+        ("out", make_fake_compact_tensor(cutlass.BFloat16, (m, spec.n), stride_order=(1, 0),
+                                         assumed_align=16)),
+    ]
+    return Fp8BlockGemmKernel(spec, arch), args

@@ -1,0 +1,3 @@
+"""kda_prefill: the contract is spec.py; the kernels are variants.py."""
+from k3gen.ops.kda_prefill import variants as _variants  # noqa: F401  (attaches the variant table)
+from k3gen.ops.kda_prefill.spec import *  # noqa: F401,F403

@@ -1,0 +1,126 @@
+"""Launcher of kda_prefill (ABI: templates/kda_prefill.cu.j2; contract: ir/ops/kda_prefill.py).
+
+CUDA-graph safe: metadata checks only; the grid depends on the number of sequences alone (the
+kernel reads cu_seqlens on the device), so one graph serves any lengths with the same B. The
+`chunkpar` algo launches three kernels over a workspace sized from (N, B, H) only, taken from
+torch's caching allocator on the launch stream (inside a capture: the graph's private pool).
+"""
+from __future__ import annotations
+
+import ctypes
+
+from k3gen.config import settings
+from k3gen.errors import SpecError
+from k3gen.ir.dtypes import SsmDtype
+from k3gen.ops.kda_prefill.spec import PrefillAlgo
+from k3gen.ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
+from k3gen.runtime.launcher import Launcher
+from k3gen.runtime.checks import check_kda_weights, check_one_device, check_tensor
+from k3gen.runtime.loader import I32, PTR, _check
+from k3gen.ops.kda_decode.launcher import MAX_GRID_Z, KdaDecode
+
+I64 = ctypes.c_longlong
+STATE_ENTRY, STATE_KS_ENTRY, EMIT_ENTRY = "k3gen_kda_prefill_state", "k3gen_kda_prefill_state_ks", "k3gen_kda_prefill_emit"
+STATE_THREADS = 128  # par::kStateWarps warps; (H, B, 2) CTAs, or (H, B, 4) with the k range split
+
+
+class KdaPrefill(Launcher):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._smem_set: set[int] = set()
+        self._par: list = []
+        self.k_split: bool | None = None  # chunkpar state pass: None = by occupancy; tests force both
+
+    def load(self):
+        super().load()
+        if self.spec.algo is PrefillAlgo.CHUNKPAR and not self._par:
+            self._par = [self._kernel, self._kernel.sibling(STATE_ENTRY), self._kernel.sibling(EMIT_ENTRY),
+                         self._kernel.sibling(STATE_KS_ENTRY)]
+            self._sms = self.sm_count
+        self._allow_smem(self.device_index)
+        return self
+
+    def _allow_smem(self, device: int) -> None:
+        """The chunk kernel's dynamic shared memory is above the 48 KB default: raise the limit
+        once per device, at load() (outside any graph capture)."""
+        if device in self._smem_set or not self.spec.smem_bytes:
+            return
+        from cuda.bindings import driver
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        for k in ([self._par[0], self._par[1], self._par[3]] if self._par else [self._kernel]):
+            _check(driver.cuFuncSetAttribute(k.function(device), attr, self.spec.smem_bytes), "cuFuncSetAttribute")
+        self._smem_set.add(device)
+
+    def check(self, qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, conv_w, fb_w, dt_bias, a_log,
+              norm_w, out) -> tuple[int, int]:
+        """Validate every tensor against the contract; return (batch, num_slots)."""
+        import torch
+        H, D = self.spec.heads, self.spec.d
+        bf16 = torch.bfloat16
+        check_tensor("slots", slots, torch.int32, (None,))
+        B = slots.shape[0]
+        check_tensor("cu_seqlens", cu_seqlens, torch.int32, (B + 1,))
+        check_tensor("resume", resume, torch.int32, (B,))
+        N = qkvg.shape[0] if qkvg.dim() == 2 else -1
+        check_tensor("qkvg", qkvg, bf16, (N, None), contiguous=False, inner_unit=True)
+        if qkvg.shape[1] < 4 * D:
+            raise SpecError("qkvg", tuple(qkvg.shape), f"[N, >= {4 * D}]", "one row [q | k | v | g_out]")
+        check_tensor("fa", fa, bf16, (N, KDA_DK), contiguous=False, inner_unit=True)
+        check_tensor("beta_logit", beta_logit, bf16, (N, H), contiguous=False, inner_unit=True)
+        sdt = torch.float32 if self.spec.ssm is SsmDtype.FP32 else bf16
+        check_tensor("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
+        S = ssm.shape[0]
+        check_tensor("conv", conv, bf16, (S, 3 * D, CONV_TAPS - 1))
+        check_kda_weights(H, conv_w, fb_w, dt_bias, a_log, norm_w)
+        check_tensor("out", out, bf16, (N, H, KDA_DV), align=8)
+        check_one_device(out, qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv,
+                         conv_w, fb_w, dt_bias, a_log, norm_w)
+        if B > MAX_GRID_Z:
+            raise SpecError("batch", B, f"<= {MAX_GRID_Z}", "sequences are grid.y")
+        if N >= 2**31 or S >= 2**31:
+            raise SpecError("tokens", N, "< 2^31 tokens and slots")
+        if self.spec.algo is PrefillAlgo.CHUNKPAR and self.spec.workspace_items(N, B) > MAX_GRID_Z:
+            raise SpecError("tokens", N, f"N / 64 + B <= {MAX_GRID_Z}", "chunkpar work items are grid.y")
+        return B, S
+
+    def __call__(self, qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, conv_w, fb_w, dt_bias, a_log,
+                 norm_w, out):
+        """Prefill the sequences of `cu_seqlens` [B + 1] into slots [B]; resume [B] int32 non-zero
+        continues from the slot's state and window. Returns `out` [N, H, 128]."""
+        import torch
+        B, S = self.check(qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, conv_w, fb_w, dt_bias, a_log,
+                          norm_w, out)
+        if B == 0:
+            return out
+        if settings().validate:
+            KdaDecode.validate_slots(slots, S)
+            cu = cu_seqlens.cpu().tolist()
+            if cu[0] != 0 or cu[-1] != qkvg.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+                raise SpecError("cu_seqlens", cu[:8], f"non-decreasing from 0 to {qkvg.shape[0]}")
+        args = (qkvg.data_ptr(), qkvg.stride(0), fa.data_ptr(), fa.stride(0), beta_logit.data_ptr(),
+                beta_logit.stride(0), cu_seqlens.data_ptr(), slots.data_ptr(), resume.data_ptr(), ssm.data_ptr(),
+                conv.data_ptr(), S, conv_w.data_ptr(), fb_w.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(),
+                norm_w.data_ptr(), out.data_ptr())
+        types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR)
+        dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        self.load()._allow_smem(dev)
+        if self.spec.algo is not PrefillAlgo.CHUNKPAR:
+            self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream,
+                               self.spec.smem_bytes)
+            return out
+        N, H = qkvg.shape[0], self.spec.heads
+        ws = torch.empty(self.spec.workspace_bytes(N, B), dtype=torch.uint8, device=out.device)
+        o_off = self.spec.workspace_bytes(N, B) - N * H * KDA_DV * 4
+        args += (ws.data_ptr(), ws.data_ptr() + o_off, B)
+        types += (PTR, PTR, I32)
+        items = self.spec.workspace_items(N, B)
+        prep, state, emit, state_ks = self.load()._par
+        # The k-split state pass halves each warp's sequential mma chain but needs 4 CTAs per
+        # (sequence, head): taken while those fit one per SM (a persistent pass must not queue).
+        ks = H * B * 4 <= self._sms if self.k_split is None else self.k_split
+        prep.launch((H, items, 1), (self.spec.threads, 1, 1), args, types, dev, stream, self.spec.smem_bytes)
+        (state_ks if ks else state).launch((H, B, 4 if ks else 2), (STATE_THREADS, 1, 1), args, types, dev, stream,
+                                           self.spec.smem_bytes)
+        emit.launch((H, items, 1), (self.spec.threads, 1, 1), args, types, dev, stream, 0)
+        return out

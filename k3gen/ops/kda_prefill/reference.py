@@ -1,0 +1,68 @@
+"""PyTorch reference of kda_prefill (contract: the docstring of k3gen/ir/ops/kda_prefill.py): the
+decode token loop over each sequence of a varlen batch, FP32, the state rounded to its storage
+dtype once at the end (as the kernel, which keeps it in registers)."""
+from __future__ import annotations
+
+import torch
+
+from k3gen.ir.dtypes import GateKind
+from k3gen.ir.layouts import KDA_DK
+from k3gen.ops.kda_decode.reference import KdaWeights, kda_token_loop
+
+
+@torch.no_grad()
+def kda_prefill(qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, w: KdaWeights, out=None, *,
+                gate: GateKind = GateKind.BOUNDED, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Returns out [N, H, 128] BF16 (N = cu_seqlens[-1]); updates ssm/conv in place at `slots`.
+    `dtype` float64 gives a drift reference (the pools still get their storage dtypes)."""
+    N, H = qkvg.shape[0], w.heads
+    D = H * KDA_DK
+    if out is None:
+        out = torch.empty(N, H, KDA_DK, dtype=torch.bfloat16, device=qkvg.device)
+    out.zero_()
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    for b, slot in enumerate(int(x) for x in slots.tolist()):
+        lo, hi = cu[b], cu[b + 1]
+        if slot < 0 or slot >= ssm.shape[0] or hi <= lo:
+            continue
+        if int(resume[b]):
+            s0, w0 = ssm[slot].to(dtype), conv[slot].to(dtype)
+        else:
+            s0 = torch.zeros(H, KDA_DK, KDA_DK, dtype=dtype, device=qkvg.device)
+            w0 = torch.zeros(3 * D, 3, dtype=dtype, device=qkvg.device)
+        o, s, win, _ = kda_token_loop(qkvg[None, lo:hi], fa[None, lo:hi], beta_logit[None, lo:hi], s0[None],
+                                      w0[None], w, gate=gate, dtype=dtype)
+        ssm[slot] = s[0].to(ssm.dtype)
+        conv[slot] = win[0].to(conv.dtype)
+        out[lo:hi] = o[0].to(torch.bfloat16)
+    return out
+
+
+@torch.no_grad()
+def chunk_emulation(q, k, v, g, beta, state, chunk: int = 16):
+    """The chunked WY algebra of the chunk16 kernel (include/k3gen/kda/prefill_chunk.cuh), written
+    plainly so the CPU tests can hold it against the token recurrence. Per head: q, k normalized
+    [T, K], v [T, V], g log decays [T, K] (<= 0), beta [T], state S^T [V, K] (V-first). Returns
+    (o [T, V] before the gated RMSNorm, final S^T). Every decay factor is exp of a difference <= 0."""
+    T = q.shape[0]
+    s = state.clone()
+    outs = []
+    for t0 in range(0, T, chunk):
+        qc, kc, vc, gc, bc = (x[t0:t0 + chunk] for x in (q, k, v, g, beta))
+        n = qc.shape[0]
+        G = gc.cumsum(0)                                                   # [n, K]
+        dec = torch.exp((G[:, None, :] - G[None, :, :]).clamp(max=0))      # [r, s, K]
+        kk = (kc[:, None, :] * kc[None, :, :] * dec).sum(-1)
+        qk = (qc[:, None, :] * kc[None, :, :] * dec).sum(-1)
+        low = torch.tril(torch.ones(n, n, dtype=torch.bool), -1)
+        A = torch.where(low, bc[:, None] * kk, torch.zeros_like(kk))
+        P = torch.where(torch.tril(torch.ones(n, n, dtype=torch.bool)), qk, torch.zeros_like(qk))
+        rhs = bc[:, None] * torch.cat([kc * torch.exp(G), vc], dim=1)
+        x = torch.linalg.solve_triangular(torch.eye(n, dtype=q.dtype) + A, rhs, upper=False, unitriangular=True)
+        W, U = x[:, :kc.shape[1]], x[:, kc.shape[1]:]
+        vnew = U - W @ s.t()                                               # [n, V]
+        outs.append((qc * torch.exp(G)) @ s.t() + P @ vnew)
+        kd = kc * torch.exp(G[-1] - G)
+        s = s * torch.exp(G[-1])[None, :] + vnew.t() @ kd
+    o = torch.cat(outs) if outs else torch.empty(0, v.shape[1], dtype=q.dtype)
+    return o, s

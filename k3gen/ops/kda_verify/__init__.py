@@ -1,0 +1,3 @@
+"""kda_verify: the contract is spec.py; the kernels are variants.py."""
+from k3gen.ops.kda_verify import variants as _variants  # noqa: F401  (attaches the variant table)
+from k3gen.ops.kda_verify.spec import *  # noqa: F401,F403

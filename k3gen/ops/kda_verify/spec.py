@@ -1,0 +1,150 @@
+"""kda_verify: the speculative-verify step of KDA with FP32 per-token draft records (SPEC.md
+section 3): each sequence brings 1 + M tokens (the golden token, then M drafts; M static per
+build), and one kernel runs the full fused step of kda_decode for all of them.
+
+Kernel contract (shared by the template, the reference and the launcher). D = heads * 128,
+T = 1 + M. Token t of sequence b is activation row b * T + t.
+
+Inputs (BF16 unless stated; a "row stride" is in elements, the inner dim is unit-stride):
+- `qkvg[B * T, >= 4D]` (sections q | k | v | g_out, raw pre-conv q, k, v), `fa[B * T, 128]`,
+  `beta_logit[B * T, H]`: any row stride, as in kda_decode.
+- `slots[B]` int32: pool slot of each sequence. Negative: a padded row, whose T outputs are
+  zeros and which touches nothing. Slots >= num_slots are bad input, treated like padding.
+- weights `conv_w`, `fb_w`, `dt_bias`, `a_log`, `norm_w` exactly as kda_decode.
+Pools (StatePoolLayout with max_drafts = M), read and written at `slots[b]`:
+- `ssm[num_slots, H, 128, 128]` FP32 or BF16: the committed state (after the last golden token).
+- `draft_rec[num_slots, M, H, 128, 128]` FP32 always: the state after each draft of the last step.
+- `conv_ext[num_slots, 3D, 3 + M]` FP32: raw conv inputs; the window of the next step's golden
+  token is columns P .. P+2.
+- `pending[num_slots]` int32: P, the drafts accepted in the last step (0..M; out-of-range values
+  are bad input and the kernel clamps them into 0..M).
+Output: `out[B, T, H, 128]` BF16, contiguous (8-byte aligned).
+
+Per live sequence: start state S = ssm[s] if P == 0 else draft_rec[s, P-1] (explicit FP32 loads
+of records whatever the SSM dtype); window = conv_ext[s, :, P..P+2]; run the kda_decode step for
+t = 0..M with the FP32 state kept across tokens; then ssm[s] = state after token 0 (typed store:
+FP32, or BF16 round-to-nearest-even), draft_rec[s, t-1] = FP32 state after token t (t >= 1), and
+conv_ext[s, :, 0 .. 2+M] = (w1, w2, x_0, ..., x_M) where (w0, w1, w2) was the start window, so the
+window after token t is columns t .. t+2. pending is not written: after sampling the host sets
+pending[s] = max(accepted_tokens - 1, 0) (reference.kda_verify.commit), nothing is replayed, and a
+rejected draft never changes the committed state.
+
+Variants (one template): `nvfp4` (the NVFP4 targets' kernel: typed SSM loads/stores, FP32
+records) and `original` (the FP32-only shared verify kernel of the original SM100 MXFP4 target).
+
+Launch: grid (H, B), 256 threads, no cluster.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from k3gen.errors import SpecError, TargetError
+from k3gen.ir.dims import sym
+from k3gen.ir.dtypes import BF16, FP32, INT32, GateKind, SsmDtype
+from k3gen.ir.layouts import CONV_TAPS, KDA_DK, KDA_DV, StatePoolLayout
+from k3gen.ir.spec import OpSpec, register_op
+from k3gen.ops.kda_decode.spec import FbWeight
+
+MAX_DRAFTS = 7
+
+
+class VerifyVariant(str, enum.Enum):
+    ORIGINAL = "original"   # FP32-only shared verify kernel (sm100-mxfp4)
+    NVFP4 = "nvfp4"         # typed SSM store, explicit FP32 records (NVFP4 targets, SM90)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@register_op("kda_verify")
+@dataclass(frozen=True, kw_only=True)
+class KdaVerifySpec(OpSpec):
+    heads: int
+    drafts: int                              # M, static per build: 1..7
+    gate: GateKind = GateKind.BOUNDED
+    ssm: SsmDtype = SsmDtype.FP32
+    variant: VerifyVariant = VerifyVariant.NVFP4
+    fb_weight: FbWeight = FbWeight.BF16
+    threads: int = 256
+    min_blocks: int = 0                      # __launch_bounds__ min CTAs per SM; 0: blocks_per_sm
+
+    def validate(self) -> None:
+        if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads < 1:
+            raise SpecError("heads", self.heads, "a positive head count (K3: 96, 48, 24, 12, 6)")
+        if self.heads > 1 << 20:
+            raise SpecError("heads", self.heads, f"<= {1 << 20}", "heads are grid.x")
+        if isinstance(self.drafts, bool) or not isinstance(self.drafts, int) or not 1 <= self.drafts <= MAX_DRAFTS:
+            raise SpecError("drafts", self.drafts, f"1..{MAX_DRAFTS}", "M drafts per verify step")
+        for f, enum_t in (("gate", GateKind), ("ssm", SsmDtype), ("variant", VerifyVariant),
+                          ("fb_weight", FbWeight)):
+            if not isinstance(getattr(self, f), enum_t):
+                raise SpecError(f, getattr(self, f), [e.value for e in enum_t])
+        if self.ssm not in self.target.ssm_dtypes:
+            raise TargetError("ssm", self.ssm.value, [s.value for s in self.target.ssm_dtypes],
+                              f"target {self.target.name}")
+        if self.variant is VerifyVariant.ORIGINAL and self.ssm is not SsmDtype.FP32:
+            raise SpecError("ssm", self.ssm.value, [SsmDtype.FP32.value], "the original verify kernel is FP32-only")
+        if self.variant is VerifyVariant.NVFP4 and self.target.frozen:
+            raise TargetError("variant", self.variant.value, [VerifyVariant.ORIGINAL.value],
+                              f"target {self.target.name} uses the original shared verify kernel")
+        if self.threads != 256:
+            raise SpecError("threads", self.threads, [256], "8 state rows per half-warp")
+        if self.min_blocks not in (0, 1, 2):
+            raise SpecError("min_blocks", self.min_blocks, [0, 1, 2], "0 picks blocks_per_sm")
+
+    # -- derived ----------------------------------------------------------------------------
+    @property
+    def tokens(self) -> int:
+        return 1 + self.drafts
+
+    @property
+    def blocks_per_sm(self) -> int:
+        """Two CTAs per SM (128 registers) hold every build without spills except M >= 4 on
+        sm_90a, where staging the second chunk of tokens next to the 64 register rows needs more
+        than 128 registers (ptxas of NVRTC 13.5): those take one CTA per SM."""
+        if self.min_blocks:
+            return self.min_blocks
+        return 1 if self.tokens > 4 and self.target.sm < 100 else 2
+
+    @property
+    def d(self) -> int:
+        return self.heads * KDA_DK
+
+    @property
+    def pool(self) -> StatePoolLayout:
+        return StatePoolLayout(heads=self.heads, ssm=self.ssm, max_drafts=self.drafts)
+
+    @property
+    def state_bytes_per_head(self) -> int:
+        return KDA_DV * KDA_DK * (4 if self.ssm is SsmDtype.FP32 else 2)
+
+    def slug(self) -> str:
+        s = f"h{self.heads}-m{self.drafts}-{self.gate.value}-{self.ssm.value}"
+        if self.variant is VerifyVariant.ORIGINAL:
+            s += "-orig"
+        if self.min_blocks:
+            s += f"-mb{self.min_blocks}"
+        return s
+
+    # -- estimates --------------------------------------------------------------------------
+    def bytes_moved(self, from_records: bool = True):
+        """Fewest bytes through device memory for B sequences (sympy over B): one start-state read
+        (an FP32 record when `from_records`, else ssm in its dtype), one typed ssm write, M FP32
+        record writes, 3 conv columns read and 3 + M written (FP32), the T token rows read once,
+        T outputs written, weights read once."""
+        B = sym("B")
+        H, D, M, T = self.heads, self.d, self.drafts, self.tokens
+        rec = KDA_DV * KDA_DK * 4
+        state = B * H * ((rec if from_records else self.state_bytes_per_head) + self.state_bytes_per_head + M * rec)
+        conv = B * 3 * D * ((CONV_TAPS - 1) + (CONV_TAPS - 1 + M)) * FP32.bytes
+        acts = B * T * (4 * D + KDA_DK + H) * BF16.bytes + 2 * B * INT32.bytes
+        out = B * T * D * BF16.bytes
+        weights = (3 * D * CONV_TAPS + D * KDA_DK) * BF16.bytes + (D + H + KDA_DV) * FP32.bytes
+        return state + conv + acts + out + weights
+
+    def flops(self):
+        B = sym("B")
+        per_head = (3 * KDA_DK * CONV_TAPS * 2 + KDA_DK * KDA_DK * 2 + KDA_DV * KDA_DK * 7
+                    + KDA_DV * 8 + KDA_DK * 8)
+        return B * self.tokens * self.heads * per_head

@@ -1,0 +1,97 @@
+"""kv_cache_write: append new MLA cache rows (576 per token) of a batch of sequences to paged KV.
+
+Kernel contract (shared by the template, the reference and the launcher):
+
+- `rows[N, 576]` BF16, the new rows of all sequences concatenated; sequence b owns rows
+  `cu_rows[b] .. cu_rows[b+1]-1`, which go to positions `start_pos[b] + i`.
+- Row address: page `block_table[b, p // page]`, slot `p % page`.
+- BF16: copied. FP8 per-tensor: code = E4M3_satfinite(x / scale) with the static `scale` argument.
+  FP8 per-token-128: 5 groups per token (4 x 128 latent, 1 x 64 rope), scale = amax / 448
+  (FP32), code = E4M3_satfinite(x / scale), code 0 where scale == 0.
+- NVFP4: tokens are grouped in 16-token tiles (position // 16). Latent dims 0..511 use one E4M3
+  scale per 16-token x 16-dim tile, rope dims 512..575 one per token per 16 dims. Stored scale =
+  E4M3_satfinite((amax / 6) * G) with G the FP32 global scale argument; dequant step
+  d = float(stored) / G; code = E2M1_rn_satfinite(x / d), 0 where d == 0. A tile is quantized over
+  its rows present so far (rows beyond the sequence end count as absent, not as zero rows of
+  the page). Rows of the tile older than this call come from the HP tail ring
+  `hp_tail[ring_slot[b], p % ring]`, which also receives every new row whose position is in the
+  last `ring` positions of the sequence after this call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from k3gen.errors import SpecError, TargetError
+from k3gen.ir.dims import sym
+from k3gen.ir.dtypes import BF16, INT32, Fp8ScaleGranularity, KvDtype, ScaleLayout
+from k3gen.ir.layouts import MLA_ROW, NVFP4_TILE_TOKENS, PAGE_TOKENS, KvLayout
+from k3gen.ir.spec import OpSpec, register_op
+
+
+@register_op("kv_cache_write")
+@dataclass(frozen=True, kw_only=True)
+class KvCacheWriteSpec(OpSpec):
+    kv: KvDtype
+    page: int | None = None               # defaults to the format's page size; others are rejected
+    fp8_scales: Fp8ScaleGranularity = Fp8ScaleGranularity.PER_TOKEN_128
+    scale_layout: ScaleLayout | None = None  # NVFP4 only; defaults to the target's layout
+    max_drafts: int = 0                   # NVFP4 HP tail ring = 16 + max_drafts rows
+    threads: int = 128
+
+    def __post_init__(self):
+        if not isinstance(self.kv, KvDtype):
+            raise SpecError("kv", self.kv, [k.value for k in KvDtype])
+        if self.page is None:
+            object.__setattr__(self, "page", PAGE_TOKENS[self.kv])
+        if self.scale_layout is None:
+            object.__setattr__(self, "scale_layout", self.target.nvfp4_scale_layout
+                               if self.kv is KvDtype.NVFP4 else ScaleLayout.LINEAR)
+        super().__post_init__()
+
+    def validate(self) -> None:
+        if self.kv not in self.target.kv_dtypes:
+            raise TargetError("kv", self.kv.value, [k.value for k in self.target.kv_dtypes],
+                              f"target {self.target.name}")
+        if self.kv is not KvDtype.NVFP4 and self.scale_layout is not ScaleLayout.LINEAR:
+            raise SpecError("scale_layout", self.scale_layout.value, [ScaleLayout.LINEAR.value],
+                            f"{self.kv} KV has no FP4 tile scales")
+        if self.kv is not KvDtype.NVFP4 and self.max_drafts:
+            raise SpecError("max_drafts", self.max_drafts, [0], "only NVFP4 KV keeps an HP tail ring")
+        if self.threads not in (64, 128, 256):
+            raise SpecError("threads", self.threads, [64, 128, 256])
+        self.layout  # page-size and draft checks live in KvLayout
+
+    @property
+    def layout(self) -> KvLayout:
+        return KvLayout(kv=self.kv, page=self.page, fp8_scales=self.fp8_scales,
+                        scale_layout=self.scale_layout, max_drafts=self.max_drafts)
+
+    def slug(self) -> str:
+        s = f"{self.kv.value}-p{self.page}"
+        if self.kv is KvDtype.FP8:
+            s += "-" + ("tensor" if self.fp8_scales is Fp8ScaleGranularity.PER_TENSOR else "tok128")
+        if self.kv is KvDtype.NVFP4:
+            s += f"-{self.scale_layout.value}-m{self.max_drafts}"
+        return s
+
+    # -- estimates --------------------------------------------------------------------------
+    def bytes_moved(self):
+        """Expected bytes for B sequences appending T rows each at uniformly random positions
+        (sympy over B, T)."""
+        B, T = sym("B"), sym("T")
+        lay = self.layout
+        row = MLA_ROW * BF16.bytes
+        rows_in = B * T * row
+        meta = B * 3 * INT32.bytes
+        if self.kv is not KvDtype.NVFP4:
+            return rows_in + meta + B * T * lay.bytes_per_token
+        # The live tile is re-quantized whole: on average 7.5 older rows of it come back from the
+        # ring, and codes + scales are rewritten for them too; new rows also enter the ring.
+        old = sympy.Rational(NVFP4_TILE_TOKENS - 1, 2)
+        return rows_in + meta + B * (old * row + (T + old) * lay.bytes_per_token + T * row)
+
+    def flops(self):
+        B, T = sym("B"), sym("T")
+        return B * T * MLA_ROW * 4

@@ -1,0 +1,35 @@
+"""FP32 reference of mla_q_absorb (contract: k3gen/ir/ops/mla_q_absorb.py).
+
+Built from the pieces the contract names, so each rounding point is explicit: BF16 after the
+norm (the quantizer's input), E4M3 codes + scales from reference.quant, BF16 after Q-B and after
+absorption.
+"""
+from __future__ import annotations
+
+import torch
+
+from k3gen.ir.dtypes import ScaleRecipe
+from k3gen.ops.fp8_block_gemm.reference import fp8_block_gemm, quantize_activations
+
+Q_LORA, NOPE, ROPE, LATENT = 1536, 128, 64, 512
+
+
+def rms_norm_bf16(q_a: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    x = q_a.float()
+    rstd = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+    return ((x * rstd) * w.float()).to(torch.bfloat16)
+
+
+def mla_q_absorb(q_a, norm_w, wqb_codes, wqb_scales, w_uk, recipe: ScaleRecipe, eps: float = 1e-5,
+                 return_q: bool = False):
+    """q_a [B, 1536] BF16, norm_w [1536], Q-B weights (codes [H*192, 1536], block scales),
+    w_uk [H, 128, 512] BF16 -> [B, H, 576] (FP32 values of the BF16 result)."""
+    b = q_a.shape[0]
+    h = w_uk.shape[0]
+    qn = rms_norm_bf16(q_a[:, :Q_LORA], norm_w, eps)
+    codes, scales = quantize_activations(qn, recipe)
+    q = fp8_block_gemm(codes, scales, wqb_codes, wqb_scales, recipe).to(torch.bfloat16).float()
+    q = q.view(b, h, NOPE + ROPE)
+    lat = torch.einsum("bhd,hdc->bhc", q[..., :NOPE], w_uk.float()).to(torch.bfloat16).float()
+    out = torch.cat([lat, q[..., NOPE:]], dim=-1)
+    return (out, q) if return_q else out
