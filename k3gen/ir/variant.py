@@ -56,15 +56,18 @@ class VariantTable:
 
     def choose(self, spec, name: str = AUTO) -> Variant:
         """The named variant if it can implement the spec, or the first that can for `auto`."""
+        field = getattr(spec, "variant_field", None) or "variant"   # errors name the spec's field
         if name != AUTO:
+            if name not in self.names():
+                raise SpecError(field, name, [AUTO, *self.names()], f"op {self.op}")
             v = self.get(name)
             why = v.can_implement(spec)
             if why is not None:
-                raise SpecError("variant", name, [n for n, r in self.reasons(spec).items() if r is None],
+                raise SpecError(field, name, [n for n, r in self.reasons(spec).items() if r is None],
                                 f"{self.op} {name}: {why}")
             return v
         for v in self.variants:
             if v.can_implement(spec) is None:
                 return v
         detail = "; ".join(f"{n}: {r}" for n, r in self.reasons(spec).items())
-        raise SpecError("variant", AUTO, [], f"no {self.op} kernel can implement this spec ({detail})")
+        raise SpecError(field, AUTO, [], f"no {self.op} kernel can implement this spec ({detail})")

@@ -39,18 +39,6 @@ def spec_class(op: str) -> type[OpSpec]:
     return reg[op]
 
 
-@functools.lru_cache(maxsize=None)
-def launcher_class(op: str):
-    """The one Launcher subclass that ops/<op>/launcher.py defines."""
-    from k3gen.runtime.launcher import Launcher  # the runtime is only imported when launching
-    mod = importlib.import_module(f"k3gen.ops.{op}.launcher")
-    found = [v for v in vars(mod).values()
-             if isinstance(v, type) and issubclass(v, Launcher) and v.__module__ == mod.__name__]
-    if len(found) != 1:
-        raise SpecError("launcher", op, f"exactly one Launcher subclass in {mod.__name__}, found {len(found)}")
-    return found[0]
-
-
 def launcher_path(op: str) -> tuple[str, str]:
     """(module, class name) of the op's launcher, without importing the runtime."""
     text = (OPS_DIR / op / "launcher.py").read_text()

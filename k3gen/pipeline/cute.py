@@ -23,7 +23,6 @@ CompileError on any disagreement. `CuteArtifact.params_json()` is what the runti
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -34,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3gen.errors import CompileError
@@ -85,17 +84,10 @@ class KernelParam:
                 "align": self.align, "shape": list(self.shape), "stride": list(self.stride),
                 "fields": [f.to_json() for f in self.fields]}
 
-    @classmethod
-    def from_json(cls, d: dict) -> "KernelParam":
-        return cls(ordinal=d["ordinal"], offset=d["offset"], size=d["size"], tensor=d["tensor"],
-                   dtype=d["dtype"], elem_bytes=d["elem_bytes"], align=d["align"],
-                   shape=tuple(d["shape"]), stride=tuple(d["stride"]),
-                   fields=tuple(ParamField(**f) for f in d["fields"]))
 
 
 @dataclass(frozen=True)
 class CuteArtifact:
-    spec_canonical: str
     arch: str
     entry: str                       # the kernel's symbol in the cubin
     cubin: bytes = field(repr=False)
@@ -105,53 +97,16 @@ class CuteArtifact:
     dynamic_smem: int                # bytes of dynamic shared memory to launch with
     registers: int
     ptx: str = field(default="", repr=False)
-    source_sha256: str = ""          # of cute_source(spec): tells a stale saved artifact apart
     compile_seconds: float = 0.0
     log: str = field(default="", repr=False)
 
-    @property
-    def symbol(self) -> str:
-        return self.entry
-
-    def fields(self) -> list[ParamField]:
-        return [f for p in self.params for f in p.fields]
-
     def params_json(self) -> dict:
-        """The launch ABI, as stored in build metadata and read by k3gen.runtime.cute_launch."""
+        """The launch ABI: stored as meta["params"] with the cubin (cache entry, `k3gen build --out`
+        bundle) and read by k3gen.runtime.cute_launch."""
         return {"abi": "cute-struct-v1", "entry": self.entry, "arch": self.arch,
                 "param_bytes": self.param_bytes, "block": list(self.block),
                 "dynamic_smem": self.dynamic_smem, "registers": self.registers,
                 "params": [p.to_json() for p in self.params]}
-
-    def save(self, folder: Path, stem: str) -> Path:
-        """<stem>.cubin + <stem>.json (+ .ptx); the JSON holds no timings, so it is reproducible."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{stem}.cubin").write_bytes(self.cubin)
-        if self.ptx:
-            (folder / f"{stem}.ptx").write_text(self.ptx)
-        meta = {"spec": self.spec_canonical, **self.params_json(), "source_sha256": self.source_sha256,
-                "cubin_sha256": hashlib.sha256(self.cubin).hexdigest()}
-        path = folder / f"{stem}.json"
-        path.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-        return path
-
-    @classmethod
-    def load(cls, folder: Path, stem: str) -> "CuteArtifact":
-        folder = Path(folder)
-        meta = json.loads((folder / f"{stem}.json").read_text())
-        cubin = (folder / f"{stem}.cubin").read_bytes()
-        if hashlib.sha256(cubin).hexdigest() != meta["cubin_sha256"]:
-            raise CompileError(f"{folder / stem}.cubin does not match its metadata (corrupt or stale)")
-        art = cls.from_params_json(meta, cubin, spec_canonical=meta.get("spec", ""))
-        return replace(art, source_sha256=meta.get("source_sha256", ""))
-
-    @classmethod
-    def from_params_json(cls, meta: dict, cubin: bytes, spec_canonical: str = "") -> "CuteArtifact":
-        return cls(spec_canonical=spec_canonical, arch=meta["arch"], entry=meta["entry"], cubin=cubin,
-                   params=tuple(KernelParam.from_json(p) for p in meta["params"]),
-                   param_bytes=meta["param_bytes"], block=tuple(meta["block"]),
-                   dynamic_smem=meta["dynamic_smem"], registers=meta.get("registers", 0))
 
 
 # -- what the build pipeline hashes -------------------------------------------------------------
@@ -166,10 +121,6 @@ def cute_source(spec) -> str:
         raise CompileError(f"op {spec.op!r} has lowering 'cute' but no module {path}")
     return (f"# k3gen CuTe DSL kernel {spec.file_stem} for {spec.target.arch}\n"
             f"# spec: {spec.canonical()}\n" + path.read_text())
-
-
-def source_sha256(spec) -> str:
-    return hashlib.sha256(cute_source(spec).encode()).hexdigest()
 
 
 def cute_flags(spec) -> list[str]:
@@ -232,19 +183,10 @@ def compile_cute(spec, *, workdir: Path | str | None = None) -> CuteArtifact:
                                f"(exit {proc.returncode})", log=log, options=cute_flags(spec),
                                source_path=str(cute_module_path(spec.op)), repro=repro)
         result = json.loads(result_path.read_text())
-        art = _assemble(spec, result, log, seconds, repro)
-        _dump(spec, art)
-        return art
+        return _assemble(spec, result, log, seconds, repro)
     finally:
         if own_tmp:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _dump(spec, art: CuteArtifact) -> None:
-    from k3gen.config import settings  # not at import: the GPU machine loads artifacts without it
-    d = settings().dump
-    if d is not None:
-        art.save(Path(d) / spec.target.module_name, spec.file_stem)
 
 
 def _assemble(spec, result: dict, log: str, seconds: float, repro: str) -> CuteArtifact:
@@ -291,10 +233,10 @@ def _assemble(spec, result: dict, log: str, seconds: float, repro: str) -> CuteA
         fail("kernel has no required block size (reqntid); k3gen launches need a fixed block")
     if info.local_bytes:
         fail(f"kernel uses {info.local_bytes} bytes of local memory per thread (spills)")
-    return CuteArtifact(spec_canonical=spec.canonical(), arch=elf.arch, entry=entry, cubin=cubin,
+    return CuteArtifact(arch=elf.arch, entry=entry, cubin=cubin,
                         params=tuple(params), param_bytes=param_bytes, block=info.reqntid,
                         dynamic_smem=int(result.get("dynamic_smem", 0)), registers=info.registers,
-                        ptx=ptx, source_sha256=source_sha256(spec), compile_seconds=seconds, log=log)
+                        ptx=ptx, compile_seconds=seconds, log=log)
 
 
 def layout_params(tensors: list[dict]) -> list[KernelParam]:
@@ -498,7 +440,7 @@ def _worker(spec_text: str, target_name: str, workdir: Path) -> int:
     import cutlass.cute as cute
     from cutlass.runtime import make_fake_stream
 
-    mod = importlib.import_module(f"k3gen.cute.{spec.op}")
+    mod = importlib.import_module(f"k3gen.ops.{spec.op}.cute_kernel")
     fn, args = mod.compile_args(spec)
     compiled = cute.compile(fn, *[a for _, a in args], make_fake_stream())
     tensors = describe_tensors(args)
@@ -524,22 +466,6 @@ def _worker(spec_text: str, target_name: str, workdir: Path) -> int:
     return 0
 
 
-def _build_bundle(args) -> int:
-    """Compile act_quant_fp8-style specs into `--out` as <stem>.cubin/.json (for the GPU machine)."""
-    from k3gen.ops import spec_from_canonical
-    from k3gen.targets import get_target
-    target = get_target(args.target)
-    out = Path(args.out) / target.module_name
-    for kw in args.specs:
-        text = json.dumps({"op": args.op, "target": target.canonical(), **json.loads(kw)})
-        spec = spec_from_canonical(text, target)
-        t0 = time.perf_counter()
-        art = compile_cute(spec)
-        art.save(out, spec.file_stem)
-        print(f"{spec.file_stem}: {art.entry} {time.perf_counter() - t0:.2f}s -> {out}")
-    return 0
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3gen.pipeline.cute")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -547,15 +473,8 @@ def main(argv=None) -> int:
     w.add_argument("--spec", required=True)
     w.add_argument("--target", required=True)
     w.add_argument("--workdir", required=True)
-    b = sub.add_parser("bundle", help="compile specs and save <stem>.cubin/.json under --out/<target>")
-    b.add_argument("--op", required=True)
-    b.add_argument("--target", required=True)
-    b.add_argument("--out", required=True)
-    b.add_argument("specs", nargs="+", help='spec fields as JSON, e.g. \'{"k": 1536, "recipe": "fp32"}\'')
     a = ap.parse_args(argv)
-    if a.cmd == "worker":
-        return _worker(a.spec, a.target, Path(a.workdir))
-    return _build_bundle(a)
+    return _worker(a.spec, a.target, Path(a.workdir))
 
 
 if __name__ == "__main__":

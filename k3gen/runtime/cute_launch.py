@@ -164,6 +164,10 @@ class CuteKernel:
 
 
 def load_cute_kernel(cubin: bytes, meta: dict) -> CuteKernel:
-    """From build metadata: `meta["params"]` is `CuteArtifact.params_json()` (or meta itself)."""
-    abi = meta.get("params", meta) if isinstance(meta.get("params"), dict) else meta
+    """From build metadata (a cache entry or a `k3gen build --out` bundle), whose `params` is
+    `CuteArtifact.params_json()`."""
+    abi = meta.get("params")
+    if not isinstance(abi, dict):
+        raise SpecError("meta.params", type(abi).__name__, "the CuTe launch ABI (CuteArtifact.params_json())",
+                        f"build metadata of {meta.get('spec', 'a CuTe kernel')}")
     return CuteKernel(cubin, abi)

@@ -1,7 +1,7 @@
 """act_quant_fp8 in CuTe DSL: per-token, per-128-column FP8 (E4M3) activation quantization.
 
 The contract (layouts, rounding, zero groups, UE8M0 bytes, launch geometry) is stated once in
-`k3gen/ir/ops/act_quant_fp8.py`; this module implements it:
+`k3gen/ops/act_quant_fp8/spec.py`; this module implements it:
 
 - A thread loads VEC = 8 BF16 (one 16-byte load), LANES = 16 adjacent threads own a group, and
   the group's amax is a 4-step butterfly shuffle, so no shared memory and no barrier are needed.

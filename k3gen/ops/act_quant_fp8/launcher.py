@@ -9,7 +9,7 @@ from k3gen.runtime.launcher import Launcher
 class ActQuantFp8(Launcher):
     def load(self):
         if self._kernel is None:
-            from k3gen.pipeline.build import resolve
+            from k3gen.runtime.resolve import resolve
             from k3gen.runtime.cute_launch import load_cute_kernel
             cubin, self.meta = resolve(self.spec)
             self._kernel = load_cute_kernel(cubin, self.meta).load()

@@ -1,4 +1,4 @@
-"""FP32 reference of act_quant_fp8 (contract: k3gen/ir/ops/act_quant_fp8.py).
+"""FP32 reference of act_quant_fp8 (contract: ops/act_quant_fp8/spec.py).
 
 Written with plain torch operations, independently of the kernel's bit tricks, so a GPU test
 comparing the two bitwise checks the algorithm and not a transcription of it:
@@ -8,7 +8,7 @@ comparing the two bitwise checks the algorithm and not a transcription of it:
   value is at least 2^-24 relative away from the neighbouring powers of two, far above float64
   rounding), clamped to [-127, 127].
 - E4M3: clamp to +-448, then torch's `.to(torch.float8_e4m3fn)`, which rounds to nearest even
-  (tests/nogpu/test_cute_compile.py checks it against ml_dtypes and reference.quant).
+  (tests/nogpu/ops/test_cute_compile.py checks it against ml_dtypes and k3gen.numerics).
 
 Runs on CPU or CUDA tensors; NaN propagates into the group's scale (codes of such a group are
 NaN codes, 0x7F or 0xFF).

@@ -1,7 +1,7 @@
 """act_quant_fp8: per-token, per-128-column FP8 (E4M3) quantization of activations.
 
 Runs ahead of the FP8 block GEMM (SPEC.md section 6). Kernel contract (shared by the CuTe DSL
-kernel `k3gen/cute/act_quant_fp8.py`, the reference `k3gen/reference/act_quant_fp8.py` and the
+kernel ops/act_quant_fp8/cute_kernel.py, the reference ops/act_quant_fp8/reference.py and the
 launcher):
 
 - In: x[M, K] BF16, row-major, contiguous. K is static (a multiple of 128), M is dynamic.
@@ -14,7 +14,7 @@ launcher):
   b = 0 (s = 2^-127, finite) and zero codes (0x80 for -0 inputs: x / s keeps the sign);
   code = E4M3_rn_satfinite(x / s). NaN in a group gives b = 255. Bytes rather than
   FP32 values so that a GEMM built for the other recipe cannot read these scales by mistake: the
-  scale tensor's dtype differs and the launcher rejects it. `reference.quant.ue8m0_decode` gives
+  scale tensor's dtype differs and the launcher rejects it. `k3gen.numerics.ue8m0_decode` gives
   the FP32 value.
 - Requirements checked by the launcher: x and codes 16-byte aligned (one 16-byte load and one
   8-byte store per thread), M * K < 2^31 (32-bit index math).
@@ -42,16 +42,13 @@ MAX_ELEMENTS = 2 ** 31     # M * K bound of the kernel's 32-bit offsets
 @register_op("act_quant_fp8")
 @dataclass(frozen=True, kw_only=True)
 class ActQuantFp8Spec(OpSpec):
-
-
     k: int                                # columns, static; multiple of 128
     recipe: ScaleRecipe | None = None     # defaults to the target's GEMM scale recipe
     threads: int = 128
 
-    def __post_init__(self):
+    def resolve(self) -> None:
         if self.recipe is None:
             object.__setattr__(self, "recipe", self.target.scale_recipe)
-        super().__post_init__()
 
     def validate(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k <= 0 or self.k % GROUP:
@@ -60,6 +57,7 @@ class ActQuantFp8Spec(OpSpec):
             raise SpecError("recipe", self.recipe, [r.value for r in ScaleRecipe])
         if self.threads not in THREADS:
             raise SpecError("threads", self.threads, THREADS, "whole warps of 16-thread groups")
+        self.impl  # noqa: B018  (a kernel for this target, or SpecError with each variant's reason)
 
     # -- kernel contract --------------------------------------------------------------------
     @property
@@ -78,10 +76,6 @@ class ActQuantFp8Spec(OpSpec):
     def grid(self, m: int) -> tuple[int, int, int]:
         """CTAs for M tokens (0 for M == 0: the launcher must then skip the launch)."""
         return (-(-m * self.groups // self.groups_per_cta), 1, 1)
-
-    @property
-    def block(self) -> tuple[int, int, int]:
-        return (self.threads, 1, 1)
 
     def slug(self) -> str:
         s = f"k{self.k}-{self.recipe.value}"

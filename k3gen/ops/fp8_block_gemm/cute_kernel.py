@@ -1,7 +1,7 @@
 """fp8_block_gemm for sm_103a / sm_107a in CuTe DSL: tcgen05.mma with the accumulator in TMEM.
 
-The contract (layouts, scales, edges, M = 1) is stated once in `k3gen/ir/ops/fp8_block_gemm.py`;
-this module implements it for the tcgen05 targets:
+The contract (layouts, scales, edges, M = 1) is stated once in `k3gen/ops/fp8_block_gemm/spec.py`;
+this module is its "tcgen05" variant:
 
 - Swap-AB: the 128 weight rows of an N tile are the MMA's M side, the CTA's `bm` tokens its N
   side, so M = 1 pays for a 128 x bm MMA tile but streams W once (small M is bound by W bytes).
@@ -58,10 +58,6 @@ E8M0_ONE = 127
 SF_TMEM_COLS = 16
 
 
-def _rubin(arch: str) -> bool:
-    return arch.startswith("sm_107")
-
-
 class Fp8BlockGemmKernel:
     """One compiled variant: N, K, recipe, bm and stages are compile-time constants."""
 
@@ -70,7 +66,8 @@ class Fp8BlockGemmKernel:
         self.k_blocks = spec.k_blocks
         self.ue8m0 = spec.recipe is ScaleRecipe.UE8M0
         self.arch = arch
-        self.rubin = _rubin(arch)
+        # sm_107's tcgen05 MMA atoms take K = 64 per instruction (sm_103: 32), built by utils.sm107.
+        self.rubin = spec.target.sm >= 107
         self.acc_stages = 1 if self.ue8m0 else 2
         self.lag = max(1, self.stages - 2)
         self.k_tail = self.k % BLOCK != 0

@@ -1,8 +1,8 @@
-"""Launcher of fp8_block_gemm (ABI: templates/fp8_block_gemm.cu.j2; contract: ir/ops/fp8_block_gemm.py).
+"""Launcher of fp8_block_gemm (ABI: template.cu.j2 and cute_kernel.py; contract: spec.py).
 
 Graph-safe: the checks read tensor metadata only, the launch plan depends on M and the SM count
 (read at load()), and the shared-memory attribute is set once per device before any capture. The
-wgmma flavour takes its W and x operands as TMA tensor maps by value: they are encoded on the host
+wgmma variant takes its W and x operands as TMA tensor maps by value: they are encoded on the host
 (cuTensorMapEncodeTiled touches no device state) and copied into the launch's parameters, so a
 captured graph holds the maps of the tensors it was captured with, like any pointer argument.
 The streaming mode's workspace (FP32 partial slots + arrival counters that the kernel leaves at
@@ -15,7 +15,7 @@ from __future__ import annotations
 from k3gen.config import settings
 from k3gen.errors import DeviceError, SpecError
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ops.fp8_block_gemm.spec import BLOCK, MAX_SPLIT, cdiv, choose_split, nt_for, work_items
+from k3gen.ops.fp8_block_gemm.spec import BLOCK, MAX_SPLIT, cdiv, nt_for, work_items
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.checks import check_tensor
 from k3gen.runtime.loader import I32, PTR, ArgPack, _check
@@ -39,7 +39,7 @@ class Fp8BlockGemm(Launcher):
     def load(self):
         if self.spec.lowering == "cute":  # tcgen05 targets: CuTe DSL cubin, ABI from the build
             if self._kernel is None:
-                from k3gen.pipeline.build import resolve
+                from k3gen.runtime.resolve import resolve
                 from k3gen.runtime.cute_launch import load_cute_kernel
                 cubin, self.meta = resolve(self.spec)
                 self._kernel = load_cute_kernel(cubin, self.meta).load()
@@ -75,15 +75,12 @@ class Fp8BlockGemm(Launcher):
         self._smem_set.add(device)
 
     def split_for(self, m: int) -> int:
-        s = self.spec
-        if s.lowering == "cute":
+        if self.spec.lowering == "cute":
             return 1
-        if s.mma == "wgmma":
-            return s.plan(m, self.sm_count).split
-        return choose_split(s.n, s.k, m, s.bm, self.sm_count)
+        return self.spec.plan(m, self.sm_count).split
 
     def plan_for(self, m: int, *, split: int | None = None, ctas: int | None = None, pf: int = 0):
-        """The wgmma flavour's launch plan for M tokens (what __call__ launches)."""
+        """The wgmma variant's launch plan for M tokens (what __call__ launches)."""
         return self.spec.plan(m, self.sm_count, split, ctas, pf)
 
     def _tma_map(self, t, geom: dict) -> bytes:
@@ -127,7 +124,7 @@ class Fp8BlockGemm(Launcher):
         devs = {t.device for t in (x_codes, x_scales, w_codes, w_scales, out)}
         if len(devs) != 1 or next(iter(devs)).type != "cuda":
             raise SpecError("device", sorted(map(str, devs)), "one CUDA device for all tensors")
-        tile_m = nt_for(max(m, 1)) if s.mma == "wgmma" else s.bm
+        tile_m = s.bm if s.lowering == "cute" else nt_for(max(m, 1))
         if cdiv(max(m, 1), tile_m) > 65535:
             raise SpecError("M", m, f"<= {65535 * tile_m}", "grid.y")
         return m
@@ -135,13 +132,13 @@ class Fp8BlockGemm(Launcher):
     def __call__(self, x_codes, x_scales, w_codes, w_scales, out, *, split: int | None = None,
                  ctas: int | None = None, pf: int = 0, pdl: bool | None = None, w_tiled: bool = False):
         """out[M, N] (BF16) = dequant(x_codes, x_scales) @ dequant(w_codes, w_scales)^T; returns out.
-        wgmma flavour: `split` forces the cluster split-K mode, `ctas` the streaming mode with that
+        wgmma variant: `split` forces the cluster split-K mode, `ctas` the streaming mode with that
         many persistent CTAs (ctas=0: the cluster mode with the planned split); `pf` the L2 prefetch
         distance of the weight stream in K blocks (0: off); `pdl` (default: setting K3GEN_PDL, on)
         launches with programmatic dependent launch, so the first weight tiles stream while the
         previous kernel finishes (the token tiles and scales are read after griddepcontrol.wait)."""
         if pf and self.spec.mma != "wgmma":
-            raise SpecError("pf", pf, [0], "L2 prefetch is a knob of the wgmma flavour")
+            raise SpecError("pf", pf, [0], "L2 prefetch is a knob of the wgmma variant")
         import torch
         if w_tiled and (self.spec.mma != "wgmma" or ctas or pf):
             raise SpecError("w_tiled", True, [False], "pre-tiled weights: the wgmma cluster mode without pf only")
@@ -151,46 +148,32 @@ class Fp8BlockGemm(Launcher):
         if self.spec.lowering == "cute":
             if split not in (None, 1):
                 raise SpecError("split", split, [1], "the tcgen05 kernel has no split-K yet")
-            self.kernel.launch(self.spec.grid(m, 1), x_codes, x_scales, w_codes, w_scales, out)
+            self.kernel.launch(self.spec.grid(m), x_codes, x_scales, w_codes, w_scales, out)
             return out
         cap = min(MAX_SPLIT, self.spec.k_blocks)
         if split is not None and not 1 <= split <= cap:
             raise SpecError("split", split, f"1..{cap}", "K blocks per cluster CTA >= 1")
         if split is not None and ctas:
             raise SpecError("ctas", ctas, [None, 0], "split forces the cluster mode")
-        if ctas is not None and self.spec.mma == "wgmma":
-            if not 0 <= ctas <= self.sm_count:
-                raise SpecError("ctas", ctas, f"0..{self.sm_count}", "one streaming CTA per SM at most")
+        if ctas is not None and not 0 <= ctas <= self.sm_count:
+            raise SpecError("ctas", ctas, f"0..{self.sm_count}", "one streaming CTA per SM at most")
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         self.load()._allow_smem(dev)  # a launcher called before load() loads itself (never in capture)
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        if self.spec.mma == "wgmma":
-            plan = self.spec.plan(m, self.sm_count, split, ctas, pf)
-            boxes = self.spec.tma_boxes(m, plan.nt)
-            if w_tiled:
-                rows = self.spec.n_blocks * self.spec.k_blocks * BLOCK
-                boxes["w"] = {"dims": (BLOCK, rows), "strides": (BLOCK,), "box": (BLOCK, BLOCK)}
-            if plan.ctas and work_items(self.spec.n, self.spec.k, m) >= 2 ** 31:
-                raise SpecError("M", m, "fewer than 2^31 work items", "32-bit work index of the streaming mode")
-            part, cnt = self._workspace(dev) if plan.ctas else (None, None)
-            args = (ArgPack().add(self._tma_map(w_codes, boxes["w"])).add(self._tma_map(x_codes, boxes["x"]))
-                    .add(PTR(x_scales.data_ptr())).add(PTR(w_scales.data_ptr())).add(PTR(out.data_ptr()))
-                    .add(I32(m)).add(I32(plan.nt))
-                    .add(PTR(part.data_ptr() if plan.ctas else 0)).add(PTR(cnt.data_ptr() if plan.ctas else 0))
-                    .add(I32(plan.pf)).add(PTR(w_codes.data_ptr() if w_tiled else 0)))
-            grid, block = plan.grid, (self.spec.threads, 1, 1)
-            self.kernel.launch_ex(grid, block, (plan.split, 1, 1) if plan.split > 1 else None, args.address(),
-                                       None, dev, stream, plan.smem, pdl=settings().pdl if pdl is None else pdl)
-            return out
-        split = split or self.split_for(m)
-        args = (x_codes.data_ptr(), x_scales.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),
-                out.data_ptr(), m)
-        types = (PTR, PTR, PTR, PTR, PTR, I32)
-        grid, block = self.spec.grid(m, split), (self.spec.threads, 1, 1)
-        smem = self.spec.smem_bytes(split)
-        if split == 1:
-            self.kernel.launch(grid, block, args, types, dev, stream, smem)
-        else:
-            self.kernel.launch_ex(grid, block, (split, 1, 1), args, types, dev, stream, smem)
+        plan = self.spec.plan(m, self.sm_count, split, ctas, pf)
+        boxes = self.spec.tma_boxes(m, plan.nt)
+        if w_tiled:
+            rows = self.spec.n_blocks * self.spec.k_blocks * BLOCK
+            boxes["w"] = {"dims": (BLOCK, rows), "strides": (BLOCK,), "box": (BLOCK, BLOCK)}
+        if plan.ctas and work_items(self.spec.n, self.spec.k, m) >= 2 ** 31:
+            raise SpecError("M", m, "fewer than 2^31 work items", "32-bit work index of the streaming mode")
+        part, cnt = self._workspace(dev) if plan.ctas else (None, None)
+        args = (ArgPack().add(self._tma_map(w_codes, boxes["w"])).add(self._tma_map(x_codes, boxes["x"]))
+                .add(PTR(x_scales.data_ptr())).add(PTR(w_scales.data_ptr())).add(PTR(out.data_ptr()))
+                .add(I32(m)).add(I32(plan.nt))
+                .add(PTR(part.data_ptr() if plan.ctas else 0)).add(PTR(cnt.data_ptr() if plan.ctas else 0))
+                .add(I32(plan.pf)).add(PTR(w_codes.data_ptr() if w_tiled else 0)))
+        grid, block = plan.grid, (self.spec.threads, 1, 1)
+        self.kernel.launch_ex(grid, block, (plan.split, 1, 1) if plan.split > 1 else None, args.address(),
+                              None, dev, stream, plan.smem, pdl=settings().pdl if pdl is None else pdl)
         return out
-

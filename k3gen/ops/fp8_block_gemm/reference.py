@@ -1,4 +1,4 @@
-"""FP32 reference of fp8_block_gemm (contract: k3gen/ir/ops/fp8_block_gemm.py), plus the weight and
+"""FP32 reference of fp8_block_gemm (contract: ops/fp8_block_gemm/spec.py), plus the weight and
 activation quantizers the tests use to make inputs.
 
 The quantizers only pad to whole 128 blocks and call reference.quant (the bit-level ground truth

@@ -1,7 +1,7 @@
 """fp8_block_gemm: y[M, N] = x[M, K] @ W[N, K]^T with FP8 block scales, BF16 out (SPEC.md section 6).
 
-Kernel contract (shared by templates/fp8_block_gemm.cu.j2, reference/fp8_block_gemm.py and the
-launcher runtime/ops/fp8_block_gemm.py):
+Kernel contract (shared by ops/fp8_block_gemm/{template.cu.j2, cute_kernel.py, reference.py,
+launcher.py}):
 
 - x_codes[M, K] E4M3 bytes (uint8), row-major contiguous; x_scales[M, ceil(K/128)]: one scale per
   token per 128 columns (the output of act_quant_fp8; a partial last group when K % 128 != 0).
@@ -16,14 +16,15 @@ launcher runtime/ops/fp8_block_gemm.py):
 - N static, a multiple of 8 (16-byte output rows); K static, a multiple of 16 (16-byte copies and
   TMA row strides); neither needs to be a multiple of 128. M dynamic, >= 0 (M = 1 included).
 
-tcgen05 targets (sm103/sm107, `lowering == "cute"`, kernel in k3gen/cute/fp8_block_gemm.py): a CTA
-owns TC_TILE_N = 128 weight rows (one scale block, the MMA's M side) and `bm` tokens (the MMA's N
-side, bm in TC_BM_CHOICES; the UE8M0 block-scaled MMA needs bm >= 64, the FP32 recipe's register
-promotion bm <= 64); 288 threads; grid = (1, ceil(M / bm), ceil(N / 128)), no clusters yet.
+The kernels are the variants (variants.py), chosen by the target's MMA unit (`spec.mma` names the
+chosen one):
 
-NVRTC targets: two flavours, picked by the target's MMA unit (`spec.mma`):
+"tcgen05" (CuTe DSL, ops/fp8_block_gemm/cute_kernel.py): a CTA owns TC_TILE_N = 128 weight rows
+(one scale block, the MMA's M side) and `bm` tokens (the MMA's N side, bm in TC_BM_CHOICES; the
+UE8M0 block-scaled MMA needs bm >= 64, the FP32 recipe's register promotion bm <= 64), a `stages`
+deep ring; 288 threads; grid = (1, ceil(M / bm), ceil(N / 128)), no clusters yet.
 
-"wgmma" (sm_90a, include/k3gen/gemm/fp8_wgmma.cuh): 12 warps (2 consumer warpgroups + 1 TMA
+"wgmma" (NVRTC, include/k3gen/gemm/fp8_wgmma.cuh): 12 warps (2 consumer warpgroups + 1 TMA
 producer warpgroup), a CTA owns BN90 = 128 weight rows and `nt` tokens, nt in NT_CHOICES chosen per
 launch from M (`nt_for`); grid = (split, ceil(M / nt), ceil(N / 128)), clusters (split, 1, 1).
 Kernel arguments: the W and x TMA tensor maps (by value; `tma_boxes` gives their geometry), x/w
@@ -32,14 +33,8 @@ cluster mode). Streaming mode (`Plan.ctas` > 0, opt-in with `ctas=`; measured
 slower than the one-wave cluster split on the K3 shapes): grid (ctas, 1, 1), no cluster; CTA c owns items [c L / G, (c + 1) L / G) of
 the (token tile, weight tile, K block) list (`stream_segments` replays the walk), split tiles are
 summed from workspace slots in CTA order by the last arriver. `plan` computes everything on the
-host (graph-safe). `bm` and `stages` are
-fields of the mma.sync flavour only.
-
-"mma_sync" (no target selects it any more: the fallback until the wgmma kernel has passed on the
-H200; tests build it for a copy of the sm90 target): 4 warps, a CTA owns BN = 64 weight rows and up to `bm`
-tokens; grid = (split, ceil(M / bm), ceil(N / 64)) with clusters (split, 1, 1): the `split` CTAs of
-a cluster share the K range in whole 128-column blocks and reduce through distributed shared
-memory. The launcher picks split from the grid size (see `choose_split`).
+host (graph-safe). This kernel sizes its token tile and ring per launch: `bm` and `stages` do not
+change it (they stay validated, so a spec means the same on every target).
 """
 from __future__ import annotations
 
@@ -52,17 +47,15 @@ from k3gen.arch.sm90 import SW128_KMAJOR, encode_desc
 from k3gen.ir.spec import OpSpec, register_op
 
 BLOCK = 128            # scale granularity along N (weights) and K (both operands)
-BN = 64                # weight rows per CTA: 4 warps x one m16 tile
-WARPS = 4
-BM_CHOICES = (16, 32, 64)
+BM_CHOICES = (16, 32, 64)            # bm the wgmma variant accepts (and ignores)
 STAGE_CHOICES = (3, 4, 5, 6)
 MAX_SPLIT = 8          # portable cluster size
-# The tcgen05 path (CuTe DSL) and the targets it serves; the others keep the NVRTC mma.sync kernel.
+# tcgen05 variant (mirrors ops/fp8_block_gemm/cute_kernel.py).
 TC_TILE_N = 128        # weight rows per CTA: the tcgen05 MMA's M
 TC_BM_CHOICES = (32, 64, 128)
 TC_THREADS = 288       # 4 loader warps, 4 epilogue warps, 1 MMA warp
 
-# wgmma flavour (mirrors the constants of include/k3gen/gemm/fp8_wgmma.cuh; the template asserts
+# wgmma variant (mirrors the constants of include/k3gen/gemm/fp8_wgmma.cuh; the template asserts
 # the shared-memory sizes agree).
 BN90 = 128             # weight rows per CTA: one scale tile, two m64 consumer warpgroups
 THREADS90 = 12 * 32    # 2 consumer warpgroups + 1 producer warpgroup (one TMA lane)
@@ -70,7 +63,7 @@ NT_CHOICES = (8, 16, 32, 64, 128)   # token columns per CTA (wgmma N)
 RING_BYTES = 192 * 1024             # TMA ring budget (one CTA per SM; 227 KB is the sm_90 cap)
 MAX_STAGES90 = 8
 ALIGN90 = 1024
-SPLIT90_MAX = 4                     # cluster split-K of the wgmma flavour (see choose_split90)
+SPLIT90_MAX = 4                     # cluster split-K of the wgmma variant (see choose_split90)
 PF_MAX = 64                         # L2 prefetch distance cap (K blocks) of Plan.pf
 # Streaming mode (one persistent CTA per SM walking a contiguous range of the (tile, K block) list)
 # is opt-in (`ctas=`): on the H200 it measured 5-15% slower than a one-wave cluster split on every
@@ -79,17 +72,6 @@ PF_MAX = 64                         # L2 prefetch distance cap (K blocks) of Pla
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def choose_split(n: int, k: int, m: int, bm: int, sms: int, max_split: int = MAX_SPLIT,
-                 ctas_per_sm: int = 2) -> int:
-    """CTAs per output tile along K: the largest split whose grid still fits one resident wave
-    (two ~82 KB CTAs per SM), so that every SM streams its share of W at once (small M is
-    weight-bandwidth-bound) and no partial second wave leaves a tail; never more splits than
-    128-column K blocks."""
-    tiles = cdiv(n, BN) * max(1, cdiv(m, bm))
-    cap = max(1, min(max_split, cdiv(k, BLOCK)))
-    return max(1, min(cap, ctas_per_sm * sms // tiles))
 
 
 def nt_for(m: int) -> int:
@@ -101,7 +83,7 @@ def nt_for(m: int) -> int:
 
 
 def choose_split90(n: int, k: int, m: int, sms: int, max_split: int = SPLIT90_MAX) -> int:
-    """CTAs per output tile along K for the wgmma flavour (one CTA per SM): the largest split, up to
+    """CTAs per output tile along K for the wgmma variant (one CTA per SM): the largest split, up to
     SPLIT90_MAX, whose grid is one wave. Measured on the H200 (sweep 2026-11-29 23:48, every split
     1..8 on o_proj/kda_qkvg/q_b/o_proj-TP8 at M 1..128): a second, partial wave costs ~1.5x, and
     splits past 4 lose to the rank-ordered DSMEM reduction (split 7: 37.6 us vs split 2: 26.9 us
@@ -156,7 +138,7 @@ def stream_segments(items: int, ctas: int, kb: int) -> list[dict]:
 
 @dataclass(frozen=True)
 class Plan:
-    """One launch of the wgmma flavour: all host-side, so a captured graph replays it unchanged.
+    """One launch of the wgmma variant: all host-side, so a captured graph replays it unchanged.
     ctas > 0 selects the streaming mode (grid (ctas, 1, 1), no cluster, workspace); else the
     cluster split-K mode with `split` CTAs per tile."""
     nt: int
@@ -173,13 +155,12 @@ class Fp8BlockGemmSpec(OpSpec):
     n: int                                # output features (weight rows), static
     k: int                                # input features, static
     recipe: ScaleRecipe | None = None     # defaults to the target's GEMM scale recipe
-    bm: int = 64                          # tokens per CTA (compile-time upper bound of the M tile)
-    stages: int = 4                       # cp.async pipeline depth in 128-column K blocks
+    bm: int = 64                          # tcgen05: tokens per CTA (the MMA N side)
+    stages: int = 4                       # tcgen05: operand ring depth in 128-column K blocks
 
-    def __post_init__(self):
+    def resolve(self) -> None:
         if self.recipe is None:
             object.__setattr__(self, "recipe", self.target.scale_recipe)
-        super().__post_init__()
 
     def validate(self) -> None:
         for name, v, mult in (("n", self.n, 8), ("k", self.k, 16)):
@@ -195,7 +176,7 @@ class Fp8BlockGemmSpec(OpSpec):
             if self.bm not in allowed:
                 raise SpecError("bm", self.bm, allowed, f"tcgen05 MMA N, {self.recipe.value} recipe")
         elif self.bm not in BM_CHOICES:
-            raise SpecError("bm", self.bm, BM_CHOICES, "n8 tiles per warp, <= 128 registers")
+            raise SpecError("bm", self.bm, BM_CHOICES, "the wgmma kernel picks its token tile per launch")
         if self.stages not in STAGE_CHOICES:
             raise SpecError("stages", self.stages, STAGE_CHOICES)
 
@@ -223,18 +204,14 @@ class Fp8BlockGemmSpec(OpSpec):
 
     @property
     def mma(self) -> str:
-        """Kernel flavour: tcgen05 (CuTe DSL), Hopper wgmma, or the portable mma.sync fallback."""
-        if self.lowering == "cute":
-            return "tcgen05"
-        return "wgmma" if self.target.mma == "wgmma" else "mma_sync"
+        """The chosen variant: "tcgen05" (CuTe DSL) or "wgmma" (NVRTC)."""
+        return self.impl.name
 
     @property
     def threads(self) -> int:
-        if self.lowering == "cute":
-            return TC_THREADS
-        return THREADS90 if self.mma == "wgmma" else WARPS * 32
+        return TC_THREADS if self.lowering == "cute" else THREADS90
 
-    # -- wgmma flavour ------------------------------------------------------------------------
+    # -- wgmma variant ------------------------------------------------------------------------
     nt_choices = NT_CHOICES
     ring_bytes = RING_BYTES
     max_stages = MAX_STAGES90
@@ -256,9 +233,7 @@ class Fp8BlockGemmSpec(OpSpec):
         return ALIGN90 + s * (BN90 * BLOCK + nt * BLOCK + 16 + 4 * nt)
 
     def max_smem_bytes(self) -> int:
-        if self.mma == "wgmma":
-            return max(self.smem_bytes_nt(nt) for nt in NT_CHOICES)
-        return self.smem_bytes(1)
+        return max(self.smem_bytes_nt(nt) for nt in NT_CHOICES)
 
     def tma_boxes(self, m: int, nt: int) -> dict:
         """Geometry of the two TMA tensor maps (innermost dimension first), E4M3 bytes, 128B swizzle,
@@ -290,17 +265,9 @@ class Fp8BlockGemmSpec(OpSpec):
     def workspace_counters(max_ctas: int) -> int:
         return max_ctas
 
-    def smem_bytes(self, split: int) -> int:
-        """mma.sync flavour. Dynamic shared memory: the FP8 pipeline, the F16 token tile, then the combined scales of
-        one split's K blocks."""
-        return (self.stages * (BN + self.bm) * BLOCK + self.bm * BLOCK * 2
-                + 4 * self.bm * cdiv(self.k_blocks, split))
-
-    def grid(self, m: int, split: int) -> tuple[int, int, int]:
-        """tcgen05 and mma.sync flavours (wgmma: `plan`)."""
-        if self.lowering == "cute":
-            return (split, cdiv(m, self.bm), cdiv(self.n, TC_TILE_N))
-        return (split, cdiv(m, self.bm), cdiv(self.n, BN))
+    def grid(self, m: int) -> tuple[int, int, int]:
+        """tcgen05 variant (wgmma: `plan`)."""
+        return (1, cdiv(m, self.bm), cdiv(self.n, TC_TILE_N))
 
     def slug(self) -> str:
         s = f"n{self.n}-k{self.k}-{self.recipe.value}"

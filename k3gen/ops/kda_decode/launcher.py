@@ -1,4 +1,4 @@
-"""Launcher of kda_decode (ABI: templates/kda_decode.cu.j2; contract: ir/ops/kda_decode.py).
+"""Launcher of kda_decode (ABI: template.cu.j2; contract: spec.py; schedule bands: variants.py).
 
 Launches are CUDA-graph safe: the checks read tensor metadata only (no sync, no allocation), the
 grid and cluster size depend on the batch size alone, and nothing is compiled after `load()`.
@@ -10,10 +10,11 @@ import ctypes
 from k3gen.config import settings
 from k3gen.errors import PageIndexError, SpecError
 from k3gen.ir.dtypes import SsmDtype
-from k3gen.ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
+from k3gen.ir.layouts import CONV_TAPS, KDA_DV
 from k3gen.ops.kda_decode.spec import SPLITS
+from k3gen.ops.kda_decode.variants import SCHEDULE_BANDS
 from k3gen.runtime.launcher import Launcher
-from k3gen.runtime.checks import check_kda_weights, check_one_device, check_tensor
+from k3gen.runtime.checks import check_kda_rows, check_kda_ssm, check_kda_weights, check_one_device, check_tensor
 from k3gen.runtime.loader import I32, PTR
 
 I64 = ctypes.c_longlong
@@ -21,18 +22,12 @@ MAX_GRID_Z = 65535
 
 
 def choose_split(batch: int, heads: int, sms: int, max_split: int = 8, pdl: bool = True) -> int:
-    """CTAs per (sequence, head): split a head's rows over a cluster while the grid stays small.
-
-    With programmatic dependent launch (the default), measured on the H200 (bench/NOTES.md
-    2026-11-30 01:54, extra.split_us): the largest split with (sequence, head) pairs x split
-    <= 1.5 SMs: H12 B1 split 8 (3.30 us), H24 B1 8 (3.51 vs 4.05 at 4), H96 B1 and H12 B8 2
-    (6.76 vs 7.89, 6.61 vs 7.94), H24 B8 1. Without PDL (2026-11-29): split only while the grid
-    stays under ~3/4 of a wave of one CTA per SM (H12 B1 8, H24 B1 4, >= 96 pairs 1); the cluster
-    exchange then cost more than the shorter per-CTA chain saved.
-    """
-    cost = 4 if pdl else 8     # stops at the largest split with pairs x split <= 1.5 SMs (3/4 without PDL)
+    """CTAs per (sequence, head): split a head's rows over a cluster while the grid stays small
+    (the largest split with pairs x split <= the band's SMs); without PDL the cluster exchange
+    costs more than the shorter per-CTA chain saves sooner."""
+    bound = (SCHEDULE_BANDS.split_pairs_per_sm_pdl if pdl else SCHEDULE_BANDS.split_pairs_per_sm_plain) * sms
     s = 1
-    while s < max_split and batch * heads * s * cost <= 3 * sms:
+    while s < max_split and batch * heads * 2 * s <= bound:
         s *= 2
     return s
 
@@ -42,18 +37,12 @@ STREAM_ENTRY = "k3gen_kda_decode_stream"
 
 
 def choose_schedule(batch: int, heads: int, sms: int, aligned: bool, bf16_state: bool) -> str:
-    """"stream" for BF16 state from 40 items per SM up (where q|k|v|g rows are bulk-copyable),
-    else "rows".
-
-    Measured on the H200 (bench/NOTES.md 2026-11-30 01:37, extra.schedule_us; stream = two
-    persistent CTAs per SM, one stage each): with BF16 state the stream kernel is 4-5% faster from
-    ~6K (sequence, head) items up (H12 B512 132.3 vs 139.8 us, H96 B128 255.9 vs 265.4) and 4-13%
-    slower below ~1.5K (H12 B128, B32); with FP32 state the two are within 3% everywhere, the rows
-    mostly ahead. The stream kernel's per-item rate is higher (its next state lands under the
-    current item's update) but it pays a larger fixed cost (the first item's load is not hidden)
-    that only many items amortize.
-    """
-    return "stream" if aligned and bf16_state and batch * heads >= 40 * sms else "rows"
+    """"stream" for BF16 state from the band's items per SM up, where the q|k|v|g rows are
+    bulk-copyable; else "rows". The stream kernel's per-item rate is higher (its next state lands
+    under the current item's update) but it pays a larger fixed cost (the first item's load is
+    not hidden) that only many items amortize; with FP32 state the two run level."""
+    aligned_bf16 = aligned and bf16_state
+    return "stream" if aligned_bf16 and batch * heads >= SCHEDULE_BANDS.stream_min_items_per_sm * sms else "rows"
 
 
 def choose_warming(ctas: int, resident: int, pdl: bool, warm: bool | None = None,
@@ -61,22 +50,13 @@ def choose_warming(ctas: int, resident: int, pdl: bool, warm: bool | None = None
     """(warm, ahead) arguments of the row kernel (kda/decode.cuh warm_cta): how many CTAs prefetch
     their own state into L2 before griddepcontrol.wait, and the CTA distance (one wave) at which
     every CTA prefetches a later CTA's state once its own loads are in flight. Same bits either way.
-
-    Measured on the H200 (bench/NOTES.md, L2 warming, 2026-11-30 04:00-04:13; PDL on, us): warming
-    before the wait pays for grids of one wave, where it runs in the previous kernel's tail (H12 B1
-    FP32 3.55 -> 3.19, H24 B1 3.90 -> 3.68, H12 B8 6.79 -> 6.19) and costs 2-6% on grids of more
-    (H12 B32 16.97 -> 17.95, H12 B128 59.75 -> 61.48); it needs PDL. Warming a wave ahead pays from
-    ~8 waves (H24 B128 FP32 117.6 -> 113.6, BF16 70.8 -> 68.0, H12 B512 FP32 233.2 -> 222.5, H96
-    B128 444.0 -> 438.1) and is within 1% below (H12 B128: 5.8 waves, 59.75 -> 60.26).
-    """
+    Warming before the wait pays only where it runs in the previous kernel's tail (small grids,
+    with PDL); warming ahead only on many waves."""
     if warm is None:
-        warm = pdl and ctas <= resident
+        warm = pdl and ctas <= SCHEDULE_BANDS.warm_max_waves * resident
     if ahead is None:
-        ahead = ctas >= AHEAD_MIN_WAVES * resident
+        ahead = ctas >= SCHEDULE_BANDS.ahead_min_waves * resident
     return (min(ctas, resident) if warm else 0), (resident if ahead else 0)
-
-
-AHEAD_MIN_WAVES = 8
 
 
 class KdaDecode(Launcher):
@@ -113,14 +93,8 @@ class KdaDecode(Launcher):
         bf16 = torch.bfloat16
         B = slots.shape[0] if slots.dim() == 1 else -1
         check_tensor("slots", slots, torch.int32, (None,))
-        check_tensor("qkvg", qkvg, bf16, (B, None), contiguous=False, inner_unit=True)
-        if qkvg.shape[1] < 4 * D:
-            raise SpecError("qkvg", tuple(qkvg.shape), f"[{B}, >= {4 * D}]", "one row [q | k | v | g_out]")
-        check_tensor("fa", fa, bf16, (B, KDA_DK), contiguous=False, inner_unit=True)
-        check_tensor("beta_logit", beta_logit, bf16, (B, H), contiguous=False, inner_unit=True)
-        sdt = torch.float32 if self.spec.ssm is SsmDtype.FP32 else bf16
-        check_tensor("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
-        num_slots = ssm.shape[0]
+        check_kda_rows(H, B, qkvg, fa, beta_logit)
+        num_slots = check_kda_ssm(self.spec, ssm)
         check_tensor("conv", conv, bf16, (num_slots, 3 * D, CONV_TAPS - 1))
         check_kda_weights(H, conv_w, fb_w, dt_bias, a_log, norm_w)
         check_tensor("out", out, bf16, (B, H, KDA_DV))

@@ -1,4 +1,4 @@
-"""PyTorch reference of kda_decode (contract: the docstring of k3gen/ir/ops/kda_decode.py).
+"""PyTorch reference of kda_decode (contract: the docstring of k3gen/ops/kda_decode/spec.py).
 
 Two entry points share one step function:
 
@@ -102,6 +102,20 @@ def kda_step(x_qkv: torch.Tensor, g_out: torch.Tensor, fa: torch.Tensor, beta_lo
     return out, s, taps[..., 1:]
 
 
+def zeroed_out(out, shape, device) -> torch.Tensor:
+    """`out` (a new BF16 tensor when None) cleared: padded rows stay zeros, as the kernels write them."""
+    if out is None:
+        out = torch.empty(*shape, dtype=torch.bfloat16, device=device)
+    return out.zero_()
+
+
+def live_rows(slots, num_slots: int):
+    """(rows, their slots) of the rows whose slot is in [0, num_slots): the kernels skip the others."""
+    sl = slots.long()
+    live = ((sl >= 0) & (sl < num_slots)).nonzero().flatten()
+    return live, sl[live]
+
+
 def split_qkvg(qkvg: torch.Tensor, heads: int):
     D = heads * KDA_DK
     return qkvg[..., :3 * D], qkvg[..., 3 * D:4 * D]
@@ -112,14 +126,10 @@ def kda_decode(qkvg, fa, beta_logit, ssm, conv, slots, w: KdaWeights, out=None, 
                gate: GateKind = GateKind.BOUNDED) -> torch.Tensor:
     """The kernel's twin: returns `out` [B, H, 128] BF16; updates `ssm`/`conv` in place."""
     B, H = slots.shape[0], w.heads
-    if out is None:
-        out = torch.empty(B, H, KDA_DK, dtype=torch.bfloat16, device=qkvg.device)
-    out.zero_()
-    sl = slots.long()
-    live = ((sl >= 0) & (sl < ssm.shape[0])).nonzero().flatten()
+    out = zeroed_out(out, (B, H, KDA_DK), qkvg.device)
+    live, idx = live_rows(slots, ssm.shape[0])
     if live.numel() == 0:
         return out
-    idx = sl[live]
     x_qkv, g_out = split_qkvg(qkvg[live], H)
     y, s_new, win_new = kda_step(x_qkv, g_out, fa[live], beta_logit[live], ssm[idx].float(),
                                  conv[idx].float(), w, gate)

@@ -40,7 +40,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from k3gen.errors import SpecError, TargetError
+from k3gen.errors import SpecError
+from k3gen.ir.checks import check_enum_fields, check_heads, check_ssm_on_target
 from k3gen.ir.dims import sym
 from k3gen.ir.dtypes import BF16, FP32, INT32, GateKind, SsmDtype
 from k3gen.ir.layouts import CONV_TAPS, KDA_DK, KDA_DV, StatePoolLayout
@@ -67,11 +68,32 @@ SPLITS = (1, 2, 4, 8)
 BOUNDED_LOWER = -5.0
 NORM_EPS = 1e-5
 L2_EPS = 1e-6
+# FP32 operations of one token of one head in the fused step (kda_prefill and kda_verify run it too).
+FLOPS_PER_TOKEN_HEAD = (3 * KDA_DK * CONV_TAPS * 2          # conv
+                        + KDA_DK * KDA_DK * 2                # f_b
+                        + KDA_DV * KDA_DK * 7                # decay, two dots, rank-1 update
+                        + KDA_DV * 8 + KDA_DK * 8)           # norms, gate, output gating
+
+
+class KdaState:
+    """Sizes of the per-head recurrent state that the three KDA specs (fields `heads`, `ssm`) share."""
+
+    @property
+    def d(self) -> int:
+        return self.heads * KDA_DK
+
+    @property
+    def pool(self) -> StatePoolLayout:
+        return StatePoolLayout(heads=self.heads, ssm=self.ssm)
+
+    @property
+    def state_bytes_per_head(self) -> int:
+        return KDA_DV * KDA_DK * (4 if self.ssm is SsmDtype.FP32 else 2)
 
 
 @register_op("kda_decode")
 @dataclass(frozen=True, kw_only=True)
-class KdaDecodeSpec(OpSpec):
+class KdaDecodeSpec(KdaState, OpSpec):
     heads: int                               # per rank: 96, 48, 24, 12, 6 (any positive count)
     gate: GateKind = GateKind.BOUNDED
     ssm: SsmDtype = SsmDtype.FP32
@@ -85,23 +107,16 @@ class KdaDecodeSpec(OpSpec):
     min_blocks: int = 2                      # __launch_bounds__ min CTAs per SM (caps registers)
 
     def validate(self) -> None:
-        if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads < 1:
-            raise SpecError("heads", self.heads, "a positive head count (K3: 96, 48, 24, 12, 6)")
-        if self.heads > 65535:
-            raise SpecError("heads", self.heads, "<= 65535", "heads are grid.y")
-        for f, enum_t in (("gate", GateKind), ("ssm", SsmDtype), ("fb_weight", FbWeight),
-                          ("row_layout", QkvgLayout)):
-            if not isinstance(getattr(self, f), enum_t):
-                raise SpecError(f, getattr(self, f), [e.value for e in enum_t])
+        check_heads(self.heads, 65535, "heads are grid.y")
+        check_enum_fields(self, (("gate", GateKind), ("ssm", SsmDtype), ("fb_weight", FbWeight),
+                                 ("row_layout", QkvgLayout)))
         if self.head_dim_k != KDA_DK:
             raise SpecError("head_dim_k", self.head_dim_k, [KDA_DK], "the kernel is written for K = 128")
         if self.head_dim_v != KDA_DV:
             raise SpecError("head_dim_v", self.head_dim_v, [KDA_DV], "the kernel is written for V = 128")
         if self.conv_width != CONV_TAPS:
             raise SpecError("conv_width", self.conv_width, [CONV_TAPS], "the conv window keeps 3 inputs")
-        if self.ssm not in self.target.ssm_dtypes:
-            raise TargetError("ssm", self.ssm.value, [s.value for s in self.target.ssm_dtypes],
-                              f"target {self.target.name}")
+        check_ssm_on_target(self)
         if self.threads != 256:
             raise SpecError("threads", self.threads, [256],
                             "one thread per q/k conv channel, a half-warp per state row")
@@ -109,19 +124,7 @@ class KdaDecodeSpec(OpSpec):
             raise SpecError("max_split", self.max_split, list(SPLITS), "portable cluster sizes")
         if self.min_blocks not in (1, 2):
             raise SpecError("min_blocks", self.min_blocks, [1, 2])
-
-    # -- derived ----------------------------------------------------------------------------
-    @property
-    def d(self) -> int:
-        return self.heads * KDA_DK
-
-    @property
-    def pool(self) -> StatePoolLayout:
-        return StatePoolLayout(heads=self.heads, ssm=self.ssm)
-
-    @property
-    def state_bytes_per_head(self) -> int:
-        return KDA_DV * KDA_DK * (4 if self.ssm is SsmDtype.FP32 else 2)
+        self.impl  # noqa: B018  (a spec no kernel can implement is rejected here, with each kernel's reason)
 
     def slug(self) -> str:
         s = f"h{self.heads}-{self.gate.value}-{self.ssm.value}"
@@ -147,9 +150,4 @@ class KdaDecodeSpec(OpSpec):
         return state + conv + acts + out + weights
 
     def flops(self):
-        B = sym("B")
-        per_head = (3 * KDA_DK * CONV_TAPS * 2          # conv
-                    + KDA_DK * KDA_DK * 2                # f_b
-                    + KDA_DV * KDA_DK * 7                # decay, two dots, rank-1 update
-                    + KDA_DV * 8 + KDA_DK * 8)           # norms, gate, output gating
-        return B * self.heads * per_head
+        return sym("B") * self.heads * FLOPS_PER_TOKEN_HEAD

@@ -1,4 +1,4 @@
-"""Launcher of kda_prefill (ABI: templates/kda_prefill.cu.j2; contract: ir/ops/kda_prefill.py).
+"""Launcher of kda_prefill (ABI: template.cu.j2; contract: spec.py).
 
 CUDA-graph safe: metadata checks only; the grid depends on the number of sequences alone (the
 kernel reads cu_seqlens on the device), so one graph serves any lengths with the same B. The
@@ -11,11 +11,10 @@ import ctypes
 
 from k3gen.config import settings
 from k3gen.errors import SpecError
-from k3gen.ir.dtypes import SsmDtype
 from k3gen.ops.kda_prefill.spec import PrefillAlgo
-from k3gen.ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
+from k3gen.ir.layouts import CONV_TAPS, KDA_DV
 from k3gen.runtime.launcher import Launcher
-from k3gen.runtime.checks import check_kda_weights, check_one_device, check_tensor
+from k3gen.runtime.checks import check_kda_rows, check_kda_ssm, check_kda_weights, check_one_device, check_tensor
 from k3gen.runtime.loader import I32, PTR, _check
 from k3gen.ops.kda_decode.launcher import MAX_GRID_Z, KdaDecode
 
@@ -43,7 +42,7 @@ class KdaPrefill(Launcher):
     def _allow_smem(self, device: int) -> None:
         """The chunk kernel's dynamic shared memory is above the 48 KB default: raise the limit
         once per device, at load() (outside any graph capture)."""
-        if device in self._smem_set or not self.spec.smem_bytes:
+        if device in self._smem_set:
             return
         from cuda.bindings import driver
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -62,14 +61,8 @@ class KdaPrefill(Launcher):
         check_tensor("cu_seqlens", cu_seqlens, torch.int32, (B + 1,))
         check_tensor("resume", resume, torch.int32, (B,))
         N = qkvg.shape[0] if qkvg.dim() == 2 else -1
-        check_tensor("qkvg", qkvg, bf16, (N, None), contiguous=False, inner_unit=True)
-        if qkvg.shape[1] < 4 * D:
-            raise SpecError("qkvg", tuple(qkvg.shape), f"[N, >= {4 * D}]", "one row [q | k | v | g_out]")
-        check_tensor("fa", fa, bf16, (N, KDA_DK), contiguous=False, inner_unit=True)
-        check_tensor("beta_logit", beta_logit, bf16, (N, H), contiguous=False, inner_unit=True)
-        sdt = torch.float32 if self.spec.ssm is SsmDtype.FP32 else bf16
-        check_tensor("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
-        S = ssm.shape[0]
+        check_kda_rows(H, N, qkvg, fa, beta_logit, rows_label="N")
+        S = check_kda_ssm(self.spec, ssm)
         check_tensor("conv", conv, bf16, (S, 3 * D, CONV_TAPS - 1))
         check_kda_weights(H, conv_w, fb_w, dt_bias, a_log, norm_w)
         check_tensor("out", out, bf16, (N, H, KDA_DV), align=8)

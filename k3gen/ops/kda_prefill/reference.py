@@ -1,4 +1,4 @@
-"""PyTorch reference of kda_prefill (contract: the docstring of k3gen/ir/ops/kda_prefill.py): the
+"""PyTorch reference of kda_prefill (contract: the docstring of k3gen/ops/kda_prefill/spec.py): the
 decode token loop over each sequence of a varlen batch, FP32, the state rounded to its storage
 dtype once at the end (as the kernel, which keeps it in registers)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 
 from k3gen.ir.dtypes import GateKind
 from k3gen.ir.layouts import KDA_DK
-from k3gen.ops.kda_decode.reference import KdaWeights, kda_token_loop
+from k3gen.ops.kda_decode.reference import KdaWeights, kda_token_loop, zeroed_out
 
 
 @torch.no_grad()
@@ -17,9 +17,7 @@ def kda_prefill(qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, w: K
     `dtype` float64 gives a drift reference (the pools still get their storage dtypes)."""
     N, H = qkvg.shape[0], w.heads
     D = H * KDA_DK
-    if out is None:
-        out = torch.empty(N, H, KDA_DK, dtype=torch.bfloat16, device=qkvg.device)
-    out.zero_()
+    out = zeroed_out(out, (N, H, KDA_DK), qkvg.device)
     cu = [int(x) for x in cu_seqlens.tolist()]
     for b, slot in enumerate(int(x) for x in slots.tolist()):
         lo, hi = cu[b], cu[b + 1]

@@ -1,4 +1,4 @@
-"""Launcher of kda_verify (ABI: templates/kda_verify.cu.j2; contract: ir/ops/kda_verify.py).
+"""Launcher of kda_verify (ABI: template.cu.j2; contract: spec.py; schedule bands: variants.py).
 
 CUDA-graph safe like kda_decode: metadata checks only, grid from the batch size, no allocation.
 `commit` (k3gen.ops.kda_verify.reference.commit) is the host step after sampling.
@@ -9,30 +9,27 @@ import ctypes
 
 from k3gen.config import settings
 from k3gen.errors import SpecError
-from k3gen.ir.dtypes import SsmDtype
-from k3gen.ops.kda_verify.spec import VerifyVariant
 from k3gen.ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
+from k3gen.ops.kda_verify.variants import PERSISTENT_MAX_DRAFTS, SCHEDULE_BANDS, SCHEDULES
 from k3gen.runtime.launcher import Launcher
-from k3gen.runtime.checks import check_kda_weights, check_one_device, check_tensor
+from k3gen.runtime.checks import check_kda_rows, check_kda_ssm, check_kda_weights, check_one_device, check_tensor
 from k3gen.runtime.loader import I32, PTR
 from k3gen.ops.kda_decode.launcher import MAX_GRID_Z, KdaDecode
 
 I64 = ctypes.c_longlong
 
-SCHEDULES = ("rows", "prefetch", "split")
 PREFETCH_ENTRY = "k3gen_kda_verify_prefetch"
 SPLIT_ENTRY = "k3gen_kda_verify_split"
-PREFETCH_MAX_DRAFTS = 3   # the prefetch and split kernels stage all 1 + M tokens in one chunk
 SPLIT_PER_SM = (2, 3, 4)  # CTAs per SM the split schedule may be launched with (its occupancy is 4)
-# Dynamic shared memory that leaves room for one prefetch CTA per SM (2 x (116 + 1) KB > 228 KB).
-# With a grid of at most one CTA per SM the block scheduler otherwise packs two CTAs onto some SMs
-# and leaves others idle: H200, 96 items (H12 B8), 21.5 us packed vs 16.9 us spread (rows 18.9).
+# Dynamic shared memory that leaves room for one prefetch CTA per SM (2 x (116 + 1) KB > 228 KB):
+# with a grid of at most one CTA per SM the block scheduler otherwise packs two CTAs onto some SMs
+# and leaves others idle.
 SPREAD_SMEM = 116 * 1024
 
 
 def has_prefetch(spec) -> bool:
-    """Whether the cubin carries the prefetch and split schedules (templates/kda_verify.cu.j2)."""
-    return spec.variant is VerifyVariant.NVFP4 and spec.drafts <= PREFETCH_MAX_DRAFTS
+    """Whether the cubin carries the prefetch and split schedules (variants.VerifyKernel.schedules)."""
+    return "prefetch" in spec.impl.schedules(spec)
 
 
 def split_clusters(batch: int, heads: int, sms: int, per_sm: int) -> int:
@@ -41,35 +38,13 @@ def split_clusters(batch: int, heads: int, sms: int, per_sm: int) -> int:
     return max(1, min(batch * heads, per_sm * sms // 2))
 
 
-# Schedule by items (B * H) per SM: (upper bound in items / SMs, schedule), first match wins;
-# beyond the last band, prefetch.
-SCHEDULE_BANDS = ((0.3, "split"),)
-
-
 def choose_schedule(batch: int, heads: int, sms: int, available: bool) -> str:
-    """The fastest schedule measured at this many (head, sequence) items; the row kernel where the
-    cubin has no other (M > 3, or the original variant).
-
-    H200, three runs (2026-11-30 11:37, 11:39 and 12:23, bench/NOTES.md "kda_verify: split
-    schedule"; H 6 / 12 / 96, FP32 and BF16 state, M = 3, 8 input sets per case; us):
-    - up to 36 items: split 12.1-12.8, prefetch 13.5-14.1, rows 14.8-16.5 (each item's rows on
-      two CTAs, each moving half the bytes);
-    - 48: prefetch 14.3-14.6, split 14.2-14.8, rows 15.8-16.7;
-    - 72 to 132, prefetch one CTA per SM (SPREAD_SMEM): 15.7 / 16.9 / 17.9 (H12 B6 / B8 / B11)
-      and 17.4 (H96 B1) vs rows 17.2 / 18.9 / 20.8 / 18.7;
-    - 144 to 288: prefetch 23.7-48.1, rows 25.1-49.0 (by 1-10%);
-    - 384: prefetch 51.7-52.6, rows 56.8-57.7; with 2 input sets (the bench's cold-L2 rotation,
-      a 0.27 GB footprint instead of 1 GB) rows is ~4% ahead instead (51.7-52.5 vs 54.1-54.9):
-      serving pools are large, so the large footprint decides;
-    - from 768: prefetch (H12 B128 160-163 vs rows 187-189; B512 611-615 vs 721-729).
-    """
+    """The fastest schedule measured at this many (head, sequence) items per SM (SCHEDULE_BANDS);
+    the row kernel where the cubin has no other (M > 3, or the original variant)."""
     if not available:
         return "rows"
     items = batch * heads
-    for bound, name in SCHEDULE_BANDS:
-        if items <= bound * sms:
-            return name
-    return "prefetch"
+    return next(name for bound, name in SCHEDULE_BANDS if items <= bound * sms)
 
 
 class KdaVerify(Launcher):
@@ -103,14 +78,8 @@ class KdaVerify(Launcher):
         bf16 = torch.bfloat16
         check_tensor("slots", slots, torch.int32, (None,))
         B = slots.shape[0]
-        check_tensor("qkvg", qkvg, bf16, (B * T, None), contiguous=False, inner_unit=True)
-        if qkvg.shape[1] < 4 * D:
-            raise SpecError("qkvg", tuple(qkvg.shape), f"[{B * T}, >= {4 * D}]", "one row [q | k | v | g_out]")
-        check_tensor("fa", fa, bf16, (B * T, KDA_DK), contiguous=False, inner_unit=True)
-        check_tensor("beta_logit", beta_logit, bf16, (B * T, H), contiguous=False, inner_unit=True)
-        sdt = torch.float32 if self.spec.ssm is SsmDtype.FP32 else bf16
-        check_tensor("ssm", ssm, sdt, (None, H, KDA_DV, KDA_DK), align=16)
-        S = ssm.shape[0]
+        check_kda_rows(H, B * T, qkvg, fa, beta_logit)
+        S = check_kda_ssm(self.spec, ssm)
         check_tensor("draft_rec", draft_rec, torch.float32, (S, M, H, KDA_DV, KDA_DK), align=16)
         check_tensor("conv_ext", conv_ext, torch.float32, (S, 3 * D, CONV_TAPS - 1 + M))
         check_tensor("pending", pending, torch.int32, (S,))
@@ -142,7 +111,7 @@ class KdaVerify(Launcher):
             raise SpecError("schedule", schedule, list(SCHEDULES))
         if schedule in ("prefetch", "split") and not has_prefetch(self.spec):
             raise SpecError("schedule", schedule, ["rows"],
-                            f"the {schedule} kernel needs variant nvfp4 and M <= {PREFETCH_MAX_DRAFTS}")
+                            f"the {schedule} kernel needs variant nvfp4 and M <= {PERSISTENT_MAX_DRAFTS}")
         if per_sm is not None and per_sm not in SPLIT_PER_SM:
             raise SpecError("per_sm", per_sm, list(SPLIT_PER_SM), "CTAs per SM of the split schedule")
         B, S = self.check(qkvg, fa, beta_logit, ssm, draft_rec, conv_ext, pending, slots, conv_w, fb_w, dt_bias,

@@ -1,4 +1,4 @@
-"""PyTorch reference of kda_verify (contract: the docstring of k3gen/ir/ops/kda_verify.py), built
+"""PyTorch reference of kda_verify (contract: the docstring of k3gen/ops/kda_verify/spec.py), built
 on the decode token loop, plus the host-side `commit` that is the only thing sampling changes."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 from k3gen.ir.dtypes import GateKind
 from k3gen.ir.layouts import KDA_DK
-from k3gen.ops.kda_decode.reference import KdaWeights, kda_token_loop
+from k3gen.ops.kda_decode.reference import KdaWeights, kda_token_loop, live_rows, zeroed_out
 
 
 def start_of(ssm, draft_rec, conv_ext, pending, idx):
@@ -27,14 +27,10 @@ def kda_verify(qkvg, fa, beta_logit, ssm, draft_rec, conv_ext, pending, slots, w
     returns out [B, T, H, 128] BF16 and updates ssm, draft_rec, conv_ext in place at `slots`."""
     B, H, M = slots.shape[0], w.heads, draft_rec.shape[1]
     T, D = 1 + M, w.heads * KDA_DK
-    if out is None:
-        out = torch.empty(B, T, H, KDA_DK, dtype=torch.bfloat16, device=qkvg.device)
-    out.zero_()
-    sl = slots.long()
-    live = ((sl >= 0) & (sl < ssm.shape[0])).nonzero().flatten()
+    out = zeroed_out(out, (B, T, H, KDA_DK), qkvg.device)
+    live, idx = live_rows(slots, ssm.shape[0])
     if live.numel() == 0:
         return out
-    idx = sl[live]
     q3 = qkvg.reshape(B, T, -1)[live]
     state, window = start_of(ssm, draft_rec, conv_ext, pending, idx)
     o, _, _, states = kda_token_loop(q3, fa.reshape(B, T, -1)[live], beta_logit.reshape(B, T, -1)[live], state,

@@ -26,11 +26,13 @@ t = 0..M with the FP32 state kept across tokens; then ssm[s] = state after token
 FP32, or BF16 round-to-nearest-even), draft_rec[s, t-1] = FP32 state after token t (t >= 1), and
 conv_ext[s, :, 0 .. 2+M] = (w1, w2, x_0, ..., x_M) where (w0, w1, w2) was the start window, so the
 window after token t is columns t .. t+2. pending is not written: after sampling the host sets
-pending[s] = max(accepted_tokens - 1, 0) (reference.kda_verify.commit), nothing is replayed, and a
+pending[s] = max(accepted_tokens - 1, 0) (reference.commit), nothing is replayed, and a
 rejected draft never changes the committed state.
 
-Variants (one template): `nvfp4` (the NVFP4 targets' kernel: typed SSM loads/stores, FP32
-records) and `original` (the FP32-only shared verify kernel of the original SM100 MXFP4 target).
+Variants (`variant`, one template; variants.py): `nvfp4` (typed SSM loads/stores, FP32
+records; with M <= 3 the cubin also carries the prefetch and split schedules) and `original` (the
+FP32-only shared verify kernel of the original SM100 MXFP4 target, frozen there). `auto` is
+resolved when the spec is built, so the canonical spec names the kernel.
 
 Launch: grid (H, B), 256 threads, no cluster.
 """
@@ -38,18 +40,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import ClassVar
 
-from k3gen.errors import SpecError, TargetError
+from k3gen.errors import SpecError
+from k3gen.ir.checks import check_enum_fields, check_heads, check_ssm_on_target
 from k3gen.ir.dims import sym
 from k3gen.ir.dtypes import BF16, FP32, INT32, GateKind, SsmDtype
 from k3gen.ir.layouts import CONV_TAPS, KDA_DK, KDA_DV, StatePoolLayout
 from k3gen.ir.spec import OpSpec, register_op
-from k3gen.ops.kda_decode.spec import FbWeight
+from k3gen.ops.kda_decode.spec import FLOPS_PER_TOKEN_HEAD, FbWeight, KdaState
 
 MAX_DRAFTS = 7
 
 
 class VerifyVariant(str, enum.Enum):
+    AUTO = "auto"           # resolved at construction to the first variant that can (variants.py)
     ORIGINAL = "original"   # FP32-only shared verify kernel (sm100-mxfp4)
     NVFP4 = "nvfp4"         # typed SSM store, explicit FP32 records (NVFP4 targets, SM90)
 
@@ -59,35 +64,28 @@ class VerifyVariant(str, enum.Enum):
 
 @register_op("kda_verify")
 @dataclass(frozen=True, kw_only=True)
-class KdaVerifySpec(OpSpec):
+class KdaVerifySpec(KdaState, OpSpec):
     heads: int
     drafts: int                              # M, static per build: 1..7
     gate: GateKind = GateKind.BOUNDED
     ssm: SsmDtype = SsmDtype.FP32
-    variant: VerifyVariant = VerifyVariant.NVFP4
+    variant: VerifyVariant = VerifyVariant.AUTO
     fb_weight: FbWeight = FbWeight.BF16
     threads: int = 256
     min_blocks: int = 0                      # __launch_bounds__ min CTAs per SM; 0: blocks_per_sm
 
+    variant_field: ClassVar[str] = "variant"
+
+    def resolve(self) -> None:
+        # The variants read these fields: reject a bad value by its own name first.
+        check_enum_fields(self, (("gate", GateKind), ("ssm", SsmDtype), ("variant", VerifyVariant),
+                                 ("fb_weight", FbWeight)))
+        check_ssm_on_target(self)
+
     def validate(self) -> None:
-        if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads < 1:
-            raise SpecError("heads", self.heads, "a positive head count (K3: 96, 48, 24, 12, 6)")
-        if self.heads > 1 << 20:
-            raise SpecError("heads", self.heads, f"<= {1 << 20}", "heads are grid.x")
+        check_heads(self.heads, 1 << 20, "heads are grid.x")
         if isinstance(self.drafts, bool) or not isinstance(self.drafts, int) or not 1 <= self.drafts <= MAX_DRAFTS:
             raise SpecError("drafts", self.drafts, f"1..{MAX_DRAFTS}", "M drafts per verify step")
-        for f, enum_t in (("gate", GateKind), ("ssm", SsmDtype), ("variant", VerifyVariant),
-                          ("fb_weight", FbWeight)):
-            if not isinstance(getattr(self, f), enum_t):
-                raise SpecError(f, getattr(self, f), [e.value for e in enum_t])
-        if self.ssm not in self.target.ssm_dtypes:
-            raise TargetError("ssm", self.ssm.value, [s.value for s in self.target.ssm_dtypes],
-                              f"target {self.target.name}")
-        if self.variant is VerifyVariant.ORIGINAL and self.ssm is not SsmDtype.FP32:
-            raise SpecError("ssm", self.ssm.value, [SsmDtype.FP32.value], "the original verify kernel is FP32-only")
-        if self.variant is VerifyVariant.NVFP4 and self.target.frozen:
-            raise TargetError("variant", self.variant.value, [VerifyVariant.ORIGINAL.value],
-                              f"target {self.target.name} uses the original shared verify kernel")
         if self.threads != 256:
             raise SpecError("threads", self.threads, [256], "8 state rows per half-warp")
         if self.min_blocks not in (0, 1, 2):
@@ -108,16 +106,8 @@ class KdaVerifySpec(OpSpec):
         return 1 if self.tokens > 4 and self.target.sm < 100 else 2
 
     @property
-    def d(self) -> int:
-        return self.heads * KDA_DK
-
-    @property
     def pool(self) -> StatePoolLayout:
         return StatePoolLayout(heads=self.heads, ssm=self.ssm, max_drafts=self.drafts)
-
-    @property
-    def state_bytes_per_head(self) -> int:
-        return KDA_DV * KDA_DK * (4 if self.ssm is SsmDtype.FP32 else 2)
 
     def slug(self) -> str:
         s = f"h{self.heads}-m{self.drafts}-{self.gate.value}-{self.ssm.value}"
@@ -144,7 +134,4 @@ class KdaVerifySpec(OpSpec):
         return state + conv + acts + out + weights
 
     def flops(self):
-        B = sym("B")
-        per_head = (3 * KDA_DK * CONV_TAPS * 2 + KDA_DK * KDA_DK * 2 + KDA_DV * KDA_DK * 7
-                    + KDA_DV * 8 + KDA_DK * 8)
-        return B * self.tokens * self.heads * per_head
+        return sym("B") * self.tokens * self.heads * FLOPS_PER_TOKEN_HEAD

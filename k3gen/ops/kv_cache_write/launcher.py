@@ -1,14 +1,13 @@
-"""Launcher of kv_cache_write (ABI: see templates/kv_cache_write.cu.j2)."""
+"""Launcher of kv_cache_write (ABI: template.cu.j2)."""
 from __future__ import annotations
 
 from k3gen.config import settings
 from k3gen.errors import PageIndexError, SpecError
 from k3gen.ir.dtypes import KvDtype
 from k3gen.ir.layouts import MLA_ROW, NVFP4_TILE_TOKENS
+from k3gen.runtime.checks import kv_cache_wants
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.loader import F32, I32, PTR, ptr
-
-_TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "e4m3": "uint8", "e2m1": "uint8", "int32": "int32"}
 
 
 def tiles_for(max_rows_per_seq: int) -> int:
@@ -19,17 +18,9 @@ def tiles_for(max_rows_per_seq: int) -> int:
 class KvCacheWrite(Launcher):
     def check_cache(self, cache: dict) -> tuple[int, int]:
         """Validate names, dtypes and shapes of the cache tensors; return (num_pages, num_slots)."""
-        import torch
-        specs = self.spec.layout.tensors()
-        missing = set(specs) - set(cache)
-        if missing:
-            raise SpecError("cache", sorted(cache), sorted(specs), f"missing {sorted(missing)}")
-        num_pages = cache[next(iter(specs))].shape[0]
-        num_slots = cache["hp_tail"].shape[0] if "hp_tail" in specs else 1
-        for name, ts in specs.items():
+        num_pages, num_slots, wants = kv_cache_wants(self.spec.layout, cache)
+        for name, (dt, want) in wants.items():
             t = cache[name]
-            want = ts.concrete_shape(num_pages=num_pages, num_slots=num_slots)
-            dt = getattr(torch, _TORCH_DTYPES[ts.dtype.name])
             if tuple(t.shape) != want or t.dtype != dt or not t.is_contiguous():
                 raise SpecError(f"cache[{name!r}]", (tuple(t.shape), str(t.dtype)), [(want, str(dt))],
                                 "contiguous")

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import sympy
 
-from k3gen.errors import SpecError, TargetError
+from k3gen.errors import SpecError
+from k3gen.ir.checks import check_enum_fields, check_kv_on_target, default_scale_layout
 from k3gen.ir.dims import sym
 from k3gen.ir.dtypes import BF16, INT32, Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ir.layouts import MLA_ROW, NVFP4_TILE_TOKENS, PAGE_TOKENS, KvLayout
@@ -40,28 +41,19 @@ class KvCacheWriteSpec(OpSpec):
     max_drafts: int = 0                   # NVFP4 HP tail ring = 16 + max_drafts rows
     threads: int = 128
 
-    def __post_init__(self):
-        if not isinstance(self.kv, KvDtype):
-            raise SpecError("kv", self.kv, [k.value for k in KvDtype])
+    def resolve(self) -> None:
+        check_enum_fields(self, (("kv", KvDtype),))
         if self.page is None:
             object.__setattr__(self, "page", PAGE_TOKENS[self.kv])
         if self.scale_layout is None:
-            object.__setattr__(self, "scale_layout", self.target.nvfp4_scale_layout
-                               if self.kv is KvDtype.NVFP4 else ScaleLayout.LINEAR)
-        super().__post_init__()
+            object.__setattr__(self, "scale_layout", default_scale_layout(self))
 
     def validate(self) -> None:
-        if self.kv not in self.target.kv_dtypes:
-            raise TargetError("kv", self.kv.value, [k.value for k in self.target.kv_dtypes],
-                              f"target {self.target.name}")
-        if self.kv is not KvDtype.NVFP4 and self.scale_layout is not ScaleLayout.LINEAR:
-            raise SpecError("scale_layout", self.scale_layout.value, [ScaleLayout.LINEAR.value],
-                            f"{self.kv} KV has no FP4 tile scales")
-        if self.kv is not KvDtype.NVFP4 and self.max_drafts:
-            raise SpecError("max_drafts", self.max_drafts, [0], "only NVFP4 KV keeps an HP tail ring")
+        check_kv_on_target(self)
         if self.threads not in (64, 128, 256):
             raise SpecError("threads", self.threads, [64, 128, 256])
         self.layout  # page-size and draft checks live in KvLayout
+        self.impl  # noqa: B018  (a kernel for this target, or SpecError with each variant's reason)
 
     @property
     def layout(self) -> KvLayout:

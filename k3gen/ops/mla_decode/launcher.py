@@ -1,4 +1,5 @@
-"""Launcher of mla_decode (ABI: templates/mla_decode.cu.j2; contract: ir/ops/mla_decode.py).
+"""Launcher of mla_decode (ABI: ops/mla_decode/template.cu.j2; contract: ops/mla_decode/spec.py;
+geometry: the variant's plan, ops/mla_decode/variants.py).
 
 Graph-safe use: `plan = op.plan(batch, max_len)` once (it picks the split count from the batch
 shape and allocates the split workspace), then `op(..., plan=plan)` per step. The launch reads
@@ -17,14 +18,13 @@ from k3gen.ir.dtypes import KvDtype
 from k3gen.ir.layouts import MLA_LATENT, MLA_ROW
 from k3gen.ops.mla_decode.spec import TILE_TOKENS, choose_splits
 from k3gen.runtime.launcher import Launcher
-from k3gen.runtime.checks import check_one_device, check_tensor
+from k3gen.runtime.checks import check_one_device, check_tensor, kv_cache_wants
 from k3gen.runtime.loader import F32, I32, PTR, ArgPack, ptr
 from k3gen.runtime.tma import MapCache
 
 I64 = ctypes.c_longlong
 MAX_GRID_YZ = 65535
 TMA_MAPS = 16        # encoded KV maps kept per launcher (a serving process has one cache per layer)
-_TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "e4m3": "uint8", "e2m1": "uint8", "int32": "int32"}
 
 
 @dataclass
@@ -40,9 +40,10 @@ class SplitPlan:
 class MlaDecode(Launcher):
     def __init__(self, spec):
         super().__init__(spec)
+        self.geo = spec.impl.plan(spec)   # the chosen kernel's geometry
         self._smem_set: set[int] = set()
         self._combine = None
-        self._maps = MapCache(TMA_MAPS)   # the KV maps of wgmma_qm
+        self._maps = MapCache(TMA_MAPS)   # the KV maps, for a kernel that takes one
 
     def load(self):
         if self._kernel is None:
@@ -56,13 +57,13 @@ class MlaDecode(Launcher):
     def _allow_smem(self, device: int) -> None:
         if device in self._smem_set:
             return
-        self._kernel.set_max_dynamic_smem(self.spec.smem_bytes, device)
-        if self.spec.ctas_per_sm > 1:
+        self._kernel.set_max_dynamic_smem(self.geo.smem_bytes, device)
+        if self.geo.ctas_per_sm > 1:
             self._kernel.prefer_max_smem(device)
         self._smem_set.add(device)
 
     def _kv_map(self, kv, num_pages: int) -> bytes:
-        """TMA map of the BF16 KV pages (wgmma_qm): [pages * page rows][1152 bytes] as uint8, box
+        """TMA map of the BF16 KV pages (plan.kv_map): [pages * page rows][1152 bytes] as uint8, box
         [64 rows][128 bytes] = one SW128 block of a tile; rows past the end read as zeros (bad page ids
         point there)."""
         row = MLA_ROW * 2
@@ -70,8 +71,8 @@ class MlaDecode(Launcher):
 
     # -- planning (outside graphs) ---------------------------------------------------------------
     def splits_for(self, batch: int, max_len: int) -> int:
-        s = self.spec
-        return choose_splits(batch, max_len, s.heads, self.sm_count * s.ctas_per_sm, s.tokens, s.rows)
+        s, g = self.spec, self.geo
+        return choose_splits(batch, max_len, s.heads, self.sm_count * g.ctas_per_sm, s.tokens, g.rows)
 
     def plan(self, batch: int, max_len: int, *, splits: int | None = None, device=None) -> SplitPlan:
         """Choose the split count for `batch` sequences of up to `max_len` tokens and allocate
@@ -92,17 +93,9 @@ class MlaDecode(Launcher):
     # -- checks ----------------------------------------------------------------------------------
     def check_cache(self, cache: dict) -> tuple[int, int]:
         """Names, dtypes and shapes of the cache tensors; returns (num_pages, num_slots)."""
-        import torch
-        specs = self.spec.layout.tensors()
-        missing = set(specs) - set(cache)
-        if missing:
-            raise SpecError("cache", sorted(cache), sorted(specs), f"missing {sorted(missing)}")
-        num_pages = cache[next(iter(specs))].shape[0]
-        num_slots = cache["hp_tail"].shape[0] if "hp_tail" in specs else 1
-        for name, ts in specs.items():
-            want = ts.concrete_shape(num_pages=num_pages, num_slots=num_slots)
-            check_tensor(f"cache[{name!r}]", cache[name], getattr(torch, _TORCH_DTYPES[ts.dtype.name]), want,
-                         align=16)
+        num_pages, num_slots, wants = kv_cache_wants(self.spec.layout, cache)
+        for name, (dt, want) in wants.items():
+            check_tensor(f"cache[{name!r}]", cache[name], dt, want, align=16)
         return num_pages, num_slots
 
     def check(self, q, cache, block_table, lengths, out, ring_slot) -> tuple[int, int, int]:
@@ -178,22 +171,23 @@ class MlaDecode(Launcher):
                 block_table.shape[1], num_pages, ptr(ring_slot), num_slots, *cptr, float(scale), out.data_ptr(),
                 ptr(plan.part_o), ptr(plan.part_lse), n)
         types = (PTR, PTR, PTR, I64, I32, I32, PTR, I32, PTR, PTR, PTR, PTR, F32, PTR, PTR, PTR, I32)
-        grid, block = (self.spec.groups, n, B), (self.spec.threads, 1, 1)
-        if self.spec.schedule == "wgmma_qm":
+        geo = self.geo
+        grid, block = (geo.groups, n, B), (geo.threads, 1, 1)
+        if geo.kv_map:
             pack = ArgPack()
             for v, t in zip(args, types):
                 pack.add(t(v))
             pack.add(self._kv_map(cache["kv"], num_pages))
-            self.kernel.launch_ex(grid, block, None, pack.address(), None, dev, stream, self.spec.smem_bytes)
+            self.kernel.launch_ex(grid, block, None, pack.address(), None, dev, stream, geo.smem_bytes)
         else:
-            self.kernel.launch(grid, block, args, types, dev, stream, self.spec.smem_bytes)
+            self.kernel.launch(grid, block, args, types, dev, stream, geo.smem_bytes)
         if n > 1:
             # The workspace rows are [plan.batch, n, T*H]: the combine indexes them with the
             # plan's split count, sequences 0..B-1.
             # With programmatic dependent launch (K3GEN_PDL, default on) the combine's CTAs are
             # resident and waiting (griddepcontrol.wait) when the split kernel's last CTA ends:
             # its launch latency leaves the critical path of small batches.
-            self._combine.launch_ex((self.spec.heads * self.spec.tokens, B, 1), (self.spec.combine_threads, 1, 1), None,
+            self._combine.launch_ex((self.spec.heads * self.spec.tokens, B, 1), (geo.combine_threads, 1, 1), None,
                                     (plan.part_o.data_ptr(), plan.part_lse.data_ptr(), out.data_ptr(), n),
                                     (PTR, PTR, PTR, I32), dev, stream, pdl=settings().pdl)
         return out

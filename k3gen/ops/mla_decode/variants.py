@@ -1,8 +1,333 @@
-"""The kernels that implement mla_decode, in the order `auto` tries them."""
+"""The kernels that implement mla_decode, in the order `auto` tries them, and each one's geometry.
+
+Declared order = what `auto` picks: on a wgmma target BF16 KV gets `wgmma_qm`, FP8 KV and NVFP4 KV
+with linear tile scales get `wgmma`, everything else (the SM100 family, NVFP4 with the 128x4 scale
+swizzle) gets `mma`. The H200 measured each of those fastest at every H * T it was tried on
+(bench/NOTES.md, "mla_decode variant choice"), so no choice depends on the shape and there is no
+band table here.
+
+- `wgmma_qm` (sm_90a, BF16 KV; include/k3gen/mla/decode_wg_qm.cuh) puts 64 query rows on the wgmma
+  M side: S = Q K^T as m64n64k16 and O += P V as m64n128k16, both operands from shared memory, V read
+  N-major straight from the tile. One consumer warpgroup runs QK, the softmax (a row's scores in the
+  4 lanes of a quad) and PV over latent dims 0..255, the other PV over 256..511 once P is published;
+  a TMA producer thread streams each tile as 9 boxes of [64 tok][128 B] (one page, SW128-swizzled by
+  the map: the wgmma layout), so one thread keeps a whole 72 KB tile in flight (cp.async from a
+  warpgroup streamed about two thirds of that per SM). Rows past the sequence end are not
+  zero-filled by the box: each consumer zeroes the V rows it multiplies, and the scores there are
+  masked by a select. The launcher passes the map of the `kv` tensor by value.
+- `wgmma` (sm_90a, FP8 KV: decode_wg_fp8.cuh; NVFP4 KV with linear scales: decode_wg_nvfp4.cuh): a
+  cp.async producer warpgroup and two consumer warpgroups that take alternate tiles (each its own
+  online-softmax state, merged at the end, so one's softmax runs under the other's MMAs), 16 query
+  rows per CTA (`m_tiles` 1; more rows are more CTAs). FP8: E4M3 wgmma on the codes themselves, the
+  query and the probabilities as E4M3 hi + lo pairs (a BF16 value's 8 significant bits), QK with both
+  operands from shared memory (m64n32k32), PV from V^T register fragments built by byte transposes
+  (register-A m64n16k32), the per-token group scales on the QK partials and folded into the
+  probabilities with a per-tile power of two. NVFP4: Hopper has no FP4 MMA and the tile scales
+  change every 16 dims and 16 tokens, so each consumer decodes a tile once (e2m1 x E4M3 x 2^-8 is
+  exact in f16) into QK's register-A operand and its own f16 V tile; the live 16-token tile's BF16
+  ring rows are folded into one consumer's softmax state in FP32 on CUDA cores.
+- `mma` (every target; decode.cuh): 8 warps of mma.sync m16n8k16 (QK over 576, PV over 512), KV
+  tiles through a cp.async ring, online softmax in FP32. One 16-row query tile keeps its A fragments
+  in registers; NVFP4 tiles are dequantized in shared memory to BF16 (rounded once, RNE); FP8 codes
+  go from the stage straight into f16 fragments (exact), the scales applied to the FP32 QK partials
+  or folded into the probabilities. The SM100 family compiles this kernel (its tcgen05 FP4 path is
+  not written yet).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from k3gen.arch.sm90 import encode_desc, sw128_mnmajor
+from k3gen.ir.dtypes import KvDtype, ScaleLayout
+from k3gen.ir.layouts import MLA_LATENT, MLA_ROW
 from k3gen.ir.variant import Variant, VariantTable
-from k3gen.ops.mla_decode.spec import MlaDecodeSpec
+from k3gen.ops.mla_decode.spec import TILE_TOKENS, MlaDecodeSpec
+
+SMEM_LIMIT = 227 * 1024       # opt-in shared memory per block on SM90 / SM100
+SMEM_PER_SM = 228 * 1024      # shared memory per SM, shared by its resident CTAs
+COMBINE_THREADS = 512         # split combine: 4 groups of 128 threads x 4 columns
+THREADS = 256                 # mma: 8 warps
+WG_THREADS = 384              # wgmma: producer + 2 consumer warpgroups
+WG_REGISTERS = 168            # at launch; setmaxnreg then moves producer/consumers to 56/224
+ALIGN = 1024                  # SW128 operand tiles are 1024-byte aligned; the kernel aligns the base up
+PAD = 8                       # mma: BF16 elements of padding per shared probability row
+BF16_TILE_BYTES = TILE_TOKENS * MLA_ROW * 2   # 9 SW128 blocks of [64 tok][64 dims]
+QM_STAGES = 2                 # one 72 KB tile per consumer warpgroup (a third does not fit with Q)
+WG_ROWS = 16                  # wgmma: query rows per CTA
+# FP8 wgmma stage: the tile's codes as 5 SW128 blocks plus its [64][5] FP32 scales.
+FP8_CODE_BYTES = 5 * TILE_TOKENS * 128
+FP8_SCALE_BYTES = TILE_TOKENS * 5 * 4
+# NVFP4 wgmma stage: codes (latent [64][256], rope [64][32]) and scale bytes; each consumer decodes
+# into its own [64][512] f16 V tile; the live rows (<= 16, BF16) are staged once per CTA.
+NVFP4_STAGE_BYTES = TILE_TOKENS * (MLA_ROW // 2) + 4 * 32 + TILE_TOKENS * 4
+NVFP4_RING_BYTES = 16 * MLA_ROW * 2
+NVFP4_V_BYTES = TILE_TOKENS * MLA_LATENT * 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The geometry a kernel is compiled and launched with; the template's static_asserts check it
+    against the header's geometry struct."""
+    rows: int                 # query rows per CTA
+    groups: int               # CTAs per (sequence, split): H * T rows in tiles of `rows`
+    threads: int
+    max_registers: int        # per thread at launch
+    ctas_per_sm: int          # resident CTAs the launch bounds and shared memory are built for
+    stages: int               # KV ring depth
+    stage_bytes: int          # one ring stage (codes + scales of 64 tokens, before any decode)
+    smem_bytes: int           # dynamic shared memory
+    smem_limit: int           # what one CTA may use: the per-block cap or its share of the SM
+    smem: dict                # wgmma: byte offsets of the regions from the 1024-aligned base
+    q_in_registers: bool = False
+    kv_map: bool = False      # the kernel takes the TMA map of the KV pages by value
+    desc_probe: tuple = ()    # (shared address, descriptor) the device encoder must reproduce
+    combine_threads: int = COMBINE_THREADS
+
+
+def _stacked(parts) -> dict:
+    """Byte offsets of (name, size) regions laid one after another, plus "end" and "total" (end + the
+    slack the kernel uses to align the dynamic window up to 1024 bytes)."""
+    plan, off = {}, 0
+    for name, size in parts:
+        plan[name] = off
+        off += size
+    plan["end"] = off
+    plan["total"] = off + ALIGN
+    return plan
+
+
+def _aligned(off: int) -> int:
+    return -(-off // ALIGN) * ALIGN
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(variant: "MlaKernel", spec: MlaDecodeSpec) -> Plan:
+    return variant.geometry(spec)
+
+
+@dataclass(frozen=True)
+class MlaKernel(Variant):
+    """A mla_decode kernel: what its template includes and calls, its row tiles and its geometry."""
+    header: str = ""          # the algorithm, under include/
+    geo: str = ""             # the header's geometry struct (checked against the plan)
+    call: str = ""            # the body of k3gen_mla_decode
+    params: str = ""          # kernel parameters after `splits`
+    note: str = ""            # extra lines of the source's entry comment
+    m_tiles_why: str = "registers: 32 FP32 accumulators per tile"
+
+    def m_tiles_allowed(self, spec) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def default_m_tiles(self, spec) -> int:
+        raise NotImplementedError
+
+    def geometry(self, spec) -> Plan:
+        raise NotImplementedError
+
+    def checks_of(self, spec, plan: Plan) -> list[tuple[str, str]]:
+        """(condition, message) of the template's static_asserts that tie the header to the plan."""
+        raise NotImplementedError
+
+    def plan(self, spec) -> Plan:
+        return _plan(self, spec)
+
+    def template_inputs(self, spec) -> dict:
+        plan = self.plan(spec)
+        return {"plan": plan, "header": self.header, "geo": self.geo, "call": self.call, "params": self.params,
+                "note": self.note, "doc": self.doc, "asserts": self.checks_of(spec, plan)}
+
+
+def _offsets(plan: Plan, names: dict[str, str]) -> str:
+    return " &&\n              ".join(f"Geo::k{n}Off == {plan.smem[k]}" for n, k in names.items())
+
+
+def _groups(spec, rows: int) -> int:
+    return -(-spec.heads * spec.tokens // rows)
+
+
+class MmaKernel(MlaKernel):
+    def m_tiles_allowed(self, spec):
+        return (1, 2)
+
+    def default_m_tiles(self, spec):
+        return 1 if spec.heads * spec.tokens <= 16 else 2
+
+    def geometry(self, spec):
+        rows = 16 * spec.m_tiles
+        if spec.kv is KvDtype.BF16:
+            raw = TILE_TOKENS * MLA_ROW * 2                       # XOR-swizzled rows, no padding
+        elif spec.kv is KvDtype.FP8:   # 608-byte code rows (conflict-free fragment loads), 5 scales padded to 8
+            raw = TILE_TOKENS * (MLA_ROW + 32) + TILE_TOKENS * 8 * 4
+        else:   # 304-byte code rows (288 + 16: conflict-free fragment loads) + scale bytes (swizzled half page)
+            raw = TILE_TOKENS * (MLA_ROW // 2 + 16) + 9 * 32 * 8
+        # FP8/NVFP4 with one query tile: two CTAs per SM. Their fragment decode makes them issue- and
+        # latency-bound at 8 warps per SM (ncu: low DRAM throughput, stalls on fixed-latency
+        # dependencies), so Q moves from registers (144 per thread) to shared memory for a second
+        # CTA; BF16 keeps Q in registers and a 3-deep ring of 72 KB tiles at one CTA per SM.
+        ctas = 2 if spec.kv is not KvDtype.BF16 and spec.m_tiles == 1 else 1
+        q_reg = spec.m_tiles == 1 and ctas == 1
+        limit = min(SMEM_LIMIT, SMEM_PER_SM // ctas - 1024)   # each resident CTA also reserves 1 KB
+        # Register Q is staged once through the last ring stage; otherwise the query rows are re-read
+        # from shared memory per KV tile.
+        q = 0 if q_reg else rows * (MLA_ROW * 2 + (0 if spec.kv is KvDtype.BF16 else 64))
+        # FP32 scores, BF16 probabilities, m / l / alpha / causal limit per row
+        fixed = q + rows * (TILE_TOKENS + 4) * 4 + rows * (TILE_TOKENS + PAD) * 2 + rows * 4 * 4
+        stages = next((s for s in (4, 3, 2) if fixed + s * raw <= limit), 2)
+        # One CTA per SM (the pipeline takes most of the shared memory): 255 registers cost no occupancy.
+        return Plan(rows=rows, groups=_groups(spec, rows), threads=THREADS, max_registers=255, ctas_per_sm=ctas,
+                    stages=stages, stage_bytes=raw, smem_bytes=fixed + stages * raw, smem_limit=limit, smem={},
+                    q_in_registers=q_reg)
+
+    def checks_of(self, spec, plan):
+        return [
+            (f"Geo::kSmem == {plan.smem_bytes}", "shared memory plan differs from the mma variant's plan"),
+            (f"Geo::kRaw == {plan.stage_bytes}", "stage size differs from the mma variant's plan"),
+            ("Config::kStages >= 2 && Config::kStages <= 4", "cp.async ring depth"),
+            ("Config::kMT == 1 || Config::kMT == 2", "query rows per CTA: 16 or 32"),
+            ("Config::kPage % k3gen::mla::kTok == 0", "tiles never straddle pages"),
+            ("k3gen::mla::kWarps * 64 == k3gen::mla::kLat && k3gen::mla::kWarps * 8 == k3gen::mla::kTok",
+             "PV: 64 output columns per warp; QK: 8 tokens per warp"),
+            ("Config::kKv != k3gen::mla::Kv::kNvfp4 ||\n              "
+             "(Config::kPage == 128 && Config::kNumTensors == (Config::kSwizzle ? 3 : 4))",
+             "NVFP4: 128-token pages; codes, scales (1 swizzled or 2 linear), hp_tail"),
+        ]
+
+
+class QmKernel(MlaKernel):
+    def m_tiles_allowed(self, spec):
+        return (4,)
+
+    def default_m_tiles(self, spec):
+        return 4
+
+    def geometry(self, spec):
+        # QmGeo: the two 72 KB stages, Q (9 SW128 blocks of [64 rows][64 dims]), P ([64 rows][64 tok]
+        # SW128), the tile's per-row rescale factors, the final m and l per row, full/empty mbarriers
+        # per stage. The final [64][516] FP32 output buffer reuses the stages.
+        smem = _stacked((("stages", QM_STAGES * BF16_TILE_BYTES), ("q", 64 * MLA_ROW * 2),
+                         ("p", 64 * TILE_TOKENS * 2), ("alpha", 64 * 4), ("stats", 2 * 64 * 4), ("bars", 4 * 8)))
+        # The probe: V as N-major B over two 64-dim blocks, dims 384..511 of the second stage, last k16.
+        addr = BF16_TILE_BYTES + 6 * TILE_TOKENS * 128 + 3 * 2048
+        return Plan(rows=64, groups=_groups(spec, 64), threads=WG_THREADS, max_registers=WG_REGISTERS,
+                    ctas_per_sm=1, stages=QM_STAGES, stage_bytes=BF16_TILE_BYTES, smem_bytes=smem["total"],
+                    smem_limit=SMEM_LIMIT, smem=smem, kv_map=True,
+                    desc_probe=(addr, encode_desc(addr, sw128_mnmajor(TILE_TOKENS * 128))))
+
+    def checks_of(self, spec, plan):
+        addr, desc = plan.desc_probe
+        return [
+            (f"Geo::kSmem == {plan.smem_bytes}", "shared memory plan differs from the wgmma_qm variant's plan"),
+            (_offsets(plan, {"Q": "q", "P": "p", "Alpha": "alpha", "Stats": "stats", "Bar": "bars"}),
+             "shared memory offsets differ from the wgmma_qm variant's plan"),
+            (f"k3gen::mla::wgq::kTileBytes == {plan.stage_bytes} && k3gen::mla::wgq::kStages == {plan.stages}",
+             "stage plan differs from the wgmma_qm variant's plan"),
+            (f"Config::kKv == k3gen::mla::Kv::kBf16 && Config::kMT == 4 && k3gen::mla::wgq::kThreads == {plan.threads}",
+             "the wgmma_qm schedule: BF16 KV, 64 query rows, 3 warpgroups"),
+            ("Config::kPage % k3gen::mla::kTok == 0", "tiles never straddle pages"),
+            (f"k3gen::sm90::wgmma_desc<k3gen::mla::wg::kBlk, 1024, 1>({addr}u) == {desc}ull",
+             "descriptor encoder differs from k3gen.arch.sm90.encode_desc"),
+        ]
+
+
+class WgKernel(MlaKernel):
+    """FP8 and NVFP4 KV: one header per KV dtype, the same frame and row plan."""
+
+    def m_tiles_allowed(self, spec):
+        return (1,)
+
+    def default_m_tiles(self, spec):
+        return 1
+
+    def geometry(self, spec):
+        layout = _fp8_smem if spec.kv is KvDtype.FP8 else _nvfp4_smem
+        stages = next((st for st in (4, 3, 2) if layout(st)["total"] <= SMEM_LIMIT), 2)
+        smem = layout(stages)
+        return Plan(rows=WG_ROWS, groups=_groups(spec, WG_ROWS), threads=WG_THREADS, max_registers=WG_REGISTERS,
+                    ctas_per_sm=1, stages=stages,
+                    stage_bytes=FP8_CODE_BYTES + FP8_SCALE_BYTES if spec.kv is KvDtype.FP8 else NVFP4_STAGE_BYTES,
+                    smem_bytes=smem["total"], smem_limit=SMEM_LIMIT, smem=smem)
+
+    def template_inputs(self, spec) -> dict:
+        d = super().template_inputs(spec)
+        fp8 = spec.kv is KvDtype.FP8
+        ns = "wg8" if fp8 else "wg4"
+        d.update(header=f"k3gen/mla/decode_wg_{'fp8' if fp8 else 'nvfp4'}.cuh",
+                 geo=f"k3gen::mla::{ns}::Geo{'8' if fp8 else '4'}<Config>", call=f"k3gen::mla::{ns}::decode<Config>(p)")
+        return d
+
+    def checks_of(self, spec, plan):
+        fp8 = spec.kv is KvDtype.FP8
+        regions = ({"Scale": "scales"} if fp8 else {"Ring": "ring", "V": "v"}) | {
+            "Q": "q", "P": "p", "Red": "red", "Stats": "stats", "Bar": "bars"}
+        out = [(f"Geo::kSmem == {plan.smem_bytes}", "shared memory plan differs from the wgmma variant's plan"),
+               (_offsets(plan, regions), "shared memory offsets differ from the wgmma variant's plan")]
+        if fp8:
+            return out + [
+                ("Config::kKv == k3gen::mla::Kv::kFp8 && Config::kMT == 1 &&\n              "
+                 f"k3gen::mla::wg8::kThreads == {plan.threads}",
+                 "the FP8 wgmma schedule: FP8 KV, 16 query rows, 3 warpgroups"),
+                ("Config::kPage == k3gen::mla::kTok", "FP8 pages are one 64-token tile")]
+        return out + [
+            ("Config::kKv == k3gen::mla::Kv::kNvfp4 && Config::kMT == 1 && !Config::kSwizzle &&\n              "
+             f"k3gen::mla::wg4::kThreads == {plan.threads}",
+             "the NVFP4 wgmma schedule: NVFP4 KV with linear scales, 16 query rows, 3 warpgroups"),
+            ("Config::kPage == 128 && Config::kNumTensors == 4 && Config::kRing <= 16 + 8",
+             "NVFP4: 128-token pages; codes, tile scales, rope scales, hp_tail")]
+
+
+def _fp8_smem(stages: int) -> dict:
+    """decode_wg_fp8.cuh's Geo8: stages of codes, their scales, then from a 1024-aligned offset Q hi
+    and lo (5 SW128 blocks of [16 rows][128 B] each), P ([16][128 B] per latent scale group, per
+    consumer), red ([consumer][warp][16 maxima + scale max, padded to 20]), stats, full/empty
+    mbarriers per stage. The [16][516] FP32 merge buffer reuses the stages."""
+    plan = {"stages": 0, "scales": stages * FP8_CODE_BYTES}
+    plan["q"] = _aligned(plan["scales"] + stages * FP8_SCALE_BYTES)
+    plan["p"] = plan["q"] + 2 * 5 * WG_ROWS * 128
+    plan["red"] = plan["p"] + 2 * 4 * WG_ROWS * 128
+    plan["stats"] = plan["red"] + 2 * 4 * (WG_ROWS + 4) * 4
+    plan["bars"] = plan["stats"] + 2 * 2 * WG_ROWS * 4
+    plan["end"] = plan["bars"] + 2 * stages * 8
+    plan["total"] = plan["end"] + ALIGN
+    return plan
+
+
+def _nvfp4_smem(stages: int) -> dict:
+    """decode_wg_nvfp4.cuh's Geo4: stages, the live rows ([16][576] BF16), from a 1024-aligned offset
+    the two consumers' decoded V tiles (8 SW128 blocks of [64 tok][64 dims] f16 each; later the
+    [16][516] FP32 merge buffer), Q (9 SW128 blocks of [16][64] f16), P^T per consumer ([16][64]
+    f16), red ([consumer][warp][16]), stats, full/empty mbarriers per stage."""
+    plan = {"stages": 0, "ring": stages * NVFP4_STAGE_BYTES}
+    plan["v"] = _aligned(plan["ring"] + NVFP4_RING_BYTES)
+    plan["q"] = plan["v"] + 2 * NVFP4_V_BYTES
+    plan["p"] = plan["q"] + 9 * WG_ROWS * 128
+    plan["red"] = plan["p"] + 2 * WG_ROWS * 128
+    plan["stats"] = plan["red"] + 2 * 4 * WG_ROWS * 4
+    plan["bars"] = plan["stats"] + 2 * 2 * WG_ROWS * 4
+    plan["end"] = plan["bars"] + 2 * stages * 8
+    plan["total"] = plan["end"] + ALIGN
+    return plan
+
+
+_WGMMA = (lambda s: s.target.mma == "wgmma", "needs wgmma (sm_90a); this target has none")
 
 VARIANTS = VariantTable("mla_decode", (
-    Variant("default", lowering="nvrtc", doc="the one kernel of this op"),
+    QmKernel("wgmma_qm", doc="query rows on the wgmma M side, TMA producer",
+             checks=(_WGMMA, (lambda s: s.kv is KvDtype.BF16,
+                              "reads BF16 KV only (FP8 and NVFP4 KV: schedule 'wgmma')")),
+             header="k3gen/mla/decode_wg_qm.cuh", geo="k3gen::mla::wgq::QmGeo<Config>",
+             call="k3gen::mla::wgq::decode<Config>(p, &kv_map)",
+             params=",\n    const __grid_constant__ k3gen::sm90::TmaMap kv_map",
+             note="\n//                             (+ kv_map: TMA map of c0 as uint8 [pages * 64 rows][1152], "
+                  "box [64][128], 128B swizzle)"),
+    WgKernel("wgmma", doc="FP8 / NVFP4 KV on wgmma, tokens on the M side",
+             checks=(_WGMMA, (lambda s: s.kv in (KvDtype.FP8, KvDtype.NVFP4),
+                              "reads FP8 or NVFP4 KV only (BF16 KV: schedule 'wgmma_qm')"),
+                     (lambda s: s.kv is not KvDtype.NVFP4 or s.scale_layout is ScaleLayout.LINEAR,
+                      "reads NVFP4 tile scales in the linear layout only (the 128x4 swizzle is the SM100 "
+                      "family's; schedule 'mma' reads both)")),
+             m_tiles_why="registers: 32 FP32 accumulators per tile; FP8/NVFP4 wgmma: 16 rows (H * T <= 16)"),
+    MmaKernel("mma", doc="mma.sync, every target", header="k3gen/mla/decode.cuh", geo="k3gen::mla::Geo<Config>",
+              call="k3gen::mla::decode<Config>(p)"),
 ))
 MlaDecodeSpec.variants = VARIANTS

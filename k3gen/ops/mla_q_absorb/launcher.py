@@ -1,4 +1,4 @@
-"""Launcher of mla_q_absorb (ABI: templates/mla_q_absorb.cu.j2; contract: ir/ops/mla_q_absorb.py).
+"""Launcher of mla_q_absorb (ABI: template.cu.j2; contract: spec.py).
 
 First version: three launches on torch's stream (norm + quantize, the Q-B fp8_block_gemm, absorb).
 Intermediates live in a caller-owned workspace (`workspace(max_batch)`), so a call allocates
@@ -29,7 +29,7 @@ class MlaQAbsorb(Launcher):
 
     def load(self):
         if self._kernel is None:
-            from k3gen.pipeline.build import resolve
+            from k3gen.runtime.resolve import resolve
             cubin, self.meta = resolve(self.spec)
             self._kernel = CudaKernel(cubin, self.meta["entry"])
             self._norm = CudaKernel(cubin, "k3gen_mla_q_norm_quant")

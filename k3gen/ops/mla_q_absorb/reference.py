@@ -1,4 +1,4 @@
-"""FP32 reference of mla_q_absorb (contract: k3gen/ir/ops/mla_q_absorb.py).
+"""FP32 reference of mla_q_absorb (contract: ops/mla_q_absorb/spec.py).
 
 Built from the pieces the contract names, so each rounding point is explicit: BF16 after the
 norm (the quantizer's input), E4M3 codes + scales from reference.quant, BF16 after Q-B and after

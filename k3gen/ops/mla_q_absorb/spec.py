@@ -39,10 +39,9 @@ class MlaQAbsorbSpec(OpSpec):
     recipe: ScaleRecipe | None = None     # Q-B scale recipe; defaults to the target's
     eps: float = 1e-5
 
-    def __post_init__(self):
+    def resolve(self) -> None:
         if self.recipe is None:
             object.__setattr__(self, "recipe", self.target.scale_recipe)
-        super().__post_init__()
 
     def validate(self) -> None:
         if not isinstance(self.heads, int) or isinstance(self.heads, bool) or not 1 <= self.heads <= 128:
@@ -51,6 +50,7 @@ class MlaQAbsorbSpec(OpSpec):
             raise SpecError("recipe", self.recipe, [r.value for r in ScaleRecipe])
         if not isinstance(self.eps, float) or not 0.0 < self.eps < 1.0:
             raise SpecError("eps", self.eps, "a float in (0, 1)")
+        self.impl  # noqa: B018  (a kernel for this target, or SpecError with each variant's reason)
 
     @property
     def gemm_spec(self):

@@ -1,4 +1,4 @@
-"""Launcher of mla_vb_gate (ABI: templates/mla_vb_gate.cu.j2; contract: ir/ops/mla_vb_gate.py)."""
+"""Launcher of mla_vb_gate (ABI: template.cu.j2; contract: spec.py)."""
 from __future__ import annotations
 
 import ctypes

@@ -1,4 +1,4 @@
-"""FP32 reference of mla_vb_gate (contract: k3gen/ir/ops/mla_vb_gate.py)."""
+"""FP32 reference of mla_vb_gate (contract: ops/mla_vb_gate/spec.py)."""
 from __future__ import annotations
 
 import torch

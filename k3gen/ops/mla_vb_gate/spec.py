@@ -32,6 +32,7 @@ class MlaVbGateSpec(OpSpec):
     def validate(self) -> None:
         if not isinstance(self.heads, int) or isinstance(self.heads, bool) or not 1 <= self.heads <= 65535:
             raise SpecError("heads", self.heads, "1..65535", "grid.x")
+        self.impl  # noqa: B018  (a kernel for this target, or SpecError with each variant's reason)
 
     def grid(self, b: int) -> tuple[int, int, int]:
         return (self.heads, -(-b // BATCH_TILE), 1)

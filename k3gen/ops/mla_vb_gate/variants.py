@@ -3,6 +3,8 @@ from k3gen.ir.variant import Variant, VariantTable
 from k3gen.ops.mla_vb_gate.spec import MlaVbGateSpec
 
 VARIANTS = VariantTable("mla_vb_gate", (
-    Variant("default", lowering="nvrtc", doc="the one kernel of this op"),
+    Variant("fma", lowering="nvrtc",
+            doc="FP32 FMAs on CUDA cores: 8 tokens' latents in shared memory, W_UV streamed once "
+                "(plain loads and FMAs: every target can run it)"),
 ))
 MlaVbGateSpec.variants = VARIANTS

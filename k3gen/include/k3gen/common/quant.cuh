@@ -1,4 +1,4 @@
-// Device quantizers shared by k3gen kernels. Bit-exact with k3gen/reference/quant.py: any change
+// Device quantizers shared by k3gen kernels. Bit-exact with k3gen/numerics.py: any change
 // here must be mirrored there (and tests/nogpu/test_quant.py pins the reference to ml_dtypes).
 #pragma once
 

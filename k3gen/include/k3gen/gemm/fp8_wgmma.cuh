@@ -1,5 +1,5 @@
 // FP8 block-scaled GEMM for small M on Hopper wgmma (sm_90a): out[M, N] = x[M, K] @ w[N, K]^T.
-// Contract: k3gen/ir/ops/fp8_block_gemm.py (the "wgmma" flavour). Config (from the template):
+// Contract: k3gen/ops/fp8_block_gemm/spec.py (the "wgmma" variant). Config (from the template):
 //   kN, kK                  static sizes (N % 8 == 0, K % 16 == 0)
 //   kUe8m0                  scales are UE8M0 bytes (else FP32 values)
 //   kRingBytes, kMaxStages  shared-memory budget and depth cap of the TMA ring
@@ -28,7 +28,7 @@
 
 #include <cuda_bf16.h>
 
-#include "k3gen/gemm/fp8_mma_sync.cuh"
+#include "k3gen/gemm/fp8_common.cuh"
 #include "k3gen/common/pdl.cuh"
 #include "k3gen/common/sm90_async.cuh"
 

@@ -1,6 +1,6 @@
 // Pieces of the KDA step shared by the decode kernel and the later prefill / verify kernels:
 // the forget gate, the causal conv tap sum, BF16 packing, state-row I/O and cluster barriers.
-// The math is SPEC.md section 2; the FP32 twin is k3gen/reference/kda_decode.py.
+// The math is SPEC.md section 2; the FP32 twin is k3gen/ops/kda_decode/reference.py.
 #pragma once
 
 #include <cuda_bf16.h>

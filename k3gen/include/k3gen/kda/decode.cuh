@@ -1,5 +1,5 @@
 // kda_decode: one KDA decode step (one new token per sequence), fully fused. The contract is the
-// docstring of k3gen/ir/ops/kda_decode.py; the FP32 twin is k3gen/reference/kda_decode.py.
+// docstring of k3gen/ops/kda_decode/spec.py; the FP32 twin is k3gen/ops/kda_decode/reference.py.
 //
 // The step is memory-bound on the state: 64 KB (FP32) read and written per (sequence, head). With
 // the V-first layout each state row v updates independently once the head's q, k, exp(g), beta and

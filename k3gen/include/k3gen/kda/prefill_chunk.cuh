@@ -1,6 +1,6 @@
 // kda_prefill, chunked (WY) form of SPEC.md section 2 with tensor cores. Contract: the docstring of
-// k3gen/ir/ops/kda_prefill.py; FP32 twin: k3gen/reference/kda_prefill.py (token loop) and the chunk
-// algebra in k3gen/reference/kda_prefill.py:chunk_emulation.
+// k3gen/ops/kda_prefill/spec.py; FP32 twin: k3gen/ops/kda_prefill/reference.py (token loop) and the chunk
+// algebra in k3gen/ops/kda_prefill/reference.py:chunk_emulation.
 //
 // One CTA (8 warps) per (sequence, head). Tokens go in chunks of C = 16 (the sub-chunk of SPEC.md:
 // exp(+-G) over 16 tokens stays finite in FP32 for any gate, because every decay factor below is

@@ -1,5 +1,5 @@
 // kda_prefill `chunkpar`: the chunk16 algebra (include/k3gen/kda/prefill_chunk.cuh) split so that
-// only the state recurrence is sequential. Contract: the docstring of k3gen/ir/ops/kda_prefill.py.
+// only the state recurrence is sequential. Contract: the docstring of k3gen/ops/kda_prefill/spec.py.
 //
 // 1. prep  (grid H x J, J = N / 64 + B): work item j of sequence b covers tokens 64 c .. 64 c + 63
 //    (c = j - base(b), base(b) = cu[b] / 64 + b, so the items of different sequences never overlap

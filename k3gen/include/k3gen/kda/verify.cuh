@@ -1,6 +1,6 @@
 // kda_verify: the speculative-verify step of KDA with FP32 per-token draft records (SPEC.md
-// section 3). Contract: the docstring of k3gen/ir/ops/kda_verify.py; FP32 twin:
-// k3gen/reference/kda_verify.py.
+// section 3). Contract: the docstring of k3gen/ops/kda_verify/spec.py; FP32 twin:
+// k3gen/ops/kda_verify/reference.py.
 //
 // One CTA per (sequence, head), 256 threads, the multi-token engine of kda/common.cuh: the start
 // state (ssm[slot] when pending == 0, else the FP32 record pending - 1) is loaded once into

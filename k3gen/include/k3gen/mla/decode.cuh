@@ -1,5 +1,6 @@
 // mla_decode: absorbed MLA attention over paged latent KV (BF16, FP8 E4M3, NVFP4 + HP tail ring).
-// Contract: k3gen/ir/ops/mla_decode.py; FP32 twin: k3gen/reference/mla_decode.py.
+// Variant "mma" of k3gen/ops/mla_decode/variants.py. Contract: k3gen/ops/mla_decode/spec.py;
+// FP32 twin: k3gen/ops/mla_decode/reference.py.
 //
 // Grid (groups, splits, B), 256 threads. CTA (g, s, b) owns query rows 16*MT*g .. of sequence b
 // (row r = t * H + h) and the s-th run of its 64-token KV tiles. Per tile:

@@ -1,11 +1,13 @@
-// mla_decode, wgmma schedule over FP8 E4M3 KV (sm_90a). Contract: k3gen/ir/ops/mla_decode.py
-// (schedule "wgmma", kv fp8); shared-memory plan: MlaDecodeSpec.wg_smem; lane maps checked on the
-// CPU by tests/nogpu/test_mla_decode_wg8.py (the PV product replayed through them on random bytes).
+// mla_decode, wgmma over FP8 E4M3 KV (sm_90a): variant "wgmma", kv fp8. Contract:
+// k3gen/ops/mla_decode/spec.py; shared-memory plan: WgKernel in k3gen/ops/mla_decode/variants.py
+// (Geo8 mirrors it); lane maps checked on the CPU by tests/nogpu/test_mla_decode_wg8.py (the PV
+// product replayed through them on random bytes).
 //
-// The frame is mla/decode_wg.cuh's: a cp.async producer warpgroup, two consumer warpgroups on
-// alternate tiles (each its own online softmax, merged at the end), 16 query rows per CTA, the 64
-// tokens of a tile on the wgmma M side. What differs is the operand type. E4M3 wgmma multiplies
-// E4M3 by E4M3 only and reads shared operands K-major only, so:
+// The frame (shared with decode_wg_nvfp4.cuh, helpers in decode_wg.cuh): a cp.async producer
+// warpgroup, two consumer warpgroups on alternate tiles (each its own online softmax, merged at the
+// end, so one's softmax runs under the other's MMAs), 16 query rows per CTA, the 64 tokens of a tile
+// on the wgmma M side. E4M3 wgmma multiplies E4M3 by E4M3 only and reads shared operands K-major
+// only, so:
 //   - The query enters as hi = e4m3(q 2^E) and lo = e4m3(q 2^E - hi), E putting max |q| in
 //     [128, 256): a BF16 value's 8 significant bits split 4 + 4, so hi + lo is the BF16 query
 //     exactly wherever lo is a normal E4M3 (|q| >= 2^-10 max |q|). QK: S^T = K_tile [Q_hi; Q_lo]^T,

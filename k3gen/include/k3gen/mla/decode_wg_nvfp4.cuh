@@ -1,6 +1,6 @@
-// mla_decode, wgmma schedule over NVFP4 KV with linear scales (sm_90a). Contract:
-// k3gen/ir/ops/mla_decode.py (schedule "wgmma", kv nvfp4); shared-memory plan: MlaDecodeSpec.wg_smem;
-// lane maps mirrored on the CPU by tests/nogpu/test_mla_decode_wg4.py.
+// mla_decode, wgmma over NVFP4 KV with linear scales (sm_90a): variant "wgmma", kv nvfp4. Contract:
+// k3gen/ops/mla_decode/spec.py; shared-memory plan: WgKernel in k3gen/ops/mla_decode/variants.py
+// (Geo4 mirrors it); lane maps mirrored on the CPU by tests/nogpu/test_mla_decode_wg4.py.
 //
 // The frame is mla/decode_wg_fp8.cuh's: a cp.async producer warpgroup, two consumer warpgroups on
 // alternate 64-token tiles (each its own online softmax, merged at the end), 16 query rows per CTA,
@@ -13,7 +13,7 @@
 //     m64n16k16 f16, 36 per tile, one 128-dim block of 8 k-steps decoded per commit group, two
 //     register sets in flight) and B = Q * 2^E (f16) in shared memory.
 //   - The same registers are stored into the consumer's f16 V tile (8 SW128 blocks of [64 tok]
-//     [64 dims], the layout the BF16 schedule's stage has), so PV is the BF16 schedule's: O^T +=
+//     [64 dims], the SW128 layout of decode_wg.cuh), so PV is a plain f16 product: O^T +=
 //     V^T P^T with A read MN-major from that tile and B = P^T (f16, p <= 1) in shared memory.
 //   - The live 16-token tile (positions >= length / 16 * 16, whose codes and tile scale are not
 //     final) is masked in the tiles (zero scales keep it finite) and folded in afterwards from the

@@ -1,4 +1,4 @@
-// mla_decode, NVFP4 wgmma schedule (mla/decode_wg_nvfp4.cuh, which includes this after its helpers):
+// mla_decode, NVFP4 wgmma variant (mla/decode_wg_nvfp4.cuh, which includes this after its helpers):
 // the live rows of the HP tail ring, folded into one consumer's online softmax after the tiles.
 #pragma once
 

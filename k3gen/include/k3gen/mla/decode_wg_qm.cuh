@@ -1,12 +1,13 @@
-// mla_decode, query rows on the wgmma M side (sm_90a, BF16 KV), schedule "wgmma_qm". Contract:
-// k3gen/ir/ops/mla_decode.py; shared-memory plan: MlaDecodeSpec.wg_smem (QmGeo mirrors it); address
-// math replayed on the CPU by tests/nogpu/test_mla_decode_wgq.py against the PTX layouts.
+// mla_decode, query rows on the wgmma M side (sm_90a, BF16 KV): variant "wgmma_qm". Contract:
+// k3gen/ops/mla_decode/spec.py; shared-memory plan: QmKernel in k3gen/ops/mla_decode/variants.py
+// (QmGeo mirrors it); address math replayed on the CPU by tests/nogpu/test_mla_decode_wgq.py
+// against the PTX layouts.
 //
-// Why: the "wgmma" schedule puts the 64 tokens of a tile on M and the query rows on N (32 per
-// consumer), so every m64n32k16 reads 3 KB of shared memory for 64 K of MACs and large H * T runs
-// at the shared-memory port, not the tensor pipe. Here 64 query rows are M: QK is m64n64k16 (Q and
-// K both from shared memory) and PV is m64n128k16 (P and V from shared memory), and the softmax of a
-// row stays inside the 4 lanes of a quad (no cross-warp reduction).
+// Why query rows on M: with the 64 tokens of a tile on M and the query rows on N (32 per consumer),
+// every m64n32k16 reads 3 KB of shared memory for 64 K of MACs and large H * T runs at the
+// shared-memory port, not the tensor pipe. Here 64 query rows are M: QK is m64n64k16 (Q and K both
+// from shared memory) and PV is m64n128k16 (P and V from shared memory), and the softmax of a row
+// stays inside the 4 lanes of a quad (no cross-warp reduction).
 //
 // Grid (groups, splits, B) as the other schedules, 384 threads, 64 query rows per CTA (row
 // r = t * H + h), one CTA per SM:
@@ -37,8 +38,9 @@ constexpr int kThreads = 384;
 constexpr int kRows = 64;                   // query rows per CTA = wgmma M
 constexpr unsigned kBarPFull = 1, kBarPEmpty = 2, kBarEnd = 3, kBarTail = 4;   // kBarTail + consumer
 using wg::kBlk;
-using wg::kStages;
-using wg::kTileBytes;
+constexpr int kStages = 2;                  // one 72 KB tile per consumer warpgroup (a third does not fit with Q)
+constexpr int kKBlocks = kRow / 64;         // 9 (8 latent + 1 rope)
+constexpr int kTileBytes = kKBlocks * kBlk; // 73728
 
 template <class C>
 struct QmGeo {

@@ -1,6 +1,6 @@
 // kv_cache_write: append MLA cache rows to paged KV (BF16, FP8 E4M3, NVFP4 + HP tail ring).
-// The contract is the docstring of k3gen/ir/ops/kv_cache_write.py; the bit-exact twin of this
-// file is k3gen/reference/kv_cache_write.py.
+// The contract is the docstring of k3gen/ops/kv_cache_write/spec.py; the bit-exact twin of this
+// file is k3gen/ops/kv_cache_write/reference.py.
 //
 // Grid (num_seqs, tiles_y): CTA (b, y) handles the 16-token tile start_pos[b]/16 + y of sequence
 // b, or returns when that tile holds none of the new rows. tiles_y must cover the tiles a run of

@@ -3,7 +3,7 @@
 //                either scale recipe (the act_quant_fp8 rules; feeds the FP8 Q-B GEMM)
 //   absorb       q_lat = q_nope @ W_UK[h] (128 -> 512) plus the q_pe copy -> [B, H, 576]
 //   vb_gate      y = (o_lat @ W_UV[h]^T) * sigmoid(gate_h) -> [B, H, 128]
-// Contracts: k3gen/ir/ops/mla_q_absorb.py, k3gen/ir/ops/mla_vb_gate.py. The per-head weights are
+// Contracts: k3gen/ops/mla_q_absorb/spec.py, k3gen/ops/mla_vb_gate/spec.py. The per-head weights are
 // 128 KB of BF16 each; a CTA serves 8 tokens of one head so every weight element read feeds 8
 // FMAs, and each weight row is read by consecutive threads (coalesced) from its [128, 512] layout.
 #pragma once
