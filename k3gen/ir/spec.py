@@ -83,9 +83,6 @@ class OpSpec:
         """"nvrtc" (ops/<op>/template.cu.j2) or "cute" (ops/<op>/cute_kernel.py)."""
         return self.impl.lowering
 
-    def validate(self) -> None:
-        """Reject illegal field combinations with SpecError(field, value, allowed)."""
-
     # -- identity ---------------------------------------------------------------------------
     def canonical(self) -> str:
         d = {"op": self.op}

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from k3gen.pipeline.build import GENERATED_ROOT, REPO_ROOT
+from k3gen.pipeline.generated import GENERATED_ROOT, REPO_ROOT
 
 GOLDEN = REPO_ROOT / "tests" / "golden" / "sm100_mxfp4.json"
 GOLDEN_SASS = REPO_ROOT / "tests" / "golden" / "sm100_mxfp4_sass.json"
@@ -46,7 +46,7 @@ def sass_digest(cubin: bytes) -> str:
 
 def current_sass() -> dict[str, str]:
     """SASS digest of every source the frozen target builds now, by generated file name."""
-    from k3gen.pipeline.build import build_many
+    from k3gen.pipeline.stages import build_many
     from k3gen.targets import build_specs, get_target
     return {r.artifact.file_name: sass_digest(r.cubin)
             for r in build_many(build_specs(get_target(FROZEN_TARGET)), jobs=2)}

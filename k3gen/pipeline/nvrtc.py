@@ -4,12 +4,14 @@ from __future__ import annotations
 import shlex
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from k3gen.errors import CompileError
 from k3gen.ir.target import Target
-from k3gen.pipeline.render import INCLUDE_DIR
 from k3gen.pipeline.toolchain import cuda_include_dir, nvrtc_version
+
+INCLUDE_DIR = Path(__file__).resolve().parent.parent / "include"
 
 # Flags that change the bytes. Include paths are machine-specific and enter the key through the
 # header contents instead.
@@ -35,9 +37,24 @@ def _check(res, what: str):
     return res[1] if isinstance(res, tuple) and len(res) == 2 else res
 
 
+@dataclass(frozen=True)
+class Compiled:
+    cubin: bytes
+    log: str
+    ptx: str = ""     # only when asked for: the dump stage wants it, the cache does not
+
+
 def compile_cubin(source: str, name: str, target: Target, *, extra: tuple[str, ...] = (),
                   source_dir: Path | None = None) -> tuple[bytes, str]:
-    """Compile `source` to a cubin for `target`. Returns (cubin, log).
+    """Compile `source` to a cubin for `target`. Returns (cubin, log)."""
+    c = compile_program(source, name, target, extra=extra, source_dir=source_dir)
+    return c.cubin, c.log
+
+
+def compile_program(source: str, name: str, target: Target, *, extra: tuple[str, ...] = (),
+                    source_dir: Path | None = None, want_ptx: bool = False) -> Compiled:
+    """Compile `source` for `target`; with want_ptx the PTX of the same program comes back too
+    (NVRTC keeps it when compiling for a real arch, so the cubin is the one a plain compile makes).
 
     On failure the source is written to disk and CompileError carries the log, the options and
     a repro command.
@@ -64,8 +81,14 @@ def compile_cubin(source: str, name: str, target: Target, *, extra: tuple[str, .
                                log=log, options=opts, source_path=str(path), repro=repro)
         _, size = nvrtc.nvrtcGetCUBINSize(prog)
         cubin = b" " * size
-        nvrtc.nvrtcGetCUBIN(prog, cubin)
-        return cubin, log
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "get cubin")
+        ptx = ""
+        if want_ptx:
+            _, size = nvrtc.nvrtcGetPTXSize(prog)
+            buf = b" " * size
+            _check(nvrtc.nvrtcGetPTX(prog, buf), "get PTX")
+            ptx = buf.rstrip(b"\x00").decode()
+        return Compiled(cubin, log, ptx)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -5,16 +5,11 @@ One strict environment: an undefined variable is an error, never an empty string
 from __future__ import annotations
 
 import functools
-import hashlib
-from pathlib import Path
 
 import jinja2
 
 from k3gen.ir.spec import OpSpec
-
-PACKAGE_DIR = Path(__file__).resolve().parent.parent
-OPS_DIR = PACKAGE_DIR / "ops"
-INCLUDE_DIR = PACKAGE_DIR / "include"
+from k3gen.pipeline.inputs import OPS_DIR
 
 # The frozen target's sources were generated before headers moved into per-family folders: they
 # name the old paths (forwarding headers under include/k3gen/ keep them compiling to the same SASS)
@@ -58,13 +53,3 @@ def render(spec: OpSpec) -> str:
     body = tmpl.render(spec=spec, target=spec.target, canonical=spec.canonical(), path=path)
     return header(spec) + "\n" + body
 
-
-def template_inputs_digest(op: str) -> str:
-    """sha256 over the op's template and every header it may include (for the cache key)."""
-    h = hashlib.sha256()
-    files = [OPS_DIR / op / "template.cu.j2"] + sorted(INCLUDE_DIR.rglob("*.cuh"))
-    for f in files:
-        if f.exists():
-            h.update(str(f.relative_to(PACKAGE_DIR)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()

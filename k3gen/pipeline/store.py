@@ -1,8 +1,9 @@
 """Content-addressed cubin cache.
 
-Key = sha256 over: spec digest, rendered source (which already holds the template's output),
-the template/header contents, k3gen's own source hash, compiler versions, target and flags.
-Thread count is deliberately not in it. Entries are written atomically (temp file +
+Key = sha256 over: spec digest, the digest of every file the source is generated from
+(k3gen.pipeline.inputs), k3gen's own source hash, compiler versions, target and flags. The source
+is a function of the first two, so the key is known without rendering it; thread count is
+deliberately not in it. Entries are written atomically (temp file +
 os.replace) under a per-key file lock, the manifest last; an entry whose cubin does not hash
 to its manifest's value is corrupt and is rebuilt.
 """
@@ -36,11 +37,10 @@ def k3gen_source_hash() -> str:
     return h.hexdigest()
 
 
-def cache_key(*, spec_digest: str, source: str, inputs_digest: str, compiler: str, target: str,
+def cache_key(*, spec_digest: str, inputs_digest: str, compiler: str, target: str,
               flags: list[str] | tuple[str, ...], k3gen_hash: str | None = None) -> str:
     payload = {
         "spec": spec_digest,
-        "source": hashlib.sha256(source.encode()).hexdigest(),
         "inputs": inputs_digest,
         "k3gen": k3gen_hash if k3gen_hash is not None else k3gen_source_hash(),
         "compiler": compiler,

@@ -40,3 +40,47 @@ def check_one_device(out, *tensors) -> None:
     dev = out.device
     if dev.type != "cuda" or any(t.device != dev for t in tensors):
         raise SpecError("device", str(dev), "one CUDA device for every tensor")
+
+
+def check_kda_rows(heads: int, rows, qkvg, fa, beta_logit, rows_label=None) -> None:
+    """The per-token activation rows of a KDA kernel: `rows` rows each (None: any), any row
+    stride, unit inner stride; `rows_label` names the row count in the qkvg message (default: rows)."""
+    import torch
+
+    from k3gen.ir.layouts import KDA_DK
+    D = heads * KDA_DK
+    check_tensor("qkvg", qkvg, torch.bfloat16, (rows, None), contiguous=False, inner_unit=True)
+    if qkvg.shape[1] < 4 * D:
+        raise SpecError("qkvg", tuple(qkvg.shape), f"[{rows if rows_label is None else rows_label}, >= {4 * D}]",
+                        "one row [q | k | v | g_out]")
+    check_tensor("fa", fa, torch.bfloat16, (rows, KDA_DK), contiguous=False, inner_unit=True)
+    check_tensor("beta_logit", beta_logit, torch.bfloat16, (rows, heads), contiguous=False, inner_unit=True)
+
+
+def check_kda_ssm(spec, ssm) -> int:
+    """The SSM state pool [num_slots, H, 128, 128] in the spec's storage dtype; returns num_slots."""
+    import torch
+
+    from k3gen.ir.dtypes import SsmDtype
+    from k3gen.ir.layouts import KDA_DK, KDA_DV
+    sdt = torch.float32 if spec.ssm is SsmDtype.FP32 else torch.bfloat16
+    check_tensor("ssm", ssm, sdt, (None, spec.heads, KDA_DV, KDA_DK), align=16)
+    return ssm.shape[0]
+
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "e4m3": "uint8", "e2m1": "uint8", "int32": "int32"}
+
+
+def kv_cache_wants(layout, cache: dict) -> tuple[int, int, dict]:
+    """(num_pages, num_slots, {name: (torch dtype, shape)}) of the tensors a KvLayout's cache holds,
+    its sizes read from `cache`, which must name every one of them."""
+    import torch
+    specs = layout.tensors()
+    missing = set(specs) - set(cache)
+    if missing:
+        raise SpecError("cache", sorted(cache), sorted(specs), f"missing {sorted(missing)}")
+    num_pages = cache[next(iter(specs))].shape[0]
+    num_slots = cache["hp_tail"].shape[0] if "hp_tail" in specs else 1
+    wants = {name: (getattr(torch, _TORCH_DTYPES[ts.dtype.name]),
+                    ts.concrete_shape(num_pages=num_pages, num_slots=num_slots)) for name, ts in specs.items()}
+    return num_pages, num_slots, wants

@@ -2,15 +2,27 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
+from k3gen.errors import SpecError
 from k3gen.ir.spec import OpSpec
 from k3gen.ops import spec_from_canonical
+
+@functools.lru_cache(maxsize=None)
+def launcher_class(op: str):
+    """The one Launcher subclass that k3gen/ops/<op>/launcher.py defines."""
+    mod = importlib.import_module(f"k3gen.ops.{op}.launcher")
+    found = [v for v in vars(mod).values()
+             if isinstance(v, type) and issubclass(v, Launcher) and v.__module__ == mod.__name__]
+    if len(found) != 1:
+        raise SpecError("launcher", op, f"exactly one Launcher subclass in {mod.__name__}, found {len(found)}")
+    return found[0]
+
 
 def bind_kernel(target_name: str, canonical: str):
     """A launcher for the spec; nothing is loaded until first use (or `.load()`)."""
     from k3gen.targets import get_target
     spec = spec_from_canonical(canonical, get_target(target_name))
-    from k3gen.ops import launcher_class
     return launcher_class(spec.op)(spec)
 
 
@@ -25,7 +37,7 @@ class Launcher:
     def load(self):
         """Resolve the cubin (prebuilt, cache or JIT) and load it. Call before graph capture."""
         if self._kernel is None:
-            from k3gen.pipeline.build import resolve
+            from k3gen.runtime.resolve import resolve
             from k3gen.runtime.loader import CudaKernel
             cubin, self.meta = resolve(self.spec)
             self._kernel = CudaKernel(cubin, self.meta["entry"])

@@ -1,0 +1,99 @@
+"""What a kernel's bytes are made from, known without rendering: the inputs digest and the cache key.
+
+The runtime looks a spec up in a bundle manifest and in the cache before anything is rendered (the
+GPU machine loads kernels without Jinja2 ever running), so both keys are computed from the spec and
+the files its source is generated from, never from the source itself. Nothing here imports Jinja2,
+NVRTC or CuTe DSL at module level.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from pathlib import Path
+
+from k3gen.config import settings
+from k3gen.ir.spec import OpSpec
+from k3gen.pipeline.cute import cute_flags
+from k3gen.pipeline.nvrtc import INCLUDE_DIR, flags_for
+from k3gen.pipeline.store import cache_key
+from k3gen.pipeline.toolchain import cutlass_dsl_version, nvrtc_version
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+OPS_DIR = PACKAGE_DIR / "ops"
+
+# Files of an op folder that never reach a kernel's bytes: a launcher edit on the GPU machine must
+# not make a bundle built elsewhere stale.
+_RUNTIME_ONLY = frozenset({"launcher.py", "reference.py"})
+# Python every template and CuTe module may read besides op folders: the IR, per-arch facts and the
+# FP32 quantizers (the layer rule keeps spec.py/variants.py to these).
+_SHARED = ("ir", "arch", "numerics.py")
+# What each lowering adds: the renderer (its header and frozen include paths are in every source)
+# and the NVRTC flags plus the include root; the CuTe worker that traces the module.
+_LOWERING = {"nvrtc": ("pipeline/render.py", "pipeline/nvrtc.py", INCLUDE_DIR.name),
+             "cute": ("pipeline/cute.py",)}
+_SUFFIXES = (".py", ".j2", ".cuh", ".h")
+_OP_IMPORT = re.compile(r"\bk3gen\.ops\.(\w+)")
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIXES
+                  and "__pycache__" not in p.parts)
+
+
+def _op_files(op: str) -> list[Path]:
+    return [p for p in _files(OPS_DIR / op) if p.name not in _RUNTIME_ONLY]
+
+
+def op_folders(op: str) -> list[str]:
+    """The op and, transitively, every op its files import (mla_q_absorb builds on the GEMM's spec)."""
+    seen, todo = [], [op]
+    while todo:
+        cur = todo.pop()
+        if cur in seen or not (OPS_DIR / cur).is_dir():
+            continue
+        seen.append(cur)
+        for p in _op_files(cur):
+            if p.suffix == ".py":
+                todo.extend(m for m in _OP_IMPORT.findall(p.read_text()) if m not in seen)
+    return sorted(seen)
+
+
+@functools.lru_cache(maxsize=None)
+def inputs_digest(op: str, lowering: str) -> str:
+    """sha256 over every file a source of this op and lowering is generated from (cached per op)."""
+    if lowering not in _LOWERING:
+        raise ValueError(f"unknown lowering {lowering!r}")
+    files: list[Path] = []
+    for o in op_folders(op):
+        files += _op_files(o)
+    for rel in _SHARED + _LOWERING[lowering]:
+        files += _files(PACKAGE_DIR / rel)
+    h = hashlib.sha256()
+    for f in sorted(set(files)):
+        h.update(str(f.relative_to(PACKAGE_DIR)).encode() + b"\0")
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def spec_inputs_digest(spec: OpSpec) -> str:
+    return inputs_digest(spec.op, spec.lowering)
+
+
+def compiler_id(spec: OpSpec) -> str:
+    return f"nvrtc-{nvrtc_version()}" if spec.lowering == "nvrtc" else f"cutlass-dsl-{cutlass_dsl_version()}"
+
+
+def flags(spec: OpSpec) -> list[str]:
+    """The flags that change the bytes (K3GEN_NVRTC_EXTRA included)."""
+    if spec.lowering == "nvrtc":
+        return flags_for(spec.target, tuple(settings().nvrtc_extra.split()))
+    return cute_flags(spec)
+
+
+def kernel_key(spec: OpSpec) -> str:
+    """The cache key of a spec's cubin, without rendering its source."""
+    return cache_key(spec_digest=spec.digest(), inputs_digest=spec_inputs_digest(spec),
+                     compiler=compiler_id(spec), target=spec.target.arch, flags=flags(spec))
