@@ -1,4 +1,5 @@
-"""`k3gen` command line: build | list | show | inspect | bench | cache | collect-env."""
+"""`k3gen` command line: build | list | show | inspect | bench | cache | collect-env, and the model's
+generate | plan-memory (resolved by name when they run: k3gen never imports model/)."""
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,6 @@ def _targets(arch: str | None):
 # -- build ------------------------------------------------------------------------------------
 
 def cmd_build(a) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
     from k3gen.pipeline import build as B
     from k3gen.ir.dtypes import KvDtype, SsmDtype
     from k3gen.targets import ServingOptions, build_specs, check_serving, get_target
@@ -45,6 +43,10 @@ def cmd_build(a) -> int:
     if kv is not None:
         check_serving(target, ServingOptions(kv=kv, ssm=ssm or target.ssm_dtypes[0]))
     root = Path(a.generated) if a.generated else B.GENERATED_ROOT
+    if a.model:
+        return _build_model(a, con, target, kv, ssm, root, t_start)
+    if a.tp is not None or a.drafts is not None:
+        raise K3genError("--tp and --drafts choose what a model runs: add --model")
     all_specs = build_specs(target)
     if a.check:
         problems = B.check_generated(target, all_specs, root)
@@ -59,7 +61,39 @@ def cmd_build(a) -> int:
     if target.frozen:
         _guard_frozen(target, all_specs, root)
     changed = B.write_generated(target, all_specs, root)
-    specs = build_specs(target, kv, ssm)
+    _compile(a, con, target, build_specs(target, kv, ssm), t_start,
+             f"generated/{target.module_name}: {len(changed)} files updated")
+    return 0
+
+
+def _build_model(a, con, target, kv, ssm, root: Path, t_start: float) -> int:
+    """`--model`: exactly what that model's rank runs (targets.model_specs) over the serving settings
+    asked for; the committed tree is not rewritten (`--check` says whether it holds them)."""
+    from k3gen.pipeline import build as B
+    from k3gen.targets import DEFAULT_DRAFTS, get_model, serving_sweep, sweep_specs
+    drafts = DEFAULT_DRAFTS if a.drafts is None else tuple(int(x) for x in a.drafts.split(",") if x.strip())
+    model = get_model(a.model)
+    specs = sweep_specs(target, model, (a.tp or 1,), serving_sweep(target, kv, ssm, drafts))
+    label = f"{model.name} TP{a.tp or 1}"
+    if a.check:
+        d = root / target.module_name
+        want = B.generated_files(target, specs)
+        bad = sorted(n for n, c in want.items() if n.endswith(".cu") and (not (d / n).exists()
+                                                                          or (d / n).read_text() != c))
+        for n in bad:
+            con.print(f"[red]not in generated/{target.module_name}: {n}[/red]")
+        con.print(f"{label}: {len(specs) - len(bad)} of {len(specs)} kernels in generated/{target.module_name}")
+        return 1 if bad else 0
+    _compile(a, con, target, specs, t_start, label)
+    return 0
+
+
+def _compile(a, con, target, specs, t_start: float, note: str) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from k3gen.pipeline import build as B
+    from k3gen.pipeline.inspect import KernelResources
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=con, transient=True) as prog:
         task = prog.add_task(f"{target.name}: compiling", total=len(specs))
@@ -67,7 +101,6 @@ def cmd_build(a) -> int:
     table = Table(title=f"k3gen build {target.name} ({target.arch})", title_justify="left")
     for col in ("kernel", "arch", "regs", "smem", "spills", "notable SASS", "time"):
         table.add_column(col, justify="right" if col in ("regs", "smem", "time") else "left")
-    from k3gen.pipeline.inspect import KernelResources
     for r in results:
         for res in (KernelResources(**x) for x in r.resources):
             table.add_row(r.artifact.spec.kernel_name, r.meta.get("arch", ""), str(res.registers),
@@ -79,9 +112,7 @@ def cmd_build(a) -> int:
         con.print(f"cubins written to {d}")
     built = sum(r.built for r in results)
     con.print(f"{len(results)} kernels, {built} compiled, {len(results) - built} from cache; "
-              f"generated/{target.module_name}: {len(changed)} files updated; "
-              f"{time.perf_counter() - t_start:.1f}s")
-    return 0
+              f"{note}; {time.perf_counter() - t_start:.1f}s")
 
 
 def _guard_frozen(target, specs, root: Path) -> None:
@@ -234,8 +265,13 @@ def cmd_collect_env(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from bench.harness import main as bench_main
-    return bench_main(a)
+    # By name, when the command runs: bench/ imports k3gen, never the other way (DESIGN's layer rule).
+    import importlib
+    try:
+        harness = importlib.import_module("bench.harness")
+    except ModuleNotFoundError as e:
+        raise K3genError(f"k3gen bench needs the bench/ package of the repository ({e})") from e
+    return harness.list_cases() if a.list else harness.main(a)
 
 
 # -- parser -----------------------------------------------------------------------------------
@@ -251,6 +287,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--arch", required=True, choices=ARCH_CHOICES, help="target GPU family")
     b.add_argument("--kv", choices=KV_CHOICES, help="KV cache dtype to compile (default: all the target allows)")
     b.add_argument("--ssm", choices=SSM_CHOICES, help="recurrent-state storage dtype")
+    b.add_argument("--model", metavar="NAME", help="build exactly what this model runs: k3, small, tiny, "
+                   "kimi_linear (a config.json path: issue 20); the committed tree is left as is")
+    b.add_argument("--tp", type=int, help="with --model: tensor-parallel degree of the rank (default 1)")
+    b.add_argument("--drafts", metavar="M,..", help="with --model: max_drafts settings to cover (default 0,3,7)")
     b.add_argument("--out", metavar="DIR", help="also write the cubins here (a bundle for K3GEN_PREBUILT)")
     b.add_argument("--check", action="store_true", help="only check that generated/ is up to date")
     b.add_argument("-j", "--jobs", type=int, default=0, help="parallel compile processes (default: cores)")
@@ -272,10 +312,12 @@ def parser() -> argparse.ArgumentParser:
     ins.add_argument("--sass", action="store_true", help="print the full SASS")
     ins.set_defaults(fn=cmd_inspect)
 
-    be = sub.add_parser("bench", help="benchmark kernels on the GPU against the copy ceiling and peers")
-    be.add_argument("--op", default="kv_cache_write", help="op to benchmark")
-    be.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
+    be = sub.add_parser("bench", help="benchmark kernels on the GPU against the copy ceiling and peers "
+                        "(`build`: the build times, on the CPU)")
+    be.add_argument("--op", default="kv_cache_write", help="benchmark name (see --list)")
+    be.add_argument("--out", default=None, help="folder for the JSON and PNG (default: bench/results/)")
     be.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    be.add_argument("--list", action="store_true", help="list the benchmarks")
     be.set_defaults(fn=cmd_bench)
 
     ca = sub.add_parser("cache", help="inspect or clear the kernel cache")
@@ -286,21 +328,38 @@ def parser() -> argparse.ArgumentParser:
     ce.add_argument("--json", action="store_true")
     ce.add_argument("--no-gpu", action="store_true", help="do not query the GPU")
     ce.set_defaults(fn=cmd_collect_env)
-    _model_commands(sub)
+    for name, (_, doc) in EXTERNAL.items():
+        sub.add_parser(name, help=doc, add_help=False)
     return p
 
 
-def _model_commands(sub) -> None:
-    """`generate` and `plan-memory` live in the top-level model/ package (light argument module;
-    the model itself is imported only when one of them runs)."""
+# Subcommands served by other packages of the repository, resolved by name only when they run:
+# k3gen never imports model/ (DESIGN's layer rule); `python -m model ...` is the same entry.
+EXTERNAL = {
+    "generate": ("model.cli:generate_main", "run the Kimi K3 model (python -m model generate)"),
+    "plan-memory": ("model.cli:plan_main", "sequences x tokens of a config that fit a GPU (python -m model "
+                    "plan-memory)"),
+}
+
+
+def _external(name: str, argv: list[str]) -> int:
+    import importlib
+    mod, fn = EXTERNAL[name][0].split(":")
     try:
-        from model.cli import register
-    except ImportError:
-        return
-    register(sub)
+        entry = getattr(importlib.import_module(mod), fn)
+    except ModuleNotFoundError as e:
+        raise K3genError(f"k3gen {name} needs the model/ package of the repository ({e})") from e
+    return entry(argv, prog=f"k3gen {name}")
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in EXTERNAL:
+        try:
+            return _external(argv[0], argv[1:]) or 0
+        except K3genError as e:
+            print(f"k3gen: error: {e}", file=sys.stderr)
+            return 2
     p = parser()
     a = p.parse_args(argv)
     try:

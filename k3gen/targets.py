@@ -1,33 +1,46 @@
-"""The registry of target presets and which specs each builds.
+"""Target presets (features and op menu), serving options, and `model_specs`: the one enumerator
+of what gets built for a model.
 
-`sm103-nvfp4` and `sm107-nvfp4` are thin presets over one NVFP4 implementation: they differ
+`model_specs(target, model, tp, ep, serving)` lists exactly the specs a model's rank launches at
+one serving setting; `k3gen build --model`, the model itself (model/ops.py resolves every kernel
+it launches in that list), tools/prebuild_gpu.py and the committed trees (`build_specs`) all read
+it. `sm103-nvfp4` and `sm107-nvfp4` are thin presets over one NVFP4 implementation: they differ
 only in arch. `sm100-mxfp4` is the original target: its generated sources are frozen once landed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from k3gen.errors import SpecError, TargetError
-from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout, ScaleRecipe, SsmDtype
-from k3gen.ir.layouts import PAGE_TOKENS
+from k3gen.ir.dtypes import Fp8ScaleGranularity, GateKind, KvDtype, ScaleLayout, ScaleRecipe, SsmDtype
+from k3gen.ir.layouts import PAGE_TOKENS, KvLayout
 from k3gen.ir.spec import OpSpec
 from k3gen.ir.target import Target
 
+# Every op a full K3 rank launches, in build order; adding an op = one line here.
+K3_MENU = ("kv_cache_write", "kda_decode", "kda_verify", "kda_prefill", "act_quant_fp8", "fp8_block_gemm",
+           "mla_q_absorb", "mla_vb_gate", "mla_decode")
+
 
 def _nvfp4(name: str, arch: str, sm: int) -> Target:
-    return Target(name=name, arch=arch, sm=sm, mma="tcgen05", fp4_cvt=True,
+    return Target(name=name, arch=arch, sm=sm, mma="tcgen05", fp4_cvt=True, tma=True, menu=K3_MENU,
                   kv_dtypes=(KvDtype.BF16, KvDtype.FP8, KvDtype.NVFP4),
                   ssm_dtypes=(SsmDtype.FP32, SsmDtype.BF16),
                   nvfp4_scale_layout=ScaleLayout.SWIZZLE_128X4, scale_recipe=ScaleRecipe.UE8M0)
 
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target(name="sm90", arch="sm_90a", sm=90, mma="wgmma", fp4_cvt=False,
+    # Hopper pairs its wgmma GEMMs with either recipe (the H200 tests run both).
+    Target(name="sm90", arch="sm_90a", sm=90, mma="wgmma", fp4_cvt=False, tma=True, menu=K3_MENU,
            kv_dtypes=(KvDtype.BF16, KvDtype.FP8, KvDtype.NVFP4),
            ssm_dtypes=(SsmDtype.FP32, SsmDtype.BF16),
            nvfp4_scale_layout=ScaleLayout.LINEAR, scale_recipe=ScaleRecipe.FP32,
+           gemm_recipes=(ScaleRecipe.FP32, ScaleRecipe.UE8M0),
            notes="Hopper (H100/H200): runs here; FP4 decoded in software"),
-    Target(name="sm100-mxfp4", arch="sm_100a", sm=100, mma="tcgen05", fp4_cvt=True,
+    # The original target gains ops only once they are final: its menu is what landed.
+    Target(name="sm100-mxfp4", arch="sm_100a", sm=100, mma="tcgen05", fp4_cvt=True, tma=True,
+           menu=("kv_cache_write", "kda_verify"),
            kv_dtypes=(KvDtype.BF16, KvDtype.FP8), ssm_dtypes=(SsmDtype.FP32,),
            nvfp4_scale_layout=ScaleLayout.SWIZZLE_128X4, scale_recipe=ScaleRecipe.UE8M0,
            frozen=True, notes="original target: MXFP4 experts, BF16/FP8 KV, FP32 SSM"),
@@ -46,6 +59,8 @@ def get_target(name: str) -> Target:
     return TARGETS[key]
 
 
+# -- serving options ------------------------------------------------------------------------------
+
 @dataclass(frozen=True, kw_only=True)
 class ServingOptions:
     """Deployment choices validated against a target (the restrictions of SPEC.md section 5)."""
@@ -53,6 +68,7 @@ class ServingOptions:
     ssm: SsmDtype = SsmDtype.FP32
     page: int | None = None
     max_drafts: int = 0
+    recipe: ScaleRecipe | None = None   # FP8 projection scales; None: the target's
     chunked_prefill: bool = False
     context_start_alignment: int = 16   # prefix reuse may only start contexts at multiples of this
     partial_page_reuse: bool = False
@@ -73,6 +89,13 @@ def check_serving(target: Target, opts: ServingOptions) -> ServingOptions:
         raise SpecError("page", page, [PAGE_TOKENS[opts.kv]], f"{opts.kv.value} KV")
     if not 0 <= opts.max_drafts <= 7:
         raise SpecError("max_drafts", opts.max_drafts, "0..7")
+    try:
+        recipe = target.scale_recipe if opts.recipe is None else ScaleRecipe(opts.recipe)
+    except ValueError:
+        raise SpecError("recipe", opts.recipe, [r.value for r in ScaleRecipe]) from None
+    if recipe not in target.recipes:
+        raise TargetError("recipe", recipe.value, [r.value for r in target.recipes],
+                          f"target {target.name} pairs its GEMMs with these recipes")
     if opts.kv is KvDtype.NVFP4:
         if opts.chunked_prefill:
             raise SpecError("chunked_prefill", True, [False], "NVFP4 KV re-quantizes whole tiles")
@@ -85,156 +108,300 @@ def check_serving(target: Target, opts: ServingOptions) -> ServingOptions:
             raise SpecError("context_parallel", True, [False], "not supported with NVFP4 KV")
         if opts.disaggregated:
             raise SpecError("disaggregated", True, [False], "no disaggregated FP4 MLA")
-    return ServingOptions(**{**opts.__dict__, "page": page})
+    return ServingOptions(**{**opts.__dict__, "page": page, "recipe": recipe})
+
+
+def serving_kv_layout(target: Target, opts: ServingOptions) -> KvLayout:
+    """The paged KV format a deployment allocates (model/cache.py) and its kernels read."""
+    nvfp4 = opts.kv is KvDtype.NVFP4
+    return KvLayout(kv=opts.kv, page=PAGE_TOKENS[opts.kv], scale_layout=target.nvfp4_scale_layout,
+                    max_drafts=opts.max_drafts if nvfp4 else 0)
+
+
+# -- models as the kernels see them ---------------------------------------------------------------
+
+# The fused MLA A-projection: [q_a q_lora | c_kv 512 | k_pe 64 | pad 64 | gate H * 128]; the pad keeps
+# the gate on a 128-column scale tile. The fused KDA [f_a 128 | b H] projection is padded to 16 rows.
+MLA_A_PAD = 640
+KDA_FAB_ALIGN = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """What a model's kernels depend on (its full config is model/config.py's ModelConfig, whose
+    `kernel_shape()` gives this). Head counts are the whole model's (TP1)."""
+    name: str
+    hidden: int
+    kda_heads: int
+    mla_heads: int
+    q_lora: int | None = 1536
+    kda: bool = True                  # has KDA layers
+    mla: bool = True                  # has MLA layers
+    gate: GateKind = GateKind.BOUNDED
+
+    def heads_at(self, tp: int) -> tuple[int, int]:
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise SpecError("tp", tp, "a positive int")
+        for f, h in (("kda_heads", self.kda_heads), ("mla_heads", self.mla_heads)):
+            if h % tp:
+                raise SpecError("tp", tp, f"divisors of {f}={h}", f"model {self.name}")
+        return self.kda_heads // tp, self.mla_heads // tp
+
+
+MODEL_PRESETS: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape(name="k3", hidden=7168, kda_heads=96, mla_heads=96),
+    ModelShape(name="small", hidden=1024, kda_heads=12, mla_heads=12),
+    ModelShape(name="tiny", hidden=256, kda_heads=2, mla_heads=2),
+    # Kimi-Linear-48B-A3B: softplus gate; its MLA has no q LoRA (a plain q_proj), which no kernel
+    # here implements yet, so model_specs rejects it by that field (issue 20 adds the layers).
+    ModelShape(name="kimi_linear", hidden=2304, kda_heads=32, mla_heads=32, q_lora=None, gate=GateKind.SOFTPLUS),
+)}
+
+
+def get_model(name: str) -> ModelShape:
+    """A preset by name; a path to a config.json is issue 20's ingestion (typed error until then)."""
+    if name in MODEL_PRESETS:
+        return MODEL_PRESETS[name]
+    if name.endswith(".json") or Path(name).exists():
+        raise SpecError("model", name, sorted(MODEL_PRESETS),
+                        "reading a HF config.json is issue 20 (config ingestion); use a preset name")
+    raise SpecError("model", name, sorted(MODEL_PRESETS))
+
+
+def _shape(model) -> ModelShape:
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, str):
+        return get_model(model)
+    if hasattr(model, "kernel_shape"):
+        return model.kernel_shape()
+    raise SpecError("model", type(model).__name__, ["ModelShape", "a preset name", "an object with kernel_shape()"])
+
+
+def model_gemm_shapes(model, tp: int = 1) -> list[tuple[int, int]]:
+    """(N, K) of every FP8 linear of a rank (as the loader fuses and pads them), sorted."""
+    m = _shape(model)
+    hk, hm = m.heads_at(tp)
+    out = set()
+    if m.kda:
+        d = hk * 128
+        out |= {(4 * d, m.hidden), (-(-(128 + hk) // KDA_FAB_ALIGN) * KDA_FAB_ALIGN, m.hidden), (m.hidden, d)}
+    if m.mla:
+        _need_q_lora(m)
+        # Q-B (H * 192, q_lora) runs as its own GEMM in the unabsorbed prefill (decode fuses it into
+        # mla_q_absorb, whose gemm_spec is the same kernel).
+        out |= {(m.q_lora + MLA_A_PAD + hm * 128, m.hidden), (hm * 192, m.q_lora), (m.hidden, hm * 128)}
+    return sorted(out)
+
+
+def _need_q_lora(m: ModelShape) -> None:
+    from k3gen.ops.mla_q_absorb.spec import Q_LORA
+    if m.q_lora != Q_LORA:
+        raise SpecError("q_lora", m.q_lora, [Q_LORA], f"model {m.name}: mla_q_absorb reads a {Q_LORA}-wide q "
+                        "LoRA; an MLA without one has no kernels yet")
+
+
+def attention_tokens(kv: KvDtype, max_drafts: int) -> list[int]:
+    """Query tokens per mla_decode launch: decode (1) and verify (1 + drafts); NVFP4 verify launches
+    per token (model/ops.py says why)."""
+    if kv is KvDtype.NVFP4 or not max_drafts:
+        return [1]
+    return [1, 1 + max_drafts]
+
+
+def mla_decode_spec(target: Target, heads: int, layout: KvLayout, tokens: int) -> OpSpec:
+    """The attention spec whose KvLayout is exactly the cache's (page, FP8 scale granularity, NVFP4
+    scale layout, HP tail ring of 16 + drafts rows)."""
+    from k3gen.ops.mla_decode.spec import MlaDecodeSpec
+    nvfp4 = layout.kv is KvDtype.NVFP4
+    kw = dict(target=target, heads=heads, kv=layout.kv, fp8_scales=layout.fp8_scales,
+              scale_layout=layout.scale_layout if nvfp4 else None, max_drafts=layout.max_drafts)
+    # Verify uses the decode step's schedule (the one "auto" picks at T = 1), whose rows are bitwise
+    # independent of the query tiling: speculative decoding then reproduces greedy decoding except at
+    # exact ties, instead of at any near-tie two schedules round apart.
+    spec = MlaDecodeSpec(tokens=tokens, schedule=MlaDecodeSpec(tokens=1, **kw).schedule, **kw)
+    if spec.layout.tensors() != layout.tensors() or spec.page != layout.page:
+        raise SpecError("kv_layout", str(layout), [str(spec.layout)], "mla_decode reads the cache's own layout")
+    return spec
+
+
+def rank_specs(target: Target, *, kda_heads: int | None, mla_heads: int | None, gemm_shapes,
+               serving: ServingOptions, gate: GateKind = GateKind.BOUNDED) -> list[OpSpec]:
+    """The specs one rank launches, from its per-rank head counts (None: no such layers) and the
+    (N, K) of its FP8 linears: model_specs' core, also what KernelOps built from heads reads."""
+    from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
+    from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
+    from k3gen.ops.kda_decode.spec import KdaDecodeSpec
+    from k3gen.ops.kda_prefill.spec import KdaPrefillSpec
+    from k3gen.ops.kda_verify.spec import KdaVerifySpec
+    from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
+    from k3gen.ops.mla_q_absorb.spec import MlaQAbsorbSpec
+    from k3gen.ops.mla_vb_gate.spec import MlaVbGateSpec
+    s = check_serving(target, serving)
+    t, r, m = target, s.recipe, s.max_drafts
+    out: list[OpSpec] = []
+    if kda_heads:
+        out += [KdaDecodeSpec(target=t, heads=kda_heads, ssm=s.ssm, gate=gate),
+                KdaPrefillSpec(target=t, heads=kda_heads, ssm=s.ssm, gate=gate)]
+        if m:
+            out.append(KdaVerifySpec(target=t, heads=kda_heads, drafts=m, ssm=s.ssm, gate=gate))
+    if mla_heads:
+        lay = serving_kv_layout(t, s)
+        q_absorb = MlaQAbsorbSpec(target=t, heads=mla_heads, recipe=r)
+        out += [KvCacheWriteSpec(target=t, kv=lay.kv, fp8_scales=lay.fp8_scales, max_drafts=lay.max_drafts),
+                q_absorb, q_absorb.gemm_spec, MlaVbGateSpec(target=t, heads=mla_heads)]
+        out += [mla_decode_spec(t, mla_heads, lay, T) for T in attention_tokens(lay.kv, m)]
+    shapes = sorted(set(gemm_shapes))
+    out += [Fp8BlockGemmSpec(target=t, n=n, k=k, recipe=r) for n, k in shapes]
+    out += [ActQuantFp8Spec(target=t, k=k, recipe=r) for k in sorted({k for _, k in shapes})]
+    return _unique(_on_menu(t, out))
+
+
+def model_specs(target: Target, model, tp: int = 1, ep: int = 1,
+                serving: ServingOptions | None = None) -> list[OpSpec]:
+    """Exactly the specs one rank of `model` (a ModelShape, preset name or ModelConfig) launches at
+    tensor-parallel degree `tp` with `serving` (default: the target's first KV and SSM dtypes, no
+    drafts). `ep` is validated only: the MoE runs in PyTorch until its kernels land."""
+    m = _shape(model)
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise SpecError("ep", ep, "a positive int")
+    serving = serving or ServingOptions(kv=target.kv_dtypes[0], ssm=target.ssm_dtypes[0])
+    hk, hm = m.heads_at(tp)
+    shapes = model_gemm_shapes(m, tp)
+    return rank_specs(target, kda_heads=hk if m.kda else None, mla_heads=hm if m.mla else None,
+                      gemm_shapes=shapes, serving=serving, gate=m.gate)
+
+
+def serving_sweep(target: Target, kv: KvDtype | None = None, ssm: SsmDtype | None = None,
+                  drafts=(0, 3, 7), recipes=None) -> list[ServingOptions]:
+    """Every serving setting a build covers: kv/ssm/recipes narrow (None: all the target allows)."""
+    if kv is not None and kv not in target.kv_dtypes:
+        raise TargetError("kv", kv.value, [x.value for x in target.kv_dtypes], f"target {target.name}")
+    if ssm is not None and ssm not in target.ssm_dtypes:
+        raise TargetError("ssm", ssm.value, [s.value for s in target.ssm_dtypes], f"target {target.name}")
+    return [ServingOptions(kv=k, ssm=s, max_drafts=d, recipe=r)
+            for k in (target.kv_dtypes if kv is None else (kv,)) for s in (target.ssm_dtypes if ssm is None else (ssm,))
+            for d in drafts for r in (target.recipes if recipes is None else recipes)]
+
+
+def sweep_specs(target: Target, model, tps=(1,), servings=()) -> list[OpSpec]:
+    """model_specs over several TP degrees and serving settings, each spec once (first-seen order)."""
+    return _unique([s for tp in tps for o in servings for s in model_specs(target, model, tp, serving=o)])
+
+
+def _on_menu(target: Target, specs: list[OpSpec]) -> list[OpSpec]:
+    for s in specs:
+        if s.op not in target.menu:
+            raise TargetError("op", s.op, list(target.menu), f"target {target.name} does not build it")
+    return specs
+
+
+def _unique(specs) -> list[OpSpec]:
+    out: dict[str, OpSpec] = {}
+    for s in specs:
+        out.setdefault(s.digest(), s)
+    return list(out.values())
+
+
+class SpecMenu:
+    """The specs of one enumeration, found by (op, fields): how the model resolves each kernel it
+    launches, so a launch the enumerator does not list fails loudly instead of compiling."""
+
+    def __init__(self, specs):
+        self.specs = list(specs)
+        self._memo: dict = {}
+
+    def find(self, op: str, **want) -> OpSpec:
+        key = (op, tuple(sorted((k, str(v)) for k, v in want.items())))
+        hit = self._memo.get(key)
+        if hit is None:
+            hits = [s for s in self.specs if s.op == op and all(getattr(s, k) == v for k, v in want.items())]
+            if len(hits) != 1:
+                have = sorted({s.slug() for s in self.specs if s.op == op})
+                raise SpecError(op, want, have or ["none"],
+                                f"{len(hits)} specs of model_specs match; the model launches only what it lists")
+            hit = self._memo[key] = hits[0]
+        return hit
+
+
+# -- the committed trees --------------------------------------------------------------------------
+
+# The committed generated/<target>/ trees hold K3 at these TP degrees for every serving setting.
+DEFAULT_MODEL = "k3"
+DEFAULT_TPS = (8, 1)
+DEFAULT_DRAFTS = (0, 3, 7)
+# Head counts and drafts that tests and benches import (the K3 TP8 / TP1 ranks).
+KDA_VERIFY_HEADS = (12, 96)
+KDA_VERIFY_DRAFTS = (3, 7)
+KDA_PREFILL_HEADS = (12, 96)
+MLA_HEADS = (12, 96)
+# KDA decode at every K3 TP degree TP1..TP16 (tests/benches sweep them) and Kimi-Linear's gate.
+KDA_DECODE_HEADS = (6, 12, 24, 48, 96)
+# FP8 GEMM shapes the benches and wgmma tests sweep: q_a alone (the model fuses it into the
+# A-projection), Q-B, o_proj and the fused KDA [q|k|v|g] at TP8 (H = 12) and TP1 (H = 96).
+FP8_GEMM_TP8 = ((1536, 7168), (12 * 192, 1536), (7168, 12 * 128), (4 * 12 * 128, 7168))
+FP8_GEMM_TP1 = ((96 * 192, 1536), (7168, 96 * 128), (4 * 96 * 128, 7168))
+ACT_QUANT_K = (1536, 7168)
+MLA_DECODE_SHAPES = ((12, 1), (12, 4), (96, 1), (96, 4))
 
 
 def build_specs(target: Target, kv: KvDtype | None = None, ssm: SsmDtype | None = None) -> list[OpSpec]:
-    """The specs a target builds. kv/ssm narrow the list; None means every dtype it supports.
+    """The specs of a target's committed tree: model_specs of K3 at DEFAULT_TPS over every serving
+    setting (kv/ssm narrow; None means every dtype the target supports), plus the kernels tests and
+    benches use that no default model launches (`_extra_specs`). A frozen target lists what landed.
 
     The generated source tree of a target always holds the full list; a narrowed build only
     compiles fewer cubins.
     """
-    from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
+    if target.frozen:
+        return _frozen_specs(target, kv, ssm)
+    servings = serving_sweep(target, kv, ssm, DEFAULT_DRAFTS)
+    # M = 7 KDA verify on sm_90a holds one CTA per SM (KdaVerifySpec.blocks_per_sm): the trees keep
+    # kernels at two (tests/nogpu/ops/test_kda_verify_spec.py); `k3gen build --model` and prebuild build it.
+    model = [s for s in sweep_specs(target, DEFAULT_MODEL, DEFAULT_TPS, servings)
+             if s.op != "kda_verify" or s.blocks_per_sm == 2]
+    return _unique(model + _extra_specs(target, kv, ssm))
 
-    kvs = target.kv_dtypes if kv is None else (kv,)
+
+def _extra_specs(target: Target, kv: KvDtype | None, ssm: SsmDtype | None) -> list[OpSpec]:
+    """In the trees for tests and benches, launched by no default model: KDA decode at K3's other TP
+    head counts and with Kimi-Linear's softplus gate; FP8 per-tensor KV writes; NVFP4 multi-token
+    attention (the model runs NVFP4 verify per token); act_quant with the recipes the target's
+    GEMMs do not take; the q_a GEMM alone (the model fuses it into the A-projection)."""
+    from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
+    from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
+    from k3gen.ops.kda_decode.spec import KdaDecodeSpec
+    from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
+    t = target
+    kvs = t.kv_dtypes if kv is None else (kv,)
+    out: list[OpSpec] = []
+    for s in t.ssm_dtypes if ssm is None else (ssm,):
+        out += [KdaDecodeSpec(target=t, heads=h, ssm=s) for h in KDA_DECODE_HEADS]
+        out.append(KdaDecodeSpec(target=t, heads=12, ssm=s, gate=GateKind.SOFTPLUS))
+    if KvDtype.FP8 in kvs:
+        out.append(KvCacheWriteSpec(target=t, kv=KvDtype.FP8, fp8_scales=Fp8ScaleGranularity.PER_TENSOR))
+    if KvDtype.NVFP4 in kvs:
+        lay = serving_kv_layout(t, ServingOptions(kv=KvDtype.NVFP4, max_drafts=3))
+        out += [mla_decode_spec(t, h, lay, T) for h, T in MLA_DECODE_SHAPES if T > 1]
+    out += [ActQuantFp8Spec(target=t, k=k, recipe=r) for k in ACT_QUANT_K for r in ScaleRecipe if r not in t.recipes]
+    out += [Fp8BlockGemmSpec(target=t, n=n, k=k, recipe=r) for n, k in FP8_GEMM_TP8[:1] for r in t.recipes]
+    return _on_menu(t, out)
+
+
+def _frozen_specs(target: Target, kv: KvDtype | None, ssm: SsmDtype | None) -> list[OpSpec]:
+    """What the original target landed (frozen byte for byte, tests/golden): its KV writes and the
+    original shared verify kernel, FP32 state, K3 TP8/TP1 heads, M = 3 and 7."""
+    from k3gen.ops.kda_verify.spec import KdaVerifySpec, VerifyVariant
+    from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
     specs: list[OpSpec] = []
-    for k in kvs:
+    for k in target.kv_dtypes if kv is None else (kv,):
         if k not in target.kv_dtypes:
             raise TargetError("kv", k.value, [x.value for x in target.kv_dtypes], f"target {target.name}")
-        if k is KvDtype.FP8:
-            for g in Fp8ScaleGranularity:
-                specs.append(KvCacheWriteSpec(target=target, kv=k, fp8_scales=g))
-        elif k is KvDtype.NVFP4:
-            for m in (0, 3, 7):
-                specs.append(KvCacheWriteSpec(target=target, kv=k, max_drafts=m))
-        else:
-            specs.append(KvCacheWriteSpec(target=target, kv=k))
+        grans = tuple(Fp8ScaleGranularity) if k is KvDtype.FP8 else (Fp8ScaleGranularity.PER_TOKEN_128,)
+        specs += [KvCacheWriteSpec(target=target, kv=k, fp8_scales=g) for g in grans]
     if ssm is not None and ssm not in target.ssm_dtypes:
         raise TargetError("ssm", ssm.value, [s.value for s in target.ssm_dtypes], f"target {target.name}")
-    specs += _kda_decode_specs(target, ssm)
-    specs += _kda_verify_specs(target, ssm)
-    specs += _kda_prefill_specs(target, ssm)
-    specs += _act_quant_specs(target)
-    specs += _fp8_proj_specs(target)
-    specs += _mla_decode_specs(target, kv)
-    return specs
+    specs += [KdaVerifySpec(target=target, heads=h, drafts=m, variant=VerifyVariant.ORIGINAL)
+              for h in KDA_VERIFY_HEADS for m in KDA_VERIFY_DRAFTS]
+    return _on_menu(target, specs)
 
-
-# Activation quantization ahead of the FP8 block GEMMs: K = hidden (7168) and q_lora (1536).
-ACT_QUANT_K = (1536, 7168)
-
-
-def _act_quant_specs(target: Target) -> list[OpSpec]:
-    from k3gen.ir.dtypes import ScaleRecipe
-    from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
-    if target.frozen:  # the original target gains ops only once they are final
-        return []
-    return [ActQuantFp8Spec(target=target, k=k, recipe=r) for k in ACT_QUANT_K for r in ScaleRecipe]
-
-
-# KDA decode per-rank head counts (TP1..TP16); the original target does not carry the fused op.
-KDA_DECODE_HEADS = (6, 12, 24, 48, 96)
-KDA_DECODE_TARGETS = ("sm90", "sm103-nvfp4", "sm107-nvfp4")
-
-
-def _kda_decode_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
-    from k3gen.ir.dtypes import GateKind
-    from k3gen.ops.kda_decode.spec import KdaDecodeSpec
-    if target.name not in KDA_DECODE_TARGETS:
-        return []
-    out: list[OpSpec] = []
-    for s in target.ssm_dtypes if ssm is None else (ssm,):
-        out += [KdaDecodeSpec(target=target, heads=h, ssm=s, gate=GateKind.BOUNDED) for h in KDA_DECODE_HEADS]
-        out.append(KdaDecodeSpec(target=target, heads=12, ssm=s, gate=GateKind.SOFTPLUS))  # Kimi-Linear gate
-    return out
-
-
-# FP8 block GEMMs of the K3 projections (N, K) at TP8 (H = 12) and TP1 (H = 96): q_a, q_b, o_proj,
-# the fused KDA [q|k|v|g] projection; plus the MLA query path and V-B/gate ops around them.
-# The original target does not carry them (its sources freeze on landing).
-FP8_PROJ_TARGETS = ("sm90", "sm103-nvfp4", "sm107-nvfp4")
-FP8_GEMM_TP8 = ((1536, 7168), (12 * 192, 1536), (7168, 12 * 128), (4 * 12 * 128, 7168))
-FP8_GEMM_TP1 = ((96 * 192, 1536), (7168, 96 * 128), (4 * 96 * 128, 7168))
-MLA_HEADS = (12, 96)
-
-
-def _fp8_proj_specs(target: Target) -> list[OpSpec]:
-    from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
-    from k3gen.ops.mla_q_absorb.spec import MlaQAbsorbSpec
-    from k3gen.ops.mla_vb_gate.spec import MlaVbGateSpec
-    if target.name not in FP8_PROJ_TARGETS:
-        return []
-    # Hopper runs both recipes here (the H200 tests pair each with its own activations).
-    recipes = tuple(ScaleRecipe) if target.name == "sm90" else (target.scale_recipe,)
-    out: dict[str, OpSpec] = {}
-    for n, k in FP8_GEMM_TP8:
-        for r in recipes:
-            s = Fp8BlockGemmSpec(target=target, n=n, k=k, recipe=r)
-            out[s.digest()] = s
-    for n, k in FP8_GEMM_TP1:
-        s = Fp8BlockGemmSpec(target=target, n=n, k=k, recipe=target.scale_recipe)
-        out[s.digest()] = s
-    for h in MLA_HEADS:
-        for s in (MlaQAbsorbSpec(target=target, heads=h), MlaVbGateSpec(target=target, heads=h)):
-            out[s.digest()] = s
-            if isinstance(s, MlaQAbsorbSpec):
-                out.setdefault(s.gemm_spec.digest(), s.gemm_spec)
-    return list(out.values())
-
-
-# KDA verify (M drafts) on the targets that own it, TP8 and TP1 head counts. Only builds that hold
-# 128 registers without spills (two CTAs per SM; tests/nogpu/test_build.py) are listed: M = 7 on
-# sm_90a needs one CTA per SM (KdaVerifySpec.blocks_per_sm) and is JIT-compiled / prebuilt for the
-# GPU tests instead.
-KDA_VERIFY_HEADS = (12, 96)
-KDA_VERIFY_DRAFTS = (3, 7)
-# KDA prefill: the chunk16 (WY, tensor-core) kernel at one CTA per SM (<= 255 registers, no spills;
-# tests/nogpu/test_build.py admits that occupancy for this op). The token-sequential algo is a
-# cross-check, compiled on first use.
-KDA_PREFILL_HEADS = (12, 96)
-# The sm100-mxfp4 target's shared verify kernel: KdaVerifySpec(variant=ORIGINAL, ssm=FP32), the same
-# head and draft counts. Its generated sources are frozen once landed (tests/golden: source bytes and
-# the SASS they compile to, so a change to a shared header shows up too).
-KDA_VERIFY_ORIGINAL_TARGETS = ("sm100-mxfp4",)
-
-
-def _kda_prefill_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
-    from k3gen.ops.kda_prefill.spec import KdaPrefillSpec
-    if target.name not in KDA_DECODE_TARGETS:
-        return []
-    return [KdaPrefillSpec(target=target, heads=h, ssm=s)
-            for s in (target.ssm_dtypes if ssm is None else (ssm,)) for h in KDA_PREFILL_HEADS]
-
-
-def _kda_verify_specs(target: Target, ssm: SsmDtype | None) -> list[OpSpec]:
-    from k3gen.ops.kda_verify.spec import KdaVerifySpec, VerifyVariant
-    if target.name in KDA_VERIFY_ORIGINAL_TARGETS:
-        if ssm not in (None, SsmDtype.FP32):
-            return []
-        return [KdaVerifySpec(target=target, heads=h, drafts=m, variant=VerifyVariant.ORIGINAL)
-                for h in KDA_VERIFY_HEADS for m in KDA_VERIFY_DRAFTS]
-    if target.name not in KDA_DECODE_TARGETS:
-        return []
-    out: list[OpSpec] = []
-    for s in target.ssm_dtypes if ssm is None else (ssm,):
-        for h in KDA_VERIFY_HEADS:
-            for m in KDA_VERIFY_DRAFTS:
-                spec = KdaVerifySpec(target=target, heads=h, drafts=m, ssm=s)
-                if spec.blocks_per_sm == 2:
-                    out.append(spec)
-    return out
-
-
-# MLA decode attention: a few representative specs (TP8 and TP1 heads, decode and T = 4 verify).
-# The SM100-family targets compile the same mma.sync kernel (the tcgen05 FP4 path is not written).
-MLA_DECODE_TARGETS = ("sm90", "sm103-nvfp4", "sm107-nvfp4")
-MLA_DECODE_SHAPES = ((12, 1), (12, 4), (96, 1), (96, 4))
-
-
-def _mla_decode_specs(target: Target, kv: KvDtype | None) -> list[OpSpec]:
-    from k3gen.ops.mla_decode.spec import MlaDecodeSpec
-    if target.name not in MLA_DECODE_TARGETS:
-        return []
-    kvs = target.kv_dtypes if kv is None else (kv,)
-    return [MlaDecodeSpec(target=target, heads=h, tokens=t, kv=k, max_drafts=3 if k is KvDtype.NVFP4 else 0)
-            for k in kvs for h, t in MLA_DECODE_SHAPES]

@@ -1,5 +1,6 @@
-"""Arguments of `k3gen generate` / `k3gen plan-memory`, kept free of heavy imports: k3gen's parser
-registers them on every invocation, and `k3gen build` must start fast."""
+"""The model's command line: `python -m model generate|plan-memory ...`, also reachable as
+`k3gen generate` / `k3gen plan-memory` (k3gen/cli.py resolves `generate_main` / `plan_main` by name
+when one of them runs). Kept free of heavy imports: `--help` must answer fast."""
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,33 @@ def run_plan(a) -> int:
     return run(a)
 
 
-def register(sub) -> None:
-    ge = sub.add_parser("generate", help="run the Kimi K3 model (small configs; reference path on a CPU)")
-    add_generate_arguments(ge)
-    ge.set_defaults(fn=run_generate)
-    pm = sub.add_parser("plan-memory", help="sequences x tokens of the K3 config that fit a GPU, per KV/SSM dtype")
-    add_plan_arguments(pm)
-    pm.set_defaults(fn=run_plan)
+COMMANDS = {
+    "generate": (add_generate_arguments, run_generate, "run the Kimi K3 model (small configs; reference path on a CPU)"),
+    "plan-memory": (add_plan_arguments, run_plan, "sequences x tokens of the K3 config that fit a GPU, per KV/SSM dtype"),
+}
+
+
+def _run(name: str, argv, prog: str | None) -> int:
+    add, run, doc = COMMANDS[name]
+    p = argparse.ArgumentParser(prog=prog or f"python -m model {name}", description=doc)
+    add(p)
+    return run(p.parse_args(argv))
+
+
+def generate_main(argv=None, prog: str | None = None) -> int:
+    return _run("generate", argv, prog)
+
+
+def plan_main(argv=None, prog: str | None = None) -> int:
+    return _run("plan-memory", argv, prog)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m model", description="Kimi K3 assembled from k3gen's kernels")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
+    for name, (add, run, doc) in COMMANDS.items():
+        sp = sub.add_parser(name, help=doc, description=doc)
+        add(sp)
+        sp.set_defaults(fn=run)
+    a = p.parse_args(argv)
+    return a.fn(a)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import KvDtype, ScaleRecipe, SsmDtype
-from k3gen.ir.layouts import KDA_DK, MLA_LATENT, MLA_ROPE, PAGE_TOKENS as PAGE, KvLayout, StatePoolLayout
+from k3gen.ir.layouts import KDA_DK, MLA_LATENT, MLA_ROPE, KvLayout, StatePoolLayout
 from k3gen.ir.target import Target
-from k3gen.targets import ServingOptions, check_serving, get_target
+from k3gen.targets import ModelShape, ServingOptions, check_serving, get_target, serving_kv_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,10 +86,13 @@ class ModelConfig:
         return [i for i in range(self.layers) if self.kind(i) == "mla"]
 
     def for_tp(self, tp: int) -> "RankShape":
-        for f, h in (("kda_heads", self.kda_heads), ("mla_heads", self.mla_heads)):
-            if h % tp:
-                raise SpecError("tp", tp, f"divisors of {f}={h}")
-        return RankShape(kda_heads=self.kda_heads // tp, mla_heads=self.mla_heads // tp)
+        hk, hm = self.kernel_shape().heads_at(tp)
+        return RankShape(kda_heads=hk, mla_heads=hm)
+
+    def kernel_shape(self) -> ModelShape:
+        """What k3gen's enumerator (targets.model_specs) reads of this model."""
+        return ModelShape(name=self.name, hidden=self.hidden, kda_heads=self.kda_heads, mla_heads=self.mla_heads,
+                          q_lora=self.q_lora, kda=bool(self.kda_layer_ids), mla=bool(self.mla_layer_ids))
 
 
 @dataclass(frozen=True)
@@ -152,11 +155,10 @@ class TargetConfig:
         kv, ssm = KvDtype(self.kv), SsmDtype(self.ssm)
         object.__setattr__(self, "kv", kv)
         object.__setattr__(self, "ssm", ssm)
-        check_serving(self.target, ServingOptions(kv=kv, ssm=ssm, max_drafts=self.max_drafts))
-        recipe = self.target.scale_recipe if self.recipe is None else ScaleRecipe(self.recipe)
-        if recipe is not self.target.scale_recipe and self.target.name != "sm90":
-            raise SpecError("recipe", recipe.value, [self.target.scale_recipe.value],
-                            f"target {self.target.name} pairs its GEMMs with one recipe")
+        # The target's recipes decide which FP8 projection scales are allowed (check_serving).
+        served = check_serving(self.target, ServingOptions(kv=kv, ssm=ssm, max_drafts=self.max_drafts,
+                                                           recipe=self.recipe))
+        recipe = served.recipe
         object.__setattr__(self, "recipe", recipe)
         if self.path not in PATHS:
             raise SpecError("path", self.path, PATHS)
@@ -167,9 +169,11 @@ class TargetConfig:
         if self.tp < 1:
             raise SpecError("tp", self.tp, ">= 1")
 
+    def serving(self) -> ServingOptions:
+        return ServingOptions(kv=self.kv, ssm=self.ssm, max_drafts=self.max_drafts, recipe=self.recipe)
+
     def kv_layout(self) -> KvLayout:
-        return KvLayout(kv=self.kv, page=PAGE[self.kv], scale_layout=self.target.nvfp4_scale_layout,
-                        max_drafts=self.max_drafts if self.kv is KvDtype.NVFP4 else 0)
+        return serving_kv_layout(self.target, self.serving())
 
     def state_layout(self, heads: int) -> StatePoolLayout:
         return StatePoolLayout(heads=heads, ssm=self.ssm, max_drafts=self.max_drafts)

@@ -1,10 +1,9 @@
 """Generation: batched prefill + decode, greedy and seeded sampling, speculative decoding with a
 prompt-lookup (n-gram) drafter through KDA verify and multi-token MLA attention, CUDA graphs per
-decode batch size on the kernel path. `python -m model.generate --help` (also `k3gen generate`).
+decode batch size on the kernel path. `python -m model generate --help` (also `k3gen generate`).
 """
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass, field
 
@@ -206,11 +205,6 @@ def build_model(config: str, arch: str, kv: str, ssm: str, max_drafts: int, path
     return K3Model(w, tcfg, cache)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from model.cli import add_generate_arguments
-    add_generate_arguments(p)
-
-
 def run(a) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -246,13 +240,3 @@ def run(a) -> int:
     n = sum(len(r.out) for r in reqs)
     con.print(f"{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s")
     return 0
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m model.generate", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

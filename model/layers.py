@@ -126,7 +126,7 @@ def mla_prefill(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float
 # the same row of a decode step (B rows), and a random model amplifies that into different tokens.
 # FP64 products rounded to FP32 are row-invariant but for values within ~1e-16 of a rounding edge
 # (the 2026-11-30 H200 run: speculative == greedy fails with FP32 stand-ins, holds with row-by-row
-# ones; scripts/diag_spec_greedy.py). The generated kernels are row-invariant by construction.
+# ones; tools/diag_spec_greedy.py). The generated kernels are row-invariant by construction.
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() @ b.double()).float()
 

@@ -2,7 +2,7 @@
 reference path (RefOps). The kernel path (KernelOps) runs the generated `mla_decode` instead.
 It dequantizes the pages of each sequence with vectorized tensor ops (no host sync, static shapes)
 and matches k3gen's `reference.kv_cache_write.gather_rows` value for value
-(tests/nogpu/test_model_attention.py).
+(tests/nogpu/modeling/test_model_attention.py).
 
 Multi-token queries (verify: 1 + M tokens per sequence) are bottom-right causal: query t of a
 sequence whose step starts at position p sees positions < p + t + 1. With NVFP4 KV each query reads

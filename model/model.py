@@ -7,6 +7,7 @@ import torch
 
 from k3gen.errors import SpecError
 from k3gen.ops.kda_verify.reference import commit as kda_commit
+from k3gen.targets import model_gemm_shapes
 
 from model import layers as L
 from model.cache import HybridCache
@@ -16,15 +17,9 @@ from model.weights import DenseMlpWeights, KdaLayerWeights, ModelWeights
 
 
 def gemm_shapes_for(cfg, tp: int = 1) -> list[tuple[int, int]]:
-    """(N, K) of every FP8 linear of `cfg` at `tp` (what the loader produces: fused and padded)."""
-    from model.weights import KV_A_PAD
-    sh = cfg.for_tp(tp)
-    D, Hm = sh.kda_heads * 128, sh.mla_heads * 128
-    fab = -(-(128 + sh.kda_heads) // 16) * 16
-    # Q-B (H * 192, q_lora) runs as its own GEMM in the unabsorbed prefill (decode fuses it into
-    # mla_q_absorb).
-    return sorted({(4 * D, cfg.hidden), (fab, cfg.hidden), (cfg.hidden, D),
-                   (cfg.q_lora + KV_A_PAD + Hm, cfg.hidden), (cfg.hidden, Hm), (sh.mla_heads * 192, cfg.q_lora)})
+    """(N, K) of every FP8 linear of `cfg` at `tp` (what the loader produces: fused and padded);
+    k3gen's enumerator owns the list (targets.model_gemm_shapes)."""
+    return model_gemm_shapes(cfg, tp)
 
 
 class K3Model:
@@ -43,8 +38,12 @@ class K3Model:
             out += [(x.n, x.k) for x in lins]
         return out
 
+    def _shapes_arg(self):
+        """None when the ops resolve kernels through the enumerator (make_ops), else the weights' shapes."""
+        return None if getattr(self.ops, "menu", None) is not None else self.gemm_shapes()
+
     def kernel_specs(self) -> list:
-        return self.ops.specs(self.gemm_shapes()) if self.ops.kind == "kernel" else []
+        return self.ops.specs(self._shapes_arg()) if self.ops.kind == "kernel" else []
 
     def max_tokens(self) -> int:
         """The most positions a sequence can hold (its block-table row): what mla_decode plans for."""
@@ -54,7 +53,7 @@ class K3Model:
         """Every kernel loaded and every mla_decode split plan made for the captured batch sizes:
         what capture needs so that it never compiles or allocates from host data."""
         if self.ops.kind == "kernel":
-            self.ops.load_all(self.gemm_shapes(), self.tcfg.graph_batch_sizes, self.max_tokens())
+            self.ops.load_all(self._shapes_arg(), self.tcfg.graph_batch_sizes, self.max_tokens())
 
     def _ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
         lw = self.w.layers[i]

@@ -24,6 +24,7 @@ from k3gen.ops.kda_verify.reference import kda_verify as ref_kda_verify
 from k3gen.ops.kv_cache_write.reference import kv_cache_write as ref_kv_write
 from k3gen.ops.mla_q_absorb.reference import NOPE, Q_LORA, rms_norm_bf16
 from k3gen.ops.mla_vb_gate.reference import mla_vb_gate as ref_vb_gate
+from k3gen.targets import ServingOptions, SpecMenu, attention_tokens, mla_decode_spec, model_specs, rank_specs
 
 from model import mla_attention as attn
 from model.weights import Fp8Linear
@@ -93,15 +94,25 @@ class RefOps(Ops):
 
 
 class KernelOps(Ops):
-    """The generated kernels of `target` (launchers built from specs, cubins JIT-compiled or
-    prebuilt). `load_all` must run before CUDA-graph capture (capture never compiles)."""
+    """The generated kernels of `target` (launchers of specs, cubins JIT-compiled or prebuilt).
+    `load_all` must run before CUDA-graph capture (capture never compiles).
+
+    With `model` (a ModelConfig, as `make_ops` passes) every kernel is found by (op, fields) in
+    k3gen's `targets.model_specs` for this rank and serving setting, the list `k3gen build --model`
+    builds: a launch the enumerator does not list raises instead of compiling something unbuilt.
+    Built from head counts alone (tests), the specs come from the same enumerator's core
+    (`targets.rank_specs`) for the FP8 shapes given."""
     kind = "kernel"
 
     def __init__(self, target, recipe: ScaleRecipe, ssm: SsmDtype, kv: KvLayout, heads_kda: int, heads_mla: int,
-                 max_drafts: int, gate: GateKind = GateKind.BOUNDED):
+                 max_drafts: int, gate: GateKind = GateKind.BOUNDED, model=None, tp: int = 1):
         super().__init__(recipe, gate)
         self.target, self.ssm, self.kv_layout = target, ssm, kv
         self.heads_kda, self.heads_mla, self.max_drafts = heads_kda, heads_mla, max_drafts
+        self.serving = ServingOptions(kv=kv.kv, ssm=ssm, max_drafts=max_drafts, recipe=recipe)
+        self.menu = None
+        if model is not None:
+            self.menu = SpecMenu(model_specs(target, model, tp, serving=self.serving))
         self._launchers: dict[str, object] = {}
         # mla_decode split plans (split count + FP32 workspace) by (T, batch): made outside
         # capture, sized for the longest sequence a block-table row can hold; a graph keeps the
@@ -109,58 +120,35 @@ class KernelOps(Ops):
         self._plans: dict[tuple[int, int], object] = {}
 
     # -- specs ------------------------------------------------------------------------------------
-    def specs(self, gemm_shapes) -> list:
-        """Every spec this model runs (gemm_shapes: the (N, K) of its FP8 linears)."""
-        from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
-        from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
-        from k3gen.ops.kda_decode.spec import KdaDecodeSpec
-        from k3gen.ops.kda_prefill.spec import KdaPrefillSpec
-        from k3gen.ops.kda_verify.spec import KdaVerifySpec
-        from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
-        from k3gen.ops.mla_q_absorb.spec import MlaQAbsorbSpec
-        from k3gen.ops.mla_vb_gate.spec import MlaVbGateSpec
-        t = self.target
-        out = [KdaDecodeSpec(target=t, heads=self.heads_kda, ssm=self.ssm, gate=self.gate),
-               KdaPrefillSpec(target=t, heads=self.heads_kda, ssm=self.ssm, gate=self.gate),
-               KvCacheWriteSpec(target=t, kv=self.kv_layout.kv, fp8_scales=self.kv_layout.fp8_scales,
-                                max_drafts=self.kv_layout.max_drafts),
-               MlaQAbsorbSpec(target=t, heads=self.heads_mla, recipe=self.recipe),
-               MlaVbGateSpec(target=t, heads=self.heads_mla)]
-        out += [self.mla_decode_spec(T) for T in self.attention_tokens()]
-        if self.max_drafts:
-            out.append(KdaVerifySpec(target=t, heads=self.heads_kda, drafts=self.max_drafts, ssm=self.ssm,
-                                     gate=self.gate))
-        for n, k in sorted(set(gemm_shapes)):
-            out.append(Fp8BlockGemmSpec(target=t, n=n, k=k, recipe=self.recipe))
-        for k in sorted({k for _, k in gemm_shapes}):
-            out.append(ActQuantFp8Spec(target=t, k=k, recipe=self.recipe))
-        return out
+    def specs(self, gemm_shapes=None) -> list:
+        """Every spec this rank runs: the enumerated list, or (no model) the enumerator's core over
+        `gemm_shapes`, the (N, K) of its FP8 linears."""
+        if gemm_shapes is None:
+            if self.menu is None:
+                raise SpecError("gemm_shapes", None, "the (N, K) list", "KernelOps built without a model")
+            return list(self.menu.specs)
+        return rank_specs(self.target, kda_heads=self.heads_kda, mla_heads=self.heads_mla, gemm_shapes=gemm_shapes,
+                          serving=self.serving, gate=self.gate)
 
     def step_tokens(self) -> list[int]:
         """Query tokens per sequence of the decode (1) and verify (1 + drafts) steps."""
         return [1] + ([1 + self.max_drafts] if self.max_drafts else [])
 
     def mla_decode_spec(self, T: int):
-        """The attention spec whose KvLayout is exactly the cache's (page, FP8 scale granularity,
-        NVFP4 scale layout, HP tail ring of 16 + drafts rows)."""
-        from k3gen.ops.mla_decode.spec import MlaDecodeSpec
-        lay = self.kv_layout
-        nvfp4 = lay.kv is KvDtype.NVFP4
-        kw = dict(target=self.target, heads=self.heads_mla, kv=lay.kv, fp8_scales=lay.fp8_scales,
-                  scale_layout=lay.scale_layout if nvfp4 else None, max_drafts=lay.max_drafts)
-        # Verify uses the decode step's schedule (the one "auto" picks at T = 1), whose rows are
-        # bitwise independent of the query tiling: speculative decoding then reproduces greedy
-        # decoding except at exact ties, instead of at any near-tie two schedules round apart.
-        spec = MlaDecodeSpec(tokens=T, schedule=MlaDecodeSpec(tokens=1, **kw).schedule, **kw)
-        if spec.layout.tensors() != lay.tensors() or spec.page != lay.page:
-            raise SpecError("kv_layout", str(lay), [str(spec.layout)], "mla_decode reads the cache's own layout")
-        return spec
+        """The attention spec whose KvLayout is exactly the cache's (targets.mla_decode_spec)."""
+        if self.menu is not None:
+            spec = self.menu.find("mla_decode", tokens=T)
+            if spec.layout.tensors() != self.kv_layout.tensors() or spec.page != self.kv_layout.page:
+                raise SpecError("kv_layout", str(self.kv_layout), [str(spec.layout)],
+                                "mla_decode reads the cache's own layout")
+            return spec
+        return mla_decode_spec(self.target, self.heads_mla, self.kv_layout, T)
 
     def launcher(self, spec):
         """The loaded launcher of `spec`. Loading compiles or reads a cubin: never inside capture."""
         key = spec.digest()
         if key not in self._launchers:
-            from k3gen.ops import launcher_class
+            from k3gen.runtime.launcher import launcher_class
             self._launchers[key] = launcher_class(spec.op)(spec)
         op = self._launchers[key]
         if op._kernel is None:
@@ -169,7 +157,7 @@ class KernelOps(Ops):
             op.load()
         return op
 
-    def load_all(self, gemm_shapes, batch_sizes=(), max_len: int | None = None) -> None:
+    def load_all(self, gemm_shapes=None, batch_sizes=(), max_len: int | None = None) -> None:
         """Load every kernel; with `max_len`, plan mla_decode for each batch size and step length."""
         for s in self.specs(gemm_shapes):
             self.launcher(s)
@@ -189,6 +177,8 @@ class KernelOps(Ops):
         return plan
 
     def _get(self, op: str, **kw):
+        if self.menu is not None:
+            return self.launcher(self.menu.find(op, **kw))
         from k3gen.ops import registry
         return self.launcher(registry()[op](target=self.target, **kw))
 
@@ -261,9 +251,7 @@ class KernelOps(Ops):
 
     def attention_tokens(self) -> list[int]:
         """Query tokens per launch of the mla_decode kernels this target runs."""
-        if self.kv_layout.kv is KvDtype.NVFP4:
-            return [1]
-        return self.step_tokens()
+        return attention_tokens(self.kv_layout.kv, self.max_drafts)
 
     def kv_write(self, layout, cache, rows, cu_rows, start_pos, block_table, ring_slot, scale, max_rows):
         self._mark("kv_cache_write")
@@ -289,4 +277,4 @@ def make_ops(tcfg, cfg) -> Ops:
         return RefOps(tcfg.recipe)
     shape = cfg.for_tp(tcfg.tp)
     return KernelOps(tcfg.target, tcfg.recipe, tcfg.ssm, tcfg.kv_layout(), shape.kda_heads, shape.mla_heads,
-                     tcfg.max_drafts)
+                     tcfg.max_drafts, gate=cfg.kernel_shape().gate, model=cfg, tp=tcfg.tp)

@@ -2,7 +2,6 @@
 TP, for every KV/SSM dtype combination, from the IR's byte expressions (model/cache.py)."""
 from __future__ import annotations
 
-import argparse
 
 from k3gen.errors import K3genError
 
@@ -44,11 +43,6 @@ def plan_rows(config: str, arch: str, tp: int, gpu_gib: float, util: float, max_
                     row["fits"][ctx] = 0
             rows.append(row)
     return rows, weights, budget
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from model.cli import add_plan_arguments
-    add_plan_arguments(p)
 
 
 def run(a) -> int:

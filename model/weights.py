@@ -25,12 +25,12 @@ from k3gen.ir.dtypes import ScaleRecipe
 from k3gen import numerics as Q
 from k3gen.ops.fp8_block_gemm.reference import dequantize_weights, quantize_weights
 from k3gen.ops.kda_decode.reference import KdaWeights
+# The fused projections' row layouts are the enumerator's (its GEMM shapes): one source.
+from k3gen.targets import KDA_FAB_ALIGN, MLA_A_PAD as KV_A_PAD
 
 from model.checkpoint import (INDEX, LM_HEAD, PREFIX, BadValueError, CheckpointError, MissingTensorError,
                          TensorShapeError, expected_tensors)
 from model.config import ModelConfig
-
-KV_A_PAD = 640
 
 
 # -- reading with checks ---------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def load_weights(folder, cfg: ModelConfig, recipe: ScaleRecipe = ScaleRecipe.FP3
                              norm_w=r.get(a + "o_norm.weight").float().contiguous())
             attn = KdaLayerWeights(
                 qkvg=_fp8_parts(r, [a + n for n in ("q_proj", "k_proj", "v_proj", "g_proj")], recipe),
-                fab=_fp8_parts(r, [a + "f_a_proj", a + "b_proj"], recipe, pad_to=16),
+                fab=_fp8_parts(r, [a + "f_a_proj", a + "b_proj"], recipe, pad_to=KDA_FAB_ALIGN),
                 o_proj=_fp8(r, a + "o_proj", recipe), kda=kda)
         else:
             H = cfg.mla_heads

@@ -1,35 +1,46 @@
-"""Build, on the CPU machine, every sm90 spec the GPU tests and benchmarks use, into one bundle.
+"""Build, on the CPU machine, every sm90 spec the GPU tests, benchmarks and model runs use, into one
+bundle.
 
 The H200's driver rejects PTX from our NVRTC but loads its cubins, so the GPU run carries this
-bundle (K3GEN_PREBUILT). Specs are found by importing each tests/gpu module (CPU torch is enough)
-and collecting OpSpec objects from its globals; `k3gen build`'s list for sm90 is added too.
-Usage: python scripts/prebuild_gpu.py OUT_DIR [--ops op1,op2]
+bundle (K3GEN_PREBUILT). What it holds comes from data, never from executing a test module: the
+committed sm90 tree (targets.build_specs), the enumerator's list for every model preset the H200
+runs (`k3gen generate --config small` at every KV/SSM dtype and recipe, 0, 3 or 7 drafts), and the
+tests' explicit lists (tests/gpu/specs.py).
+Usage: python tools/prebuild_gpu.py OUT_DIR [--ops op1,op2] [--list]
 `--ops` keeps only those ops (a partial bundle for a targeted run: the device carries at most 64 MiB,
-and the whole bundle is about 60 MB).
+and the whole bundle is about 60 MB); `--list` prints the spec count per source and builds nothing.
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from k3gen.pipeline.build import build_many, write_bundle  # noqa: E402
-from k3gen.ir.spec import OpSpec  # noqa: E402
-from k3gen.targets import build_specs, get_target  # noqa: E402
+from k3gen.targets import DEFAULT_DRAFTS, build_specs, get_target, serving_sweep, sweep_specs  # noqa: E402
+
+# Model presets the GPU runs end to end, at TP1 (one H200).
+GPU_MODELS = ("small",)
 
 
-def _collect(obj, out: dict, depth: int = 0) -> None:
-    if isinstance(obj, OpSpec):
-        out[obj.digest()] = obj
-    elif depth < 3 and isinstance(obj, dict):
-        for v in obj.values():
-            _collect(v, out, depth + 1)
-    elif depth < 3 and isinstance(obj, (list, tuple, set)):
-        for v in obj:
-            _collect(v, out, depth + 1)
+def sources(target) -> dict[str, list]:
+    """Each source of specs by name (tests/gpu/specs.py imported as data)."""
+    from tests.gpu import specs as gpu_specs
+    out = {"tree": build_specs(target)}
+    for m in GPU_MODELS:
+        out[f"model:{m}"] = sweep_specs(target, m, (1,), serving_sweep(target, drafts=DEFAULT_DRAFTS))
+    out["tests"] = gpu_specs.all_specs()
+    return out
+
+
+def collect(target, ops: set[str] | None = None) -> list:
+    specs: dict[str, object] = {}
+    for lst in sources(target).values():
+        for s in lst:
+            if s.target == target and (ops is None or s.op in ops):
+                specs.setdefault(s.digest(), s)
+    return list(specs.values())
 
 
 def main(argv: list[str]) -> int:
@@ -38,25 +49,15 @@ def main(argv: list[str]) -> int:
         i = argv.index("--ops")
         ops = set(argv[i + 1].split(","))
         argv = argv[:i] + argv[i + 2:]
-    out = Path(argv[0] if argv else "build-out")
     tgt = get_target("sm90")
-    specs = {s.digest(): s for s in build_specs(tgt)}
-    for f in sorted((ROOT / "tests" / "gpu").glob("test_*.py")):
-        spec = importlib.util.spec_from_file_location(f"_gpu_{f.stem}", f)
-        mod = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(mod)
-        except Exception as e:  # noqa: BLE001 - a module that needs a GPU at import is reported
-            print(f"skip {f.name}: {e}")
-            continue
-        for name in dir(mod):
-            _collect(getattr(mod, name), specs)
-        extra = getattr(mod, "prebuild_specs", None)
-        if callable(extra):
-            for s in extra():
-                specs[s.digest()] = s
-    sm90 = [s for s in specs.values() if s.target.name == "sm90" and (ops is None or s.op in ops)]
-    results = build_many(sm90, jobs=2)
+    if "--list" in argv:
+        for name, lst in sources(tgt).items():
+            print(f"{name}: {len(lst)}")
+        print(f"total (each once): {len(collect(tgt, ops))}")
+        return 0
+    from k3gen.pipeline.build import build_many, write_bundle
+    out = Path(argv[0] if argv else "build-out")
+    results = build_many(collect(tgt, ops), jobs=2)
     d = write_bundle(out, tgt, results)
     print(f"{len(results)} sm90 kernels ({sum(r.built for r in results)} compiled) -> {d}")
     return 0

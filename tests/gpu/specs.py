@@ -1,0 +1,284 @@
+"""The specs the GPU tests (and the benches sharing their bundle) launch beyond the committed sm90
+tree, as plain data: tools/prebuild_gpu.py builds them ahead of time without executing a test
+module, and a test module may take its list from here.
+
+Collected once from the test modules of 6a6bb6c the way prebuild used to (every OpSpec in a
+module's globals plus its `prebuild_specs()`), written as constructor calls with the fields that
+differ from the defaults. Not carried over: the `token` KDA prefill algorithm and the BF16
+tokens-on-M `wgmma` mla_decode schedule, both deleted (issue 19). The model tests' lists are
+enumerator calls (targets.model_specs), as the model resolves its kernels through it.
+"""
+from __future__ import annotations
+
+from k3gen.ir.dtypes import Fp8ScaleGranularity, GateKind, KvDtype, ScaleLayout, ScaleRecipe, SsmDtype
+from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
+from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
+from k3gen.ops.kda_decode.spec import KdaDecodeSpec
+from k3gen.ops.kda_prefill.spec import KdaPrefillSpec, PrefillAlgo
+from k3gen.ops.kda_verify.spec import KdaVerifySpec, VerifyVariant
+from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
+from k3gen.ops.mla_decode.spec import MlaDecodeSpec
+from k3gen.ops.mla_q_absorb.spec import MlaQAbsorbSpec
+from k3gen.ops.mla_vb_gate.spec import MlaVbGateSpec
+from k3gen.targets import TARGETS, ServingOptions, model_specs
+
+SM90 = TARGETS["sm90"]
+# (KV, SSM) pairs the model tests run (tests/gpu/test_model_small.py, test_model_k3_layers.py).
+MODEL_COMBOS = ((KvDtype.NVFP4, SsmDtype.BF16), (KvDtype.BF16, SsmDtype.FP32))
+
+
+def act_quant_fp8() -> list:
+    """tests/gpu/test_act_quant_fp8.py (the K3 K values come from the committed tree)."""
+    return [
+        ActQuantFp8Spec(target=SM90, k=128),
+        ActQuantFp8Spec(target=SM90, k=128, recipe=ScaleRecipe.UE8M0),
+    ]
+
+
+def fp8_block_gemm() -> list:
+    """tests/gpu/test_fp8_block_gemm.py and tools/sweep_gemm.py."""
+    return [
+        Fp8BlockGemmSpec(target=SM90, k=1536, n=2304),
+        Fp8BlockGemmSpec(target=SM90, k=1536, n=2304, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, k=272, n=200),
+        Fp8BlockGemmSpec(target=SM90, k=272, n=200, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, k=1536, n=7168),
+        Fp8BlockGemmSpec(target=SM90, k=1536, n=7168, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, k=7168, n=1536),
+        Fp8BlockGemmSpec(target=SM90, k=7168, n=1536, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, k=7168, n=200),
+        Fp8BlockGemmSpec(target=SM90, k=7168, n=200, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, k=96, n=64),
+        Fp8BlockGemmSpec(target=SM90, k=96, n=64, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, k=16, n=8),
+        Fp8BlockGemmSpec(target=SM90, k=16, n=8, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, bm=16, k=272, n=200),
+        Fp8BlockGemmSpec(target=SM90, bm=16, k=272, n=200, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, k=12288, n=7168),
+        Fp8BlockGemmSpec(target=SM90, k=12288, n=7168, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, k=7168, n=6144),
+        Fp8BlockGemmSpec(target=SM90, k=7168, n=6144, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, k=1536, n=18432),
+        Fp8BlockGemmSpec(target=SM90, k=1536, n=18432, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, k=7168, n=49152),
+        Fp8BlockGemmSpec(target=SM90, k=7168, n=49152, recipe=ScaleRecipe.UE8M0),
+    ]
+
+
+def kda_prefill() -> list:
+    """tests/gpu/test_kda_prefill.py."""
+    return [
+        KdaPrefillSpec(target=SM90, heads=6),
+        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=6),
+        KdaPrefillSpec(target=SM90, heads=6, ssm=SsmDtype.BF16),
+        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=6, ssm=SsmDtype.BF16),
+        KdaPrefillSpec(target=SM90, heads=12),
+        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=12),
+        KdaPrefillSpec(target=SM90, heads=12, ssm=SsmDtype.BF16),
+        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=12, ssm=SsmDtype.BF16),
+        KdaPrefillSpec(target=SM90, heads=96),
+        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=96),
+        KdaPrefillSpec(target=SM90, heads=96, ssm=SsmDtype.BF16),
+        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=96, ssm=SsmDtype.BF16),
+        KdaPrefillSpec(target=SM90, gate=GateKind.SOFTPLUS, heads=12),
+        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, gate=GateKind.SOFTPLUS, heads=12),
+    ]
+
+
+def kda_verify() -> list:
+    """tests/gpu/test_kda_verify.py."""
+    return [
+        KdaVerifySpec(target=SM90, drafts=1, heads=6),
+        KdaVerifySpec(target=SM90, drafts=1, heads=6, ssm=SsmDtype.BF16),
+        KdaVerifySpec(target=SM90, drafts=3, heads=6),
+        KdaVerifySpec(target=SM90, drafts=3, heads=6, ssm=SsmDtype.BF16),
+        KdaVerifySpec(target=SM90, drafts=7, heads=6),
+        KdaVerifySpec(target=SM90, drafts=7, heads=6, ssm=SsmDtype.BF16),
+        KdaVerifySpec(target=SM90, drafts=1, heads=12),
+        KdaVerifySpec(target=SM90, drafts=1, heads=12, ssm=SsmDtype.BF16),
+        KdaVerifySpec(target=SM90, drafts=3, heads=12),
+        KdaVerifySpec(target=SM90, drafts=3, heads=12, ssm=SsmDtype.BF16),
+        KdaVerifySpec(target=SM90, drafts=7, heads=12),
+        KdaVerifySpec(target=SM90, drafts=7, heads=12, ssm=SsmDtype.BF16),
+        KdaVerifySpec(target=SM90, drafts=1, heads=96),
+        KdaVerifySpec(target=SM90, drafts=1, heads=96, ssm=SsmDtype.BF16),
+        KdaVerifySpec(target=SM90, drafts=3, heads=96),
+        KdaVerifySpec(target=SM90, drafts=3, heads=96, ssm=SsmDtype.BF16),
+        KdaVerifySpec(target=SM90, drafts=7, heads=96),
+        KdaVerifySpec(target=SM90, drafts=7, heads=96, ssm=SsmDtype.BF16),
+        KdaVerifySpec(target=SM90, drafts=3, heads=12, variant=VerifyVariant.ORIGINAL),
+        KdaVerifySpec(target=SM90, drafts=3, gate=GateKind.SOFTPLUS, heads=12),
+        KdaDecodeSpec(target=SM90, heads=6),
+        KdaDecodeSpec(target=SM90, heads=6, ssm=SsmDtype.BF16),
+        KdaDecodeSpec(target=SM90, heads=12),
+        KdaDecodeSpec(target=SM90, heads=12, ssm=SsmDtype.BF16),
+    ]
+
+
+def kv_cache_write() -> list:
+    """tests/gpu/test_kv_cache_write.py."""
+    return [
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.BF16),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.BF16, threads=64),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.FP8),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.FP8, threads=256),
+        KvCacheWriteSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, kv=KvDtype.FP8),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.NVFP4),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.NVFP4, max_drafts=3),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.NVFP4, max_drafts=7),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.NVFP4, scale_layout=ScaleLayout.SWIZZLE_128X4),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.NVFP4, max_drafts=3, scale_layout=ScaleLayout.SWIZZLE_128X4),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.NVFP4, max_drafts=7, scale_layout=ScaleLayout.SWIZZLE_128X4),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.NVFP4, max_drafts=3, threads=64),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.NVFP4, max_drafts=7, scale_layout=ScaleLayout.SWIZZLE_128X4, threads=256),
+    ]
+
+
+def mla_decode() -> list:
+    """tests/gpu/test_mla_decode.py and `k3gen bench --op mla_decode` (bench/cases/mla_decode.py)."""
+    return [
+        MlaDecodeSpec(target=SM90, heads=12, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=12, schedule='mma', tokens=2),
+        MlaDecodeSpec(target=SM90, heads=12, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, heads=12, schedule='mma', tokens=8),
+        MlaDecodeSpec(target=SM90, heads=6, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=96, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=96, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, heads=128, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.FP8, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.FP8, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, heads=96, kv=KvDtype.FP8, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=16, kv=KvDtype.FP8, schedule='mma', tokens=8),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=12, kv=KvDtype.FP8, schedule='mma'),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=12, kv=KvDtype.FP8, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=96, kv=KvDtype.FP8, schedule='mma'),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=16, kv=KvDtype.FP8, schedule='mma', tokens=8),
+        MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, heads=96, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=16, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma', tokens=8),
+        MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.NVFP4, max_drafts=7, scale_layout=ScaleLayout.SWIZZLE_128X4),
+        MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.NVFP4, max_drafts=7, scale_layout=ScaleLayout.SWIZZLE_128X4, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=96, kv=KvDtype.NVFP4, max_drafts=7, scale_layout=ScaleLayout.SWIZZLE_128X4),
+        MlaDecodeSpec(target=SM90, heads=16, kv=KvDtype.NVFP4, max_drafts=7, scale_layout=ScaleLayout.SWIZZLE_128X4, tokens=8),
+        MlaDecodeSpec(target=SM90, heads=16, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=16, schedule='mma', tokens=2),
+        MlaDecodeSpec(target=SM90, heads=16, tokens=2),  # wgmma_qm: QM_SHAPES (16, 2)
+        MlaDecodeSpec(target=SM90, heads=16, schedule='mma', tokens=8),
+        MlaDecodeSpec(target=SM90, heads=40, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=64, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=128, schedule='mma', tokens=2),
+        MlaDecodeSpec(target=SM90, heads=128, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, heads=128, schedule='mma', tokens=8),
+        MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.FP8),
+        MlaDecodeSpec(target=SM90, heads=6, kv=KvDtype.FP8, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=6, kv=KvDtype.FP8),
+        MlaDecodeSpec(target=SM90, heads=16, kv=KvDtype.FP8, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=16, kv=KvDtype.FP8),
+        MlaDecodeSpec(target=SM90, heads=4, kv=KvDtype.FP8, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, heads=4, kv=KvDtype.FP8, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=8, kv=KvDtype.FP8, schedule='mma', tokens=2),
+        MlaDecodeSpec(target=SM90, heads=8, kv=KvDtype.FP8, tokens=2),
+        MlaDecodeSpec(target=SM90, heads=2, kv=KvDtype.FP8, schedule='mma', tokens=8),
+        MlaDecodeSpec(target=SM90, heads=2, kv=KvDtype.FP8, tokens=8),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=12, kv=KvDtype.FP8),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=6, kv=KvDtype.FP8, schedule='mma'),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=6, kv=KvDtype.FP8),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=16, kv=KvDtype.FP8, schedule='mma'),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=16, kv=KvDtype.FP8),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=4, kv=KvDtype.FP8, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=4, kv=KvDtype.FP8, tokens=4),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=8, kv=KvDtype.FP8, schedule='mma', tokens=2),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=8, kv=KvDtype.FP8, tokens=2),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=2, kv=KvDtype.FP8, schedule='mma', tokens=8),
+        MlaDecodeSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, heads=2, kv=KvDtype.FP8, tokens=8),
+        MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.NVFP4, max_drafts=3),
+        MlaDecodeSpec(target=SM90, heads=6, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=6, kv=KvDtype.NVFP4, max_drafts=3),
+        MlaDecodeSpec(target=SM90, heads=16, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=16, kv=KvDtype.NVFP4, max_drafts=3),
+        MlaDecodeSpec(target=SM90, heads=4, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, heads=4, kv=KvDtype.NVFP4, max_drafts=3, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=8, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma', tokens=2),
+        MlaDecodeSpec(target=SM90, heads=8, kv=KvDtype.NVFP4, max_drafts=3, tokens=2),
+        MlaDecodeSpec(target=SM90, heads=2, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma', tokens=8),
+        MlaDecodeSpec(target=SM90, heads=2, kv=KvDtype.NVFP4, max_drafts=3, tokens=8),
+        MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.NVFP4, max_drafts=3, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=96, kv=KvDtype.NVFP4, max_drafts=3),
+        MlaDecodeSpec(target=SM90, heads=12),
+        MlaDecodeSpec(target=SM90, heads=6),
+        MlaDecodeSpec(target=SM90, heads=12, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=40),
+        MlaDecodeSpec(target=SM90, heads=64),
+        MlaDecodeSpec(target=SM90, heads=96),
+        MlaDecodeSpec(target=SM90, heads=128),
+        MlaDecodeSpec(target=SM90, heads=128, tokens=2),
+        MlaDecodeSpec(target=SM90, heads=16, tokens=8),
+        MlaDecodeSpec(target=SM90, heads=128, tokens=8),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.BF16),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.FP8),
+        KvCacheWriteSpec(target=SM90, fp8_scales=Fp8ScaleGranularity.PER_TENSOR, kv=KvDtype.FP8),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.NVFP4, max_drafts=3),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.NVFP4, max_drafts=7, scale_layout=ScaleLayout.SWIZZLE_128X4),
+        MlaDecodeSpec(target=SM90, heads=96, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=128, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=96, kv=KvDtype.FP8, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, heads=128, kv=KvDtype.FP8, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=128, kv=KvDtype.FP8, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, heads=96, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, heads=128, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=128, kv=KvDtype.NVFP4, max_drafts=3, schedule='mma', tokens=4),
+        MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.FP8, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=96, kv=KvDtype.FP8),
+        MlaDecodeSpec(target=SM90, heads=96, kv=KvDtype.FP8, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=128, kv=KvDtype.FP8),
+        MlaDecodeSpec(target=SM90, heads=128, kv=KvDtype.FP8, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=96, kv=KvDtype.NVFP4, max_drafts=3, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=128, kv=KvDtype.NVFP4, max_drafts=3),
+        MlaDecodeSpec(target=SM90, heads=128, kv=KvDtype.NVFP4, max_drafts=3, tokens=4),
+        MlaDecodeSpec(target=SM90, heads=16),
+        MlaDecodeSpec(target=SM90, heads=32, schedule='mma'),
+        MlaDecodeSpec(target=SM90, heads=32),
+    ]
+
+
+def mla_q_absorb() -> list:
+    """tests/gpu/test_mla_q_absorb.py."""
+    return [
+        MlaQAbsorbSpec(target=SM90, heads=12),
+        MlaQAbsorbSpec(target=SM90, heads=12, recipe=ScaleRecipe.UE8M0),
+        Fp8BlockGemmSpec(target=SM90, k=1536, n=2304),
+        Fp8BlockGemmSpec(target=SM90, k=1536, n=2304, recipe=ScaleRecipe.UE8M0),
+    ]
+
+
+def mla_vb_gate() -> list:
+    """tests/gpu/test_mla_vb_gate.py."""
+    return [
+        MlaVbGateSpec(target=SM90, heads=12),
+        MlaVbGateSpec(target=SM90, heads=96),
+    ]
+
+
+def model_small() -> list:
+    """tests/gpu/test_model_small.py: the small config at TP1 with 3 drafts."""
+    return [s for kv, ssm in MODEL_COMBOS
+            for s in model_specs(SM90, "small", 1, serving=ServingOptions(kv=kv, ssm=ssm, max_drafts=3))]
+
+
+def model_k3_layers() -> list:
+    """tests/gpu/test_model_k3_layers.py: K3's layers at TP8, no drafts."""
+    return [s for kv, ssm in MODEL_COMBOS for s in model_specs(SM90, "k3", 8, serving=ServingOptions(kv=kv, ssm=ssm))]
+
+
+LISTS = {f.__name__: f for f in (act_quant_fp8, fp8_block_gemm, kda_prefill, kda_verify, kv_cache_write, mla_decode, mla_q_absorb, mla_vb_gate,
+                                 model_small, model_k3_layers)}
+
+
+def all_specs() -> list:
+    """Every list above, each spec once."""
+    seen: dict[str, object] = {}
+    for f in LISTS.values():
+        for s in f():
+            seen.setdefault(s.digest(), s)
+    return list(seen.values())
