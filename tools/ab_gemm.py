@@ -1,9 +1,9 @@
 """A/B timing of the sm90 FP8 block GEMM's default plan on the >= 32 MB bar shapes, one JSON line per
-(shape, M), timed like `k3gen bench` (graph replay over rotated cold weight sets, median).
+(shape, M), timed like `python -m bench` (graph replay over rotated cold weight sets, median).
 
 Run it once per template variant in separate processes (JIT with a separate K3GEN_CACHE_DIR per
 variant, or a prebuilt bundle) and compare the lines of one device call:
-    python scripts/ab_gemm.py --tag new [--ms 1,8,32,128] [--recipe fp32]
+    python tools/ab_gemm.py --tag new [--ms 1,8,32,128] [--recipe fp32]
 """
 from __future__ import annotations
 

@@ -1,11 +1,14 @@
 """Time kda_decode on chosen shapes with whatever cubins K3GEN_PREBUILT points at (H200 A/B runs).
 
-Usage: python scripts/ab_kda_decode.py LABEL [H:B:ssm ...]; prints one JSON line per case with the
+Usage: python tools/ab_kda_decode.py LABEL [H:B:ssm ...]; prints one JSON line per case with the
 bench's method (graph replay over rotated cold input sets, median per launch), PDL and L2 warming on and off.
 """
 import json
 import os
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench/ and k3gen/
 
 import torch
 

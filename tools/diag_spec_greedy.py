@@ -8,15 +8,16 @@ under variants that make one suspect batch-invariant at a time:
   pertoken  verify attention as T single-token mla_decode launches (as NVFP4 KV does);
   both      rowwise + pertoken.
 Prints, per variant, every first divergence (request, token, greedy / speculative margins).
-Usage: python scripts/diag_spec_greedy.py [kv] [ssm]
+Usage: python tools/diag_spec_greedy.py [kv] [ssm]
 """
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, ".")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: model/ and tests/
 from model import layers as L  # noqa: E402
 from model.generate import Request  # noqa: E402
 from model.ops import KernelOps  # noqa: E402

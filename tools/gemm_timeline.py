@@ -1,9 +1,9 @@
 """Per-stage clock64 timeline of one CTA (blockIdx 0, 0, 20) of the sm90 FP8 block GEMM's cluster
 mode, from an instrumented copy of the template that this script writes (never the shipped kernel).
 
-    python scripts/gemm_timeline.py --make-variant DIR     # DIR/fp8_gemm_wgmma.cuh, instrumented
-    # on the H200, JIT with the variant copied over k3gen/include/k3gen/:
-    python scripts/gemm_timeline.py 128 1 32               # one JSON line per M
+    python tools/gemm_timeline.py --make-variant DIR     # DIR/fp8_gemm_wgmma.cuh, instrumented
+    # on the H200, JIT with the variant copied over k3gen/include/k3gen/gemm/:
+    python tools/gemm_timeline.py 128 1 32               # one JSON line per M
 
 Series (clock64, relative to the first stamp), index = ring position: 0-2 / 3-5 consumer
 warpgroup 0 / 1 (stage ready, its wgmmas done, promoted and released), 6 producer past the empty
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-HEADER = ROOT / "k3gen" / "templates" / "include" / "k3gen" / "gemm/fp8_wgmma.cuh"
+HEADER = ROOT / "k3gen" / "include" / "k3gen" / "gemm" / "fp8_wgmma.cuh"
 
 _EDITS = [
     ("namespace k3gen {\nnamespace fp8gemm90 {\n",

@@ -2,7 +2,7 @@
 # The GPU run on the H200: GPU test tier, compute-sanitizer on a reduced matrix, benchmarks.
 # Expects cubins built here with `k3gen build --arch sm90 --out build-out` (the H200's driver
 # rejects PTX from NVRTC 13.5 but loads its cubins) and wheels of missing packages in .whl/.
-# Usage on the device: bash scripts/h200.sh [pytest -k expression]
+# Usage on the device: bash tools/h200.sh [pytest -k expression]
 set -uo pipefail
 OUT=${OUT:-/tmp/k3gen-out}
 mkdir -p "$OUT"
@@ -18,7 +18,7 @@ if [ "${TESTS:-1}" = 1 ]; then
     ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log"; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 for op in ${BENCH_OPS:-kda_decode kv_cache_write act_quant_fp8}; do
-  timeout ${BENCH_TIMEOUT:-200} python3 -m k3gen bench --op "$op" --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
+  timeout ${BENCH_TIMEOUT:-200} python3 -m bench --op "$op" --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_$op.log"; rc=$((rc | ${PIPESTATUS[0]}))
 done
 if [ "${SANITIZE:-1}" = 1 ]; then

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# ncu over one launch (after one warm-up) of named scripts/profile_ops.py cases: the full section
+# ncu over one launch (after one warm-up) of named tools/profile_ops.py cases: the full section
 # set into $OUT/ncu_full.txt, and a second pass of headline metrics (DRAM read/write, L2, tensor
 # pipe, issue, every warp-stall reason per issued instruction) into $OUT/ncu_diag.txt.
-# Usage: CASES="verify-b128 gemm-m128" bash scripts/ncu_diag.sh
+# Usage: CASES="verify-b128 gemm-m128" bash tools/ncu_diag.sh
 set -u
 OUT=${OUT:-/tmp/k3gen-out}
 . "$(dirname "$0")/device_env.sh"
@@ -15,11 +15,11 @@ for r in $reasons; do m="$m,${st}_${r}_per_issue_active.ratio"; done
 for c in ${CASES:-verify-b128 verify-b32 gemm-m128}; do
   echo "=== $c"
   timeout 150 ncu --clock-control none --set full --launch-skip 1 --launch-count 1 \
-    -k regex:"${KREGEX:-k3gen_}" python3 scripts/profile_ops.py $c 2>&1 | grep -v "^==WARNING\|ctc__"
+    -k regex:"${KREGEX:-k3gen_}" python3 "$(dirname "$0")/profile_ops.py" $c 2>&1 | grep -v "^==WARNING\|ctc__"
 done > "$OUT/ncu_full.txt" 2>&1
 for c in ${CASES:-verify-b128 verify-b32 gemm-m128}; do
   echo "=== $c"
   timeout 150 ncu --clock-control none --metrics "$m" --launch-skip 1 --launch-count 1 \
-    -k regex:"${KREGEX:-k3gen_}" python3 scripts/profile_ops.py $c 2>&1 | grep -v "^==WARNING\|ctc__"
+    -k regex:"${KREGEX:-k3gen_}" python3 "$(dirname "$0")/profile_ops.py" $c 2>&1 | grep -v "^==WARNING\|ctc__"
 done > "$OUT/ncu_diag.txt" 2>&1
 wc -l "$OUT"/ncu_*.txt

@@ -1,5 +1,8 @@
 """Launch kda_decode on a few bench shapes for `ncu` (no timing here; ncu measures)."""
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench/ and k3gen/
 
 import torch
 

@@ -1,8 +1,11 @@
 """Launch one op on a bench shape a few times for `ncu` (ncu measures; nothing is timed here).
 
-Usage: python scripts/profile_ops.py mla-bf16|mla-fp8|mla-fp8-wg|mla-nvfp4|mla-nvfp4-wg|mla-fp8-wg-b32|mla-bf16-b32|mla-fp8-wg-b1|mla-nvfp4-wg-b1|mla-h128|gemm-m1|gemm-m1-stream|gemm-m128|gemm-qkvg-m8
+Usage: python tools/profile_ops.py mla-bf16|mla-fp8|mla-fp8-wg|mla-nvfp4|mla-nvfp4-wg|mla-fp8-wg-b32|mla-bf16-b32|mla-fp8-wg-b1|mla-nvfp4-wg-b1|mla-h128|gemm-m1|gemm-m1-stream|gemm-m128|gemm-qkvg-m8
 """
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench/ and k3gen/
 
 import torch
 

@@ -1,8 +1,11 @@
 """Split-count sweep of mla_decode at small batches (H200): the time per launch (graph replay over
 rotated cache sets, bench.time_graph) for explicit split counts next to MlaDecode.plan's choice.
-Usage on the device: python3 scripts/sweep_mla_splits.py [B ...] (prints JSON lines)."""
+Usage on the device: python3 tools/sweep_mla_splits.py [B ...] (prints JSON lines)."""
 import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench/ and k3gen/
 
 import torch
 

@@ -1,14 +1,112 @@
-"""Launch-plan sweep of the sm90 wgmma FP8 block GEMM (`k3gen bench --op fp8_block_gemm_sweep`, or
-scripts/sweep_gemm.py for a table): on the shapes that carry the performance bars, every candidate
-plan of one cubin (the plan is a launch-time choice: cluster split-K `split`, or the streaming mode
-with `ctas` persistent CTAs, and the L2 prefetch distance `pf` of the weight stream) timed like the bench (graph replay over rotated weight sets), next to
-cuBLASLt block FP8 and a same-size copy from the same run. Rows carry extra.mode/split/ctas and
-extra.default (the plan the launcher picks today), so the table shows whether choose_split90
-picks the fastest candidate.
+"""fp8_block_gemm benchmarks: `python -m bench --op fp8_block_gemm` (the K3 projections, both
+recipes, against cuBLASLt block FP8 and BF16 torch.mm) and `--op fp8_block_gemm_sweep`.
+
+The sweep is the launch-plan sweep of the sm90 wgmma FP8 block GEMM (or tools/sweep_gemm.py for a
+table): on the shapes that carry the performance bars, every candidate plan of one cubin (the plan
+is a launch-time choice: cluster split-K `split`, or the streaming mode with `ctas` persistent CTAs,
+and the L2 prefetch distance `pf` of the weight stream) timed like the bench (graph replay over
+rotated weight sets), next to cuBLASLt block FP8 and a same-size copy from the same run. Rows carry
+extra.mode/split/ctas and extra.default (the plan the launcher picks today), so the table shows
+whether choose_split90 picks the fastest candidate.
 """
 from __future__ import annotations
 
-from bench.harness import make_row, sets_for, time_graph
+from bench.harness import case, make_row, sets_for, time_graph
+from bench.peers import scaled_mm_block
+
+
+def fp8_block_gemm_specs(quick: bool = False) -> list:
+    """The sm90 cubins `k3gen bench --op fp8_block_gemm` loads (tools/prebuild_gpu.py builds them
+    through tests/gpu/test_fp8_block_gemm.py), in the bench's order."""
+    from k3gen.ir.dtypes import ScaleRecipe
+    from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
+    from k3gen.targets import FP8_GEMM_TP1, FP8_GEMM_TP8, get_target
+    shapes = [(2304, 1536), (7168, 1536), (6144, 7168), (7168, 12288)] if quick else FP8_GEMM_TP8 + FP8_GEMM_TP1
+    recipes = (ScaleRecipe.FP32,) if quick else tuple(ScaleRecipe)
+    return [Fp8BlockGemmSpec(target=get_target("sm90"), n=n, k=k, recipe=r) for n, k in shapes for r in recipes]
+
+
+def _scales(shape, sdt, g):
+    """Random tile scales of a recipe: small FP32 values, or UE8M0 exponents near 2^-7."""
+    import torch
+    if sdt == torch.float32:
+        return torch.rand(*shape, device="cuda", generator=g) * 1e-2
+    return torch.randint(110, 125, shape, device="cuda", dtype=torch.uint8, generator=g)
+
+
+def _scaled_mm_peer(acts, weights, errors: dict | None = None) -> tuple[str, float | None]:
+    """(peer name, us) of torch._scaled_mm block FP8 on the same operands, or ("", None) where it
+    cannot run; why is recorded in `errors` (extra) when given."""
+    calls = [scaled_mm_block(a[0], a[1], w[0], w[1]) for a, w in zip(acts, weights)]
+    if not all(c is not None for c in calls):
+        if errors is not None:
+            errors["scaled_mm_error"] = "unsupported shape/layout"
+        return "", None
+    try:
+        return "torch._scaled_mm block FP8", time_graph(calls)
+    except Exception as e:  # noqa: BLE001  (no peer for this shape)
+        if errors is not None:
+            errors["scaled_mm_error"] = repr(e)[:200]
+        return "", None
+
+
+def _bar_us(nbytes: int, ceiling: float) -> float | None:
+    """The performance bar (80 % of the copy ceiling) of the weights that carry one (>= 32 MB)."""
+    return nbytes / (0.8 * ceiling * 1e6) if nbytes >= 32 * 2**20 else None
+
+
+@case
+def fp8_block_gemm(ceiling: float, quick: bool = False) -> list:
+    """FP8 block GEMM on the K3 projections (TP8 and TP1) at M in {1, 8, 32, 128}, both recipes on
+    the H200. Bytes are the weights' (codes + tile scales); peers: torch._scaled_mm block FP8
+    (cuBLASLt; no M = 1) and BF16 torch.mm (extra.bf16_mm_us)."""
+    import torch
+
+    from k3gen.ir.dtypes import ScaleRecipe
+    from k3gen.ops.fp8_block_gemm.launcher import Fp8BlockGemm
+
+    names = {(1536, 7168): "q_a", (2304, 1536): "q_b TP8", (7168, 1536): "o_proj TP8",
+             (6144, 7168): "kda_qkvg TP8", (18432, 1536): "q_b TP1", (7168, 12288): "o_proj TP1",
+             (49152, 7168): "kda_qkvg TP1"}
+    ms = (1, 8, 32, 128)
+    rows, same = [], {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for spec in fp8_block_gemm_specs(quick):
+        op = Fp8BlockGemm(spec).load()
+        n, k, recipe = spec.n, spec.k, spec.recipe
+        nbytes = spec.weight_bytes()
+        sdt = torch.float32 if recipe is ScaleRecipe.FP32 else torch.uint8
+        nsets = sets_for(nbytes)
+        weights = []
+        for _ in range(nsets):
+            wc = torch.randint(0, 0x7E, (n, k), device="cuda", dtype=torch.uint8, generator=g)
+            weights.append((wc, _scales((spec.n_blocks, spec.k_blocks), sdt, g)))
+        for m in ms:
+            print(f"  fp8_block_gemm {names.get((n, k), '')} N{n} K{k} M{m} {recipe.value}", flush=True)
+            acts = [(torch.randint(0, 0x7E, (m, k), device="cuda", dtype=torch.uint8, generator=g),
+                     _scales((m, spec.k_blocks), sdt, g) if sdt == torch.float32 else torch.full((m, spec.k_blocks), 120, dtype=torch.uint8,
+                                                              device="cuda"),
+                     torch.empty(m, n, dtype=torch.bfloat16, device="cuda")) for _ in range(nsets)]
+            us = time_graph([lambda a=a, w=w: op(a[0], a[1], w[0], w[1], a[2]) for a, w in zip(acts, weights)])
+            extra = {"n": n, "k": k, "m": m, "recipe": recipe.value, "split": op.split_for(m), "mma": spec.mma,
+                     "proj_8TBps_us": nbytes / 8e12 * 1e6}
+            peer, peer_us = "", None
+            if recipe is ScaleRecipe.FP32:
+                peer, peer_us = _scaled_mm_peer(acts, weights, extra)
+                try:
+                    xb = [torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(nsets)]
+                    wb = [torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(nsets)]
+                    extra["bf16_mm_us"] = time_graph([lambda x=x, w=w: torch.mm(x, w.t()) for x, w in zip(xb, wb)])
+                    del xb, wb
+                except Exception as e:  # noqa: BLE001
+                    extra["bf16_mm_error"] = repr(e)[:200]
+            rows.append(make_row("fp8_block_gemm", f"{names.get((n, k), '')} N{n} K{k} M{m} {recipe.value}", us,
+                                 nbytes, ceiling, same, peer=peer, peer_us=peer_us, extra=extra))
+            del acts
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
 
 # name -> (N, K): the >= 32 MB bars (o_proj TP1 88 MB, kda_qkvg TP8 44 MB) and two small weights.
 SWEEP_SHAPES = {"o_proj TP1": (7168, 12288), "kda_qkvg TP8": (6144, 7168),
@@ -19,7 +117,7 @@ PF_DISTANCES = (4, 16)   # Plan.pf = ring depth + these: blocks requested from D
 
 
 def sweep_specs(recipes=None) -> list:
-    """The cubins the sweep needs (collected by scripts/prebuild_gpu.py through tests/gpu)."""
+    """The cubins the sweep needs (collected by tools/prebuild_gpu.py through tests/gpu)."""
     from k3gen.ir.dtypes import ScaleRecipe
     from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
     from k3gen.targets import get_target
@@ -48,10 +146,11 @@ def candidates(op, m: int) -> list[tuple[str, dict]]:
     return out
 
 
+@case
 def fp8_block_gemm_sweep(ceiling: float, quick: bool = False, recipe=None) -> list:
+    """Every candidate launch plan of the sm90 FP8 GEMM on the bar shapes (module doc)."""
     import torch
 
-    from bench.cases import _scaled_mm_block
     from k3gen.ir.dtypes import ScaleRecipe
     from k3gen.ops.fp8_block_gemm.launcher import Fp8BlockGemm
 
@@ -66,26 +165,14 @@ def fp8_block_gemm_sweep(ceiling: float, quick: bool = False, recipe=None) -> li
         nbytes = spec.weight_bytes()
         nsets = sets_for(nbytes)
         sdt = torch.float32 if recipe is ScaleRecipe.FP32 else torch.uint8
-
-        def scales(shape):
-            if sdt == torch.float32:
-                return torch.rand(*shape, device="cuda", generator=g) * 1e-2
-            return torch.randint(110, 125, shape, device="cuda", dtype=torch.uint8, generator=g)
         weights = [(torch.randint(0, 0x7E, (n, k), device="cuda", dtype=torch.uint8, generator=g),
-                    scales((spec.n_blocks, spec.k_blocks))) for _ in range(nsets)]
+                    _scales((spec.n_blocks, spec.k_blocks), sdt, g)) for _ in range(nsets)]
         tiled = [op.tile_weights(w[0]) for w in weights]   # the pre-tiled layout (w_tiled=True)
         for m in SWEEP_MS:
             acts = [(torch.randint(0, 0x7E, (m, k), device="cuda", dtype=torch.uint8, generator=g),
-                     scales((m, spec.k_blocks)), torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
+                     _scales((m, spec.k_blocks), sdt, g), torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
                     for _ in range(nsets)]
-            peer, peer_us = "", None
-            if recipe is ScaleRecipe.FP32:
-                calls = [_scaled_mm_block(a[0], a[1], w[0], w[1]) for a, w in zip(acts, weights)]
-                if all(c is not None for c in calls):
-                    try:
-                        peer_us, peer = time_graph(calls), "torch._scaled_mm block FP8"
-                    except Exception:  # noqa: BLE001  (no peer for this shape)
-                        pass
+            peer, peer_us = _scaled_mm_peer(acts, weights) if recipe is ScaleRecipe.FP32 else ("", None)
             default = op.plan_for(m)
             for label, kw in candidates(op, m):
                 plan = op.plan_for(m, **kw)
@@ -94,7 +181,7 @@ def fp8_block_gemm_sweep(ceiling: float, quick: bool = False, recipe=None) -> li
                 extra = {"n": n, "k": k, "m": m, "recipe": recipe.value, "mode": "stream" if plan.ctas else "cluster",
                          "split": plan.split, "ctas": plan.ctas, "nt": plan.nt, "pf": plan.pf,
                          "default": plan == default,
-                         "bar_us": nbytes / (0.8 * ceiling * 1e6) if nbytes >= 32 * 2**20 else None}
+                         "bar_us": _bar_us(nbytes, ceiling)}
                 rows.append(make_row("fp8_block_gemm_sweep", f"{name} N{n} K{k} M{m} {label}", us, nbytes, ceiling,
                                      same, peer=peer, peer_us=peer_us, extra=extra))
             # The default plan once more without programmatic dependent launch (what PDL buys).
@@ -110,7 +197,7 @@ def fp8_block_gemm_sweep(ceiling: float, quick: bool = False, recipe=None) -> li
                                  ceiling, same, peer=peer, peer_us=peer_us,
                                  extra={"n": n, "k": k, "m": m, "recipe": recipe.value, "w_tiled": True,
                                         "default": False, "split": default.split, "ctas": default.ctas,
-                                        "bar_us": nbytes / (0.8 * ceiling * 1e6) if nbytes >= 32 * 2**20 else None}))
+                                        "bar_us": _bar_us(nbytes, ceiling)}))
             del acts
         del weights, tiled
         torch.cuda.empty_cache()

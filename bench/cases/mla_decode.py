@@ -4,20 +4,20 @@ Bytes are the KV bytes the kernel must read (MlaDecodeSpec.kv_bytes: codes + sca
 its HP tail rows); % of copy is on those. The peer is the naive absorbed PyTorch decode over a
 dense, already-gathered BF16 KV (bmm, FP32 softmax, bmm; no paging, no causal mask: both favour
 the peer). FP8/NVFP4 rows carry `x_bf16`, the speed-up over the fastest BF16-KV kernel at the same shape.
-Every KV dtype runs both schedules (column `schedule`): the mma.sync kernel and the sm_90a wgmma one,
-BF16 also "wgmma_qm" (query rows on the wgmma M side); wgmma rows carry `x_mma`, their speed-up over
-the mma.sync row of the same KV dtype and shape, and NVFP4 rows `x_fp8`, over the faster FP8 row of
-the shape.
+Every KV dtype runs both schedules (column `schedule`): the mma.sync kernel and the sm_90a wgmma one
+("wgmma_qm" for BF16: query rows on the wgmma M side; "wgmma" for FP8/NVFP4); wgmma rows carry
+`x_mma`, their speed-up over the mma.sync row of the same KV dtype and shape, and NVFP4 rows
+`x_fp8`, over the faster FP8 row of the shape.
 
 `k3gen bench --op mla_decode_bars`: the bars' memory-bound H = 12 shapes, B in {32, 128} x L in {8K,
 32K}, every KV dtype through mma.sync, BF16 also through wgmma_qm, FP8 and NVFP4 through wgmma.
 
-`k3gen bench --op mla_decode_heads`: BF16 KV through the three schedules over H in HEADS_SWEEP (T = 1,
+`k3gen bench --op mla_decode_heads`: BF16 KV through both schedules over H in HEADS_SWEEP (T = 1,
 L = 8K, B = 32 and 128): the measurements behind MlaDecodeSpec's schedule="auto" for BF16 KV.
 """
 from __future__ import annotations
 
-from bench.harness import make_row, sets_for, time_graph
+from bench.harness import case, make_row, sets_for, time_graph
 from k3gen.ir.dims import evaluate
 
 HEADS = (12, 96, 128)
@@ -25,7 +25,7 @@ BATCHES = (1, 32, 128)
 LENGTHS = (1024, 8192, 32768)
 TOKENS = (1, 4)
 HEADS_SWEEP = (12, 16, 32, 64, 96, 128)
-SCHEDULES = ("mma", "wgmma", "wgmma_qm")   # BF16 KV
+SCHEDULES = ("mma", "wgmma_qm")   # BF16 KV
 MAX_SET_BYTES = 12 * 2**30     # skip shapes whose input sets would not fit comfortably
 
 
@@ -40,15 +40,14 @@ def bench_specs(quick: bool = False) -> list:
     from k3gen.targets import get_target
     tgt = get_target("sm90")
     heads, tokens = ((12, 128), (1,)) if quick else (HEADS, TOKENS)
-    # Explicit schedules: the "bf16" rows are mma.sync, the "bf16-wgmma" rows wgmma, whatever the
+    # Explicit schedules: the "bf16" rows are mma.sync, the "bf16-wgmma_qm" rows wgmma_qm, whatever the
     # default ("auto") picks for the shape.
     specs = [MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=kv, schedule="mma", **kw)
              for kv, kw in _kv_formats() for h in heads for t in tokens]
     # The wgmma schedule right after the BF16 rows; FP8 through wgmma (16 query rows per CTA, more
     # rows as more CTAs) after all mma.sync rows, so its x_mma and x_bf16 find their baselines.
     return specs[:len(heads) * len(tokens)] + [
-        MlaDecodeSpec(target=tgt, heads=h, tokens=t, schedule=sc) for sc in ("wgmma", "wgmma_qm")
-        for h in heads for t in tokens
+        MlaDecodeSpec(target=tgt, heads=h, tokens=t, schedule="wgmma_qm") for h in heads for t in tokens
     ] + specs[len(heads) * len(tokens):] + [
         MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=kv, schedule="wgmma", **kw)
         for kv, kw in _kv_formats()[1:] for h in heads for t in tokens]
@@ -85,7 +84,7 @@ def _naive(q, kv, T: int, H: int):
 
 
 def heads_sweep_specs(quick: bool = False) -> list:
-    """mla_decode_heads: per H, the mma.sync spec then the two wgmma ones (BF16 KV, T = 1)."""
+    """mla_decode_heads: per H, the mma.sync spec then the wgmma_qm one (BF16 KV, T = 1)."""
     from k3gen.ops.mla_decode.spec import MlaDecodeSpec
     from k3gen.targets import get_target
     tgt = get_target("sm90")
@@ -105,18 +104,24 @@ def bars_specs() -> list:
         MlaDecodeSpec(target=tgt, heads=12, kv=kv, schedule="wgmma", **kw) for kv, kw in _kv_formats()[1:]]
 
 
+@case
 def mla_decode_bars(ceiling: float, quick: bool = False) -> list:
+    """The memory-bound H = 12 bar shapes, B in {32, 128} x L in {8K, 32K}, every KV dtype."""
     return mla_decode(ceiling, quick, specs=bars_specs(), batches=(32, 128), lengths=(8192, 32768),
                       op_name="mla_decode_bars")
 
 
+@case
 def mla_decode_heads(ceiling: float, quick: bool = False) -> list:
+    """BF16 KV through both schedules over H in HEADS_SWEEP (T = 1, L = 8K)."""
     return mla_decode(ceiling, quick, specs=heads_sweep_specs(quick), batches=(128,) if quick else (32, 128),
                       lengths=(8192,), op_name="mla_decode_heads")
 
 
+@case
 def mla_decode(ceiling: float, quick: bool = False, *, specs=None, batches=None, lengths=None,
                op_name: str = "mla_decode") -> list:
+    """Every KV dtype and schedule over H x T x B x L against the naive PyTorch decode (module doc)."""
     import torch
 
     from k3gen.ops.mla_decode.launcher import MlaDecode
@@ -151,7 +156,7 @@ def mla_decode(ceiling: float, quick: bool = False, *, specs=None, batches=None,
                 us = time_graph([lambda s=s: op(s["q"], s["cache"], s["bt"], s["lengths"], s["out"],
                                                 ring_slot=s["ring"], scale=scale, plan=plan) for s in sets])
                 extra = {"heads": H, "batch": B, "len": L, "tokens": T, "kv": spec.kv.value,
-                         "schedule": spec.schedule, "splits": plan.splits, "rows_per_cta": spec.rows,
+                         "schedule": spec.schedule, "splits": plan.splits, "rows_per_cta": spec.impl.plan(spec).rows,
                          "proj_8TBps_us": nbytes / 8e12 * 1e6,
                          "tflops": evaluate(spec.flops(), B=B, L=L) / us / 1e6}
                 del sets

@@ -1,0 +1,51 @@
+"""On the GPU machine: `k3gen generate --config small` from a `k3gen build --model small --out DIR` bundle (no JIT),
+for every KV/SSM dtype, with and without --spec and --graphs, in one process (the command line's own code path:
+k3gen.cli.main). Greedy outputs of the four modes of one dtype pair must agree (graphs == eager, spec == greedy).
+Usage: K3GEN_PREBUILT=DIR K3GEN_DISABLE_JIT=1 python3 tools/h200_generate.py
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from k3gen.cli import main  # noqa: E402
+
+MODES = {"eager": [], "spec3": ["--spec", "3"], "graphs": ["--graphs"], "spec3+graphs": ["--spec", "3", "--graphs"]}
+
+
+def run(kv: str, ssm: str, extra: list[str]) -> tuple[int, str]:
+    buf = io.StringIO()
+    argv = ["generate", "--config", "small", "--arch", "sm90", "--kv", kv, "--ssm", ssm, "--path", "kernel",
+            "--prompt-ids", "5,6,7,5,6,7,5,6", "--batch", "2", "--max-new", "12", *extra]
+    with contextlib.redirect_stdout(buf):
+        rc = main(argv)
+    return rc, buf.getvalue()
+
+
+def main_() -> int:
+    bad = 0
+    for kv in ("bf16", "fp8", "nvfp4"):
+        for ssm in ("fp32", "bf16"):
+            outs = {}
+            for name, extra in MODES.items():
+                rc, text = run(kv, ssm, extra)
+                toks = re.findall(r"^\[\d+\] (.*)$", text, flags=re.M)
+                outs[name] = toks
+                print(f"{kv:5} {ssm:4} {name:12} rc={rc} {' | '.join(toks)}")
+                if rc:
+                    print(text[-2000:])
+                    bad += 1
+            if len({str(v) for v in outs.values()}) != 1:
+                print(f"{kv} {ssm}: the modes disagree")
+                bad += 1
+    print(f"h200_generate: {24 - bad} of 24 runs good" if bad <= 24 else "h200_generate: failures")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_())
