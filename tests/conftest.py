@@ -6,10 +6,18 @@ must never do. With K3GEN_GPU=1, a run that passes zero GPU tests fails.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 from k3gen.config import settings
+
+# `from numerics import rel_rms, assert_close, poison` (tests/numerics.py) in every test module,
+# whatever pytest's import mode.
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 GPU = settings().gpu_tests
 _gpu_passed = 0

@@ -2,14 +2,12 @@
 with cuLaunchKernel (k3gen.runtime.cute_launch), against the FP32 reference, bit for bit.
 
 The H200 machine has no CuTe DSL, so the cubins come prebuilt: `k3gen build --arch sm90 --out
-build-out` on the CPU machine, then K3GEN_PREBUILT=build-out there (scripts/h200.sh does this).
+build-out` on the CPU machine, then K3GEN_PREBUILT=build-out there (tools/h200.sh does this).
 """
 from __future__ import annotations
 
 import functools
-import os
 import struct
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +22,6 @@ from k3gen.targets import TARGETS
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[2]
 MS = (1, 2, 7, 33, 128)
 KS = (128, 1536, 7168)  # 128 comes from prebuild_specs(); the others are K3 shapes
 RECIPES = (ScaleRecipe.FP32, ScaleRecipe.UE8M0)
@@ -167,5 +164,5 @@ def test_empty_batch_launches_nothing():
 
 
 def prebuild_specs():
-    """Specs beyond `k3gen build`'s list that these tests use (scripts/prebuild_gpu.py)."""
+    """Specs beyond `k3gen build`'s list that these tests use (tools/prebuild_gpu.py)."""
     return [ActQuantFp8Spec(target=TARGETS["sm90"], k=128, recipe=r) for r in RECIPES]

@@ -1,4 +1,4 @@
-"""fp8_block_gemm on the H200 (sm_90a cubin via NVRTC: the wgmma + TMA flavour) against the FP32
+"""fp8_block_gemm on the H200 (sm_90a cubin via NVRTC: the wgmma + TMA variant) against the FP32
 reference and a float64 product of the dequantized operands: both scale recipes, M in {1, 2, 7, 8,
 33, 128} plus every token-tile variant and M > 128, N and K not multiples of 128, every split, a
 ring that wraps many times, CUDA-graph replay, poisoned outputs."""
@@ -12,11 +12,11 @@ import torch
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
-from k3gen.ops.fp8_block_gemm.reference import (dequantize_activations, dequantize_weights, fp8_block_gemm,
-                                            quantize_activations, quantize_weights)
+from k3gen.ops.fp8_block_gemm.reference import dequantize_activations, dequantize_weights
 from k3gen.runtime.graphs import capture
 from k3gen.ops.fp8_block_gemm.launcher import Fp8BlockGemm
 from k3gen.targets import TARGETS
+from helpers import fp8_gemm_close, fp8_gemm_inputs as _inputs, poisoned_bf16 as _poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -29,13 +29,8 @@ RING = (200, 7168)             # split 1 streams 56 K blocks through the ring
 TINY = ((64, 96), (8, 16))     # smaller than one 128 x 128 tile in N and K (boxes clipped by TMA)
 SPECS = {(n, k, r, bm): Fp8BlockGemmSpec(target=SM90, n=n, k=k, recipe=r, bm=bm)
          for n, k in SHAPES + (RING,) + TINY for r in RECIPES for bm in (64,)}
-# bm is a field of the mma.sync flavour only: on sm90 it must not change the kernel's results.
+# bm is a field of the tcgen05 variant only: on sm90 it must not change the kernel's results.
 SPECS.update({(200, 272, r, 16): Fp8BlockGemmSpec(target=SM90, n=200, k=272, recipe=r, bm=16) for r in RECIPES})
-
-
-def rel_rms(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,26 +40,8 @@ def _op(n, k, recipe, bm=64) -> Fp8BlockGemm:
     return op
 
 
-def _inputs(m, n, k, recipe, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m).unsqueeze(1)).to(torch.bfloat16)
-    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, n).unsqueeze(1)
-    xc, xs = quantize_activations(x, recipe)
-    wc, ws = quantize_weights(w, recipe)
-    return [t.cuda() for t in (xc, xs, wc, ws)]
-
-
-def _poisoned(m, n):
-    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-
-
 def _check(out, xc, xs, wc, ws, recipe):
-    assert not torch.isnan(out).any()
-    ref64 = fp8_block_gemm(xc.cpu(), xs.cpu(), wc.cpu(), ws.cpu(), recipe, dtype=torch.float64)
-    ref32 = fp8_block_gemm(xc.cpu(), xs.cpu(), wc.cpu(), ws.cpu(), recipe)
-    got = out.cpu().double()
-    assert rel_rms(got, ref64) <= BF16_REL_RMS
-    assert rel_rms(got, ref32) <= BF16_REL_RMS
+    got, ref64 = fp8_gemm_close(out, xc, xs, wc, ws, recipe, BF16_REL_RMS)
     # Every element within BF16 rounding of the exact value plus the tensor cores' accumulation
     # error. Hopper's FP8 MMA keeps about 14 bits in its accumulator (DeepSeek-V3 report, sec.
     # 3.3.2), which is why the kernel promotes every 128-K block into FP32: within a block the error
@@ -284,5 +261,5 @@ def test_sanitize_small_ragged_case():
 
 def prebuild_specs():
     from bench.cases import fp8_block_gemm_specs   # k3gen bench --op fp8_block_gemm
-    from bench.cases.fp8_block_gemm import sweep_specs   # scripts/sweep_gemm.py's cubins
+    from bench.cases.fp8_block_gemm import sweep_specs   # tools/sweep_gemm.py's cubins
     return list(SPECS.values()) + sweep_specs() + fp8_block_gemm_specs()

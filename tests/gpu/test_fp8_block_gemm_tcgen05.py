@@ -14,10 +14,10 @@ import torch
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
-from k3gen.ops.fp8_block_gemm.reference import fp8_block_gemm, quantize_activations, quantize_weights
 from k3gen.runtime.graphs import capture
 from k3gen.ops.fp8_block_gemm.launcher import Fp8BlockGemm
 from k3gen.targets import TARGETS
+from helpers import fp8_gemm_close, fp8_gemm_inputs as _inputs, poisoned_bf16 as _poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -37,11 +37,6 @@ def _target():
     return TARGET_BY_CC[cc]
 
 
-def rel_rms(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 @functools.lru_cache(maxsize=None)
 def _op(n, k, recipe, bm) -> Fp8BlockGemm:
     target = _target()
@@ -50,26 +45,8 @@ def _op(n, k, recipe, bm) -> Fp8BlockGemm:
     return op
 
 
-def _inputs(m, n, k, recipe, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m).unsqueeze(1)).to(torch.bfloat16)
-    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, n).unsqueeze(1)
-    xc, xs = quantize_activations(x, recipe)
-    wc, ws = quantize_weights(w, recipe)
-    return [t.cuda() for t in (xc, xs, wc, ws)]
-
-
-def _poisoned(m, n):
-    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-
-
 def _check(out, xc, xs, wc, ws, recipe):
-    assert not torch.isnan(out).any()
-    ref64 = fp8_block_gemm(xc.cpu(), xs.cpu(), wc.cpu(), ws.cpu(), recipe, dtype=torch.float64)
-    ref32 = fp8_block_gemm(xc.cpu(), xs.cpu(), wc.cpu(), ws.cpu(), recipe)
-    got = out.cpu().double()
-    assert rel_rms(got, ref64) <= BF16_REL_RMS
-    assert rel_rms(got, ref32) <= BF16_REL_RMS
+    got, ref64 = fp8_gemm_close(out, xc, xs, wc, ws, recipe, BF16_REL_RMS)
     tol = ref64.abs() * 2 ** -7 + ref64.abs().amax(dim=1, keepdim=True) * 1e-4
     assert ((got - ref64).abs() <= tol).all()
 

@@ -18,6 +18,7 @@ from k3gen.ops.kda_decode.reference import kda_decode as ref_decode
 from k3gen.ops.kda_decode.reference import kda_token_loop, random_weights
 from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
+from numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 K = 128
@@ -82,11 +83,6 @@ class Case:
 def run(op, t, split=None, schedule=None):
     return op(t["qkvg"], t["fa"], t["beta_logit"], t["ssm"], t["conv"], t["slots"], t["conv_w"], t["fb_w"],
               t["dt_bias"], t["a_log"], t["norm_w"], t["out"], split=split, schedule=schedule)
-
-
-def rel_rms(a, b) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
 def assert_out_close(got, ref):
@@ -372,7 +368,7 @@ def test_twenty_runs_bitwise_identical(B, ssm):
 
 @pytest.mark.parametrize("split", [1, 4])
 def test_sanitize_reduced_matrix(split):
-    """Small enough to run under compute-sanitizer memcheck (scripts/h200.sh selects `sanitize`)."""
+    """Small enough to run under compute-sanitizer memcheck (tools/h200.sh selects `sanitize`)."""
     check_case(Case(12, 3, SsmDtype.BF16, seed=3, padded=(1,)), GateKind.BOUNDED, split=split)
     check_case(Case(6, 2, SsmDtype.FP32, seed=4), GateKind.BOUNDED, split=split)
 

@@ -1,6 +1,6 @@
 """kda_prefill kernels (sm90, every algo: chunk16 = chunked WY on tensor cores, the default; chunkpar =
-the same algebra as three kernels (parallel prep / emit, sequential state pass); token =
-token-sequential) vs the token-loop reference (FP32, and FP64 for long prompts).
+the same algebra as three kernels (parallel prep / emit, sequential state pass)) vs the token-loop
+reference (FP32, and FP64 for long prompts), and against each other.
 
 Outputs: BF16 relative RMS <= 1e-2 and elementwise 2^-6 |ref| + 1e-3 max|ref|. Final states: FP32
 relative RMS <= 1e-5 against the FP32 loop for prompts up to 65 tokens and <= 1e-4 against the
@@ -16,36 +16,33 @@ import torch
 
 from k3gen.ir.dtypes import GateKind, SsmDtype
 from k3gen.ops.kda_prefill.spec import KdaPrefillSpec, PrefillAlgo
+from k3gen.ops.kda_prefill.variants import VARIANTS
 from k3gen.ops.kda_decode.reference import random_weights
 from k3gen.ops.kda_prefill.reference import kda_prefill as ref_prefill
 from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
+from numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 K = 128
 DEV = "cuda"
 TORCH_SSM = {SsmDtype.FP32: torch.float32, SsmDtype.BF16: torch.bfloat16}
 LENGTHS = [1, 15, 16, 17, 63, 64, 65, 1000, 4096]
-ALGOS = list(PrefillAlgo)
+ALGOS = [PrefillAlgo(n) for n in VARIANTS.names()]
 CHUNK = 16  # tokens per chunk of the chunk16 and chunkpar kernels (chunkpar: sub-chunks from the sequence start)
 
 
 def prebuild_specs():
     t = get_target("sm90")
     return [KdaPrefillSpec(target=t, heads=h, ssm=s, algo=a) for h in (6, 12, 96) for s in SsmDtype
-            for a in PrefillAlgo] + [KdaPrefillSpec(target=t, heads=12, gate=GateKind.SOFTPLUS, algo=a)
-                                     for a in PrefillAlgo]
+            for a in ALGOS] + [KdaPrefillSpec(target=t, heads=12, gate=GateKind.SOFTPLUS, algo=a)
+                               for a in ALGOS]
 
 
 @functools.lru_cache(maxsize=None)
 def op_for(heads, ssm=SsmDtype.FP32, gate=GateKind.BOUNDED, algo=PrefillAlgo.CHUNK16):
     from k3gen.ops.kda_prefill.launcher import KdaPrefill
     return KdaPrefill(KdaPrefillSpec(target=get_target("sm90"), heads=heads, ssm=ssm, gate=gate, algo=algo)).load()
-
-
-def rel_rms(a, b) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
 def assert_out_close(got, ref):
@@ -157,8 +154,7 @@ def test_short_prompts_resume_and_padding(H, ssm, gate, algo):
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("split", [1, 16, 17, 500, 512])
 def test_split_in_two_equals_one_call(split, algo):
-    """A prompt in two continuation calls equals one call. The token kernel does the same
-    arithmetic per token either way: bitwise. The chunk kernel too when the split falls on a chunk
+    """A prompt in two continuation calls equals one call: bitwise when the split falls on a chunk
     boundary (same chunks, the FP32 state round-trips exactly); otherwise the chunks differ and
     the two runs must agree to FP32 accuracy (state rel RMS <= 1e-5, outputs within the BF16
     output tolerance of each other), and both match the reference (test_done_when_...)."""
@@ -177,8 +173,8 @@ def test_split_in_two_equals_one_call(split, algo):
         parts.append(t["out"])
     torch.cuda.synchronize()
     assert torch.equal(t["conv"], t1["conv"])
-    if algo is PrefillAlgo.TOKEN or split % CHUNK == 0:
-        assert torch.equal(torch.cat(parts), t1["out"]), "same arithmetic per token: outputs bitwise"
+    if split % CHUNK == 0:
+        assert torch.equal(torch.cat(parts), t1["out"]), "same chunks: outputs bitwise"
         assert torch.equal(t["ssm"], t1["ssm"])
     else:
         assert_out_close(torch.cat(parts), t1["out"].float())
@@ -186,13 +182,12 @@ def test_split_in_two_equals_one_call(split, algo):
 
 
 @pytest.mark.parametrize("ssm", list(SsmDtype))
-@pytest.mark.parametrize("algo", [a for a in ALGOS if a is not PrefillAlgo.TOKEN])
-def test_chunk_equals_token_kernel(ssm, algo):
-    """A chunked algorithm and the token kernel on one batch: FP32 states within 1e-5 of each
-    other, outputs within the BF16 output tolerance."""
+def test_chunkpar_equals_chunk16(ssm):
+    """The three-kernel form and the single-kernel chunk16 on one batch: FP32 states within 1e-5 of
+    each other, outputs within the BF16 output tolerance."""
     batch = Batch(12, [1, 16, 40, 129, 300], ssm, seed=77, padded=(0,))
     res = []
-    for al in (algo, PrefillAlgo.TOKEN):
+    for al in (PrefillAlgo.CHUNKPAR, PrefillAlgo.CHUNK16):
         t = batch.gpu()
         run(op_for(12, ssm, GateKind.BOUNDED, al), t)
         res.append(t)
@@ -241,5 +236,5 @@ def test_cuda_graph_replay_equals_eager(algo):
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_sanitize_reduced_matrix(algo):
-    """Small enough for compute-sanitizer memcheck (scripts/h200.sh selects `sanitize`)."""
+    """Small enough for compute-sanitizer memcheck (tools/h200.sh selects `sanitize`)."""
     check(Batch(6, [1, 5, 0, 9, 21], SsmDtype.BF16, seed=3, padded=(1,)), algo=algo)

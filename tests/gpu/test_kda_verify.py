@@ -19,8 +19,9 @@ from k3gen.ops.kda_decode.reference import kda_token_loop, random_weights
 from k3gen.ops.kda_verify.reference import commit, start_of
 from k3gen.ops.kda_verify.reference import kda_verify as ref_verify
 from k3gen.runtime.graphs import capture
-from k3gen.ops.kda_verify.launcher import PREFETCH_MAX_DRAFTS, SCHEDULES
+from k3gen.ops.kda_verify.variants import PERSISTENT_MAX_DRAFTS, SCHEDULES
 from k3gen.targets import get_target
+from numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 K = 128
@@ -49,11 +50,6 @@ def verify_op(heads, drafts, ssm=SsmDtype.FP32, gate=GateKind.BOUNDED, variant=V
 def decode_op(heads, ssm):
     from k3gen.ops.kda_decode.launcher import KdaDecode
     return KdaDecode(KdaDecodeSpec(target=get_target("sm90"), heads=heads, ssm=ssm)).load()
-
-
-def rel_rms(a, b) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
 def assert_out_close(got, ref):
@@ -156,7 +152,7 @@ CASES = [  # (H, M, B, ssm, padded)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("H,M,B,ssm,padded", CASES, ids=[f"H{c[0]}-M{c[1]}-B{c[2]}-{c[3].value}" for c in CASES])
 def test_matches_reference(H, M, B, ssm, padded, schedule):
-    if schedule != "rows" and M > PREFETCH_MAX_DRAFTS:
+    if schedule != "rows" and M > PERSISTENT_MAX_DRAFTS:
         pytest.skip(f"the {schedule} schedule is built for M <= 3")
     check_against_reference(Case(H, M, B, ssm, seed=H * 100 + M * 10 + B, padded=padded), schedule=schedule)
 
@@ -232,7 +228,7 @@ def test_verify_commit_equals_decode_kernel(M, ssm, schedule):
     token as an independent chain over the three rounds, must reach the same state and outputs; with
     BF16 storage it rounds the state after every token, which records deliberately do not, so it is
     not the yardstick there."""
-    if schedule != "rows" and M > PREFETCH_MAX_DRAFTS:
+    if schedule != "rows" and M > PERSISTENT_MAX_DRAFTS:
         pytest.skip(f"the {schedule} schedule is built for M <= 3")
     H, B, T = 12, M + 1, 1 + M
     D, S = H * K, 2 * B + 1
@@ -379,7 +375,7 @@ def test_twenty_runs_bitwise_identical():
 
 
 def test_sanitize_reduced_matrix():
-    """Small enough for compute-sanitizer memcheck (scripts/h200.sh selects `sanitize`)."""
+    """Small enough for compute-sanitizer memcheck (tools/h200.sh selects `sanitize`)."""
     check_against_reference(Case(6, 3, 3, SsmDtype.BF16, seed=3, padded=(1,)))
     check_against_reference(Case(6, 7, 2, SsmDtype.FP32, seed=4))
     # 300 items on 264 CTAs: ranges of two items, a padded row inside a range.

@@ -20,6 +20,7 @@ from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
 from k3gen.ops.kv_cache_write.reference import alloc_cache, kv_cache_write, poison_cache
 from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
+from helpers import random_block_tables
 
 pytestmark = pytest.mark.gpu
 
@@ -69,14 +70,8 @@ class Pair:
         self.lay = self.spec.layout
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
-        per_seq = -(-max_len // self.lay.page) + 1
-        self.num_pages = num_seqs * per_seq + 5
-        ids = list(range(self.num_pages))
-        self.rng.shuffle(ids)
-        self.bt = torch.tensor(ids[:num_seqs * per_seq], dtype=torch.int32).view(num_seqs, per_seq)
-        slots = list(range(num_seqs + 3))
-        self.rng.shuffle(slots)
-        self.ring_slot = torch.tensor(slots[:num_seqs], dtype=torch.int32)
+        self.num_pages, self.bt, self.ring_slot = random_block_tables(
+            self.rng, num_seqs, -(-max_len // self.lay.page) + 1, 5, num_seqs + 3)
         self.ref = poison_cache(alloc_cache(self.lay, self.num_pages, num_seqs + 3))
         self.gpu = {k: v.cuda() for k, v in self.ref.items()}
         self.lens = [0] * num_seqs
@@ -334,7 +329,7 @@ def test_bad_page_ids_are_skipped_without_validation(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["bf16", "fp8-tok128", "fp8-tensor", "nvfp4-linear-m3", "nvfp4-swz128x4-m7"])
 def test_sanitize_reduced_matrix(name):
-    """A reduced matrix small enough for compute-sanitizer memcheck (scripts/h200.sh runs `sanitize`)."""
+    """A reduced matrix small enough for compute-sanitizer memcheck (tools/h200.sh runs `sanitize`)."""
     rng = random.Random(7)
     p = Pair(name, 3, max_len=400, seed=7)
     p.step([ragged(rng, p.lay.page) for _ in range(3)])

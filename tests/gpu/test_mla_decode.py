@@ -23,6 +23,7 @@ from k3gen.ops.kv_cache_write.reference import alloc_cache, poison_cache
 from k3gen.ops.mla_decode.reference import mla_decode as mla_ref
 from k3gen.runtime.graphs import capture
 from k3gen.targets import get_target
+from numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -43,13 +44,10 @@ FORMATS = {
 }
 SHAPES = [(12, 1), (12, 2), (12, 4), (12, 8), (6, 1), (96, 1), (96, 4), (128, 1)]
 QUICK_SHAPES = [(12, 1), (12, 4), (96, 1), (16, 8)]
-# The wgmma schedule (sm_90a, BF16 KV only): 16 (H*T <= 16), 32 (<= 32) or 64 query rows per CTA,
-# the last as two consumers of 32 rows; (40, 1): the second consumer half padding; (96, 1), (12, 8):
-# the last group's second consumer all padding (it only passes the stages on).
-WG_SHAPES = SHAPES + [(16, 1), (16, 2), (16, 8), (40, 1), (64, 1), (128, 2), (128, 4), (128, 8)]
 # The wgmma_qm schedule (BF16 KV, 64 query rows per CTA on the wgmma M side): padded groups (12, 40,
-# 96, 6 x 4), whole ones (64, 128), many groups (128 x 8), mixed T.
-QM_SHAPES = [(12, 1), (6, 1), (12, 4), (40, 1), (64, 1), (96, 1), (128, 1), (128, 2), (16, 8), (128, 8)]
+# 96, 6 x 4, 16 x 1, 16 x 2), whole ones (64, 128), many groups (128 x 4, 128 x 8), mixed T.
+QM_SHAPES = [(12, 1), (6, 1), (12, 4), (40, 1), (64, 1), (96, 1), (128, 1), (128, 2), (16, 8), (128, 8),
+             (16, 1), (16, 2), (128, 4)]
 # The FP8 wgmma schedule (16 query rows per CTA, so H * T <= 16): both scale granularities.
 WG8_SHAPES = [(12, 1), (6, 1), (16, 1), (4, 4), (8, 2), (2, 8)]
 FP8_FORMATS = ("fp8-tok128", "fp8-tensor")
@@ -69,15 +67,13 @@ def _attn_spec(fmt: str, heads: int, tokens: int, sched: str = "mma") -> MlaDeco
 WRITE_SPECS = {f: _write_spec(f) for f in FORMATS}
 ATTN_SPECS = {(f, h, t, "mma"): _attn_spec(f, h, t) for f in FORMATS
               for h, t in (SHAPES if f == "bf16" else QUICK_SHAPES)}
-ATTN_SPECS.update({("bf16", h, t, sched): _attn_spec("bf16", h, t, sched)
-                   for h, t in WG_SHAPES for sched in ("mma", "wgmma")})
 ATTN_SPECS.update({(f, h, t, sched): _attn_spec(f, h, t, sched)
                    for f in FP8_FORMATS for h, t in WG8_SHAPES for sched in ("mma", "wgmma")})
 ATTN_SPECS.update({(NV, h, t, sched): _attn_spec(NV, h, t, sched) for h, t in WG4_SHAPES for sched in ("mma", "wgmma")})
 ATTN_SPECS.update({("bf16", h, t, sched): _attn_spec("bf16", h, t, sched)
                    for h, t in QM_SHAPES for sched in ("mma", "wgmma_qm")})
-# (fmt, schedule) pairs for the tests that run every format: BF16 and FP8 also through wgmma.
-FMT_SCHED = ([(f, "mma") for f in FORMATS] + [("bf16", "wgmma"), ("bf16", "wgmma_qm")]
+# (fmt, schedule) pairs for the tests that run every format: each also through its wgmma kernel.
+FMT_SCHED = ([(f, "mma") for f in FORMATS] + [("bf16", "wgmma_qm")]
              + [(f, "wgmma") for f in FP8_FORMATS] + [(NV, "wgmma")])
 
 
@@ -88,7 +84,7 @@ def heads_for(fmt: str, sched: str, T: int, H: int = 12) -> int:
 
 
 def prebuild_specs():
-    """Everything this module and `k3gen bench --op mla_decode` launch (scripts/prebuild_gpu.py)."""
+    """Everything this module and `k3gen bench --op mla_decode` launch (tools/prebuild_gpu.py)."""
     from bench.cases.mla_decode import bars_specs, bench_specs, heads_sweep_specs
     return (list(WRITE_SPECS.values()) + list(ATTN_SPECS.values()) + bench_specs() + heads_sweep_specs()
             + bars_specs())
@@ -104,10 +100,6 @@ def writer(fmt: str):
 def attn(fmt: str, heads: int, tokens: int, sched: str = "mma"):
     from k3gen.ops.mla_decode.launcher import MlaDecode
     return MlaDecode(ATTN_SPECS[(fmt, heads, tokens, sched)]).load()
-
-
-def rel_rms(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def scale_of(fmt: str) -> float:
@@ -198,8 +190,7 @@ def test_random_batches(key, seed):
         assert_close(b.run(op, q, plan=plan), ref, f"{key} splits={plan.splits} lens={b.lens}")
 
 
-@pytest.mark.parametrize("sched,H,T", [("wgmma", h, t) for h, t in WG_SHAPES] + [("wgmma_qm", h, t) for h, t in QM_SHAPES],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("sched,H,T", [("wgmma_qm", h, t) for h, t in QM_SHAPES], ids=lambda v: str(v))
 def test_wgmma_schedule_matches_mma_schedule(sched, H, T):
     """Same inputs through a wgmma BF16 schedule and mma.sync: both within the reference tolerance
     and close to each other (they round the same BF16 probabilities; only FP32 summation orders
@@ -228,7 +219,7 @@ def test_long_sequences(fmt, sched, T):
     assert_close(b.run(op, q), b.reference(q), f"{fmt} T{T} long")
 
 
-@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("bf16", "wgmma"), ("bf16", "wgmma_qm"),
+@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("bf16", "wgmma_qm"),
                                        ("fp8-tok128", "wgmma"), ("fp8-tensor", "wgmma")], ids=lambda v: str(v))
 def test_nan_past_the_sequence_end_is_never_read(fmt, sched):
     """Rows past a sequence's length in its last page hold NaN codes and scales (a recycled page may
@@ -249,7 +240,7 @@ def test_nan_past_the_sequence_end_is_never_read(fmt, sched):
                      f"{fmt} {sched} s{splits}")
 
 
-@pytest.mark.parametrize("sched", ["mma", "wgmma", "wgmma_qm"])
+@pytest.mark.parametrize("sched", ["mma", "wgmma_qm"])
 def test_split_counts_agree(sched):
     b = Batch("bf16", [3000, 17, 640], 1, seed=4)
     op = attn("bf16", 12, 1, sched)
@@ -354,8 +345,7 @@ def test_quantized_kv_error_vs_bf16():
 
 # -- CUDA graphs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("fp8-tok128", "mma"), ("nvfp4-linear-m3", "mma"),
-                                       ("bf16", "wgmma"), ("bf16", "wgmma_qm"), ("fp8-tok128", "wgmma"),
-                                       (NV, "wgmma")],
+                                       ("bf16", "wgmma_qm"), ("fp8-tok128", "wgmma"), (NV, "wgmma")],
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("B", [1, 5])
 def test_cuda_graph_replay_with_changed_lengths(fmt, sched, B):
@@ -397,7 +387,7 @@ def test_cuda_graph_replay_with_changed_lengths(fmt, sched, B):
 
 # -- bad input ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("fp8-tok128", "mma"), ("nvfp4-linear-m3", "mma"),
-                                       ("bf16", "wgmma"), ("fp8-tok128", "wgmma"), (NV, "wgmma")],
+                                       ("bf16", "wgmma_qm"), ("fp8-tok128", "wgmma"), (NV, "wgmma")],
                          ids=lambda v: str(v))
 def test_bad_page_ids_raise_with_validation(fmt, sched, monkeypatch):
     monkeypatch.setenv("K3GEN_VALIDATE", "1")
@@ -419,7 +409,7 @@ def test_bad_page_ids_raise_with_validation(fmt, sched, monkeypatch):
         b.run(op, q)
 
 
-@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("bf16", "wgmma"), ("bf16", "wgmma_qm"),
+@pytest.mark.parametrize("fmt,sched", [("bf16", "mma"), ("bf16", "wgmma_qm"),
                                        ("fp8-tok128", "wgmma"), (NV, "wgmma")], ids=lambda v: str(v))
 def test_bad_page_ids_without_validation_read_zeros(fmt, sched, monkeypatch):
     """Out-of-range ids are not dereferenced: those rows read as zeros (no fault, no NaN)."""
@@ -441,7 +431,7 @@ def test_bad_page_ids_without_validation_read_zeros(fmt, sched, monkeypatch):
     assert_close(got, ref, "bad pages as zeros")
 
 
-@pytest.mark.parametrize("sched", ["mma", "wgmma"])
+@pytest.mark.parametrize("sched", ["mma", "wgmma_qm"])
 def test_typed_errors(sched):
     b = Batch("bf16", [70], 1, seed=10)
     op = attn("bf16", 12, 1, sched)
@@ -460,10 +450,9 @@ def test_typed_errors(sched):
         attn("nvfp4-linear-m3", 12, 1)(q, nv.cache, nv.bt, nv.lengths, out, scale=G)
 
 
-# -- compute-sanitizer (scripts/h200.sh runs `-k sanitize` under memcheck) ----------------------------
-# wgmma: every row plan (N = 64 split rows with an idle consumer, 64 with half, 16, 32).
-SANITIZE_SHAPES = {"mma": [(12, 4)], "wgmma": [(12, 4), (96, 1), (40, 1), (6, 1), (16, 2)],
-                   "wgmma_qm": [(12, 4), (128, 1), (40, 1)],
+# -- compute-sanitizer (tools/h200.sh runs `-k sanitize` under memcheck) ----------------------------
+# wgmma_qm: a padded group, whole groups, a group half padding.
+SANITIZE_SHAPES = {"mma": [(12, 4)], "wgmma_qm": [(12, 4), (128, 1), (40, 1)],
                    "wgmma-fp8": [(12, 1), (4, 4)], "wgmma-nvfp4": [(12, 1), (4, 4)]}
 
 

@@ -13,14 +13,11 @@ from k3gen.ops.mla_q_absorb.reference import mla_q_absorb
 from k3gen.runtime.graphs import capture
 from k3gen.ops.mla_q_absorb.launcher import MlaQAbsorb
 from k3gen.targets import TARGETS
+from numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 RECIPES = tuple(ScaleRecipe)
 SPECS = {(h, r): MlaQAbsorbSpec(target=TARGETS["sm90"], heads=h, recipe=r) for h in (12,) for r in RECIPES}
-
-
-def rel_rms(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _inputs(B, H, recipe, seed):

@@ -10,13 +10,10 @@ from k3gen.ops.mla_vb_gate.reference import mla_vb_gate
 from k3gen.runtime.graphs import capture
 from k3gen.ops.mla_vb_gate.launcher import MlaVbGate
 from k3gen.targets import TARGETS
+from numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 SPECS = {h: MlaVbGateSpec(target=TARGETS["sm90"], heads=h) for h in (12, 96)}
-
-
-def rel_rms(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _inputs(B, H, seed):

@@ -29,6 +29,7 @@ from model.generate import Generator, Request
 from model.model import K3Model, gemm_shapes_for
 from model.ops import KernelOps
 from model.weights import load_weights
+from numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 CFG = small_config()
@@ -40,7 +41,7 @@ KERNEL_OPS = {"kernel:fp8_linear", "kernel:kda_decode", "kernel:kv_cache_write",
 
 
 def prebuild_specs():
-    """Every kernel these tests launch (scripts/prebuild_gpu.py builds them ahead of time)."""
+    """Every kernel these tests launch (tools/prebuild_gpu.py builds them ahead of time)."""
     out = []
     for kv, ssm in COMBOS:
         t = TargetConfig(kv=kv, ssm=ssm, max_drafts=DRAFTS, path="kernel")
@@ -236,11 +237,6 @@ def test_mla_decode_on_model_cache_vs_reference(kv, ssm):
 
 
 # -- layerwise diagnosis: where do the two paths part? ----------------------------------------------
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 class Trace:
     """Records, per layer, what a model's ops produced: every op output (propagated: its inputs
     are this path's own), the residual stream after each layer and the MoE expert choices. With

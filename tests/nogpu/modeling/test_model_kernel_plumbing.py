@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3gen.errors import SpecError
 from k3gen.ir.dtypes import KvDtype
 from k3gen.ir.layouts import MLA_LATENT
 from k3gen.ops.mla_decode.reference import mla_decode as mla_ref
@@ -149,3 +150,80 @@ def test_verify_attention_uses_the_decode_schedule(heads):
     ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), heads, heads, 3)
     want = MlaDecodeSpec(target=t.target, heads=heads, tokens=1).schedule
     assert [ops.mla_decode_spec(T).schedule for T in ops.attention_tokens()] == [want, want]
+
+
+# -- the model launches exactly what the enumerator lists ------------------------------------------
+class _Stub:
+    """A launcher that records nothing but its spec: zero outputs keep every shape flowing."""
+
+    def __init__(self, spec):
+        self.spec, self._kernel = spec, object()
+
+    def load(self):
+        return self
+
+    def plan(self, batch, max_len, **kw):
+        return SplitPlan(batch, max_len, 1)
+
+    def workspace(self, *a, **kw):
+        return None
+
+    def __call__(self, *args, **kw):
+        out = args[-1]
+        if isinstance(out, torch.Tensor):
+            out.zero_()
+        return out
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from model.checkpoint import write_random_checkpoint
+    d = tmp_path_factory.mktemp("tiny-ckpt")
+    write_random_checkpoint(tiny_config(), d, seed=3)
+    return str(d)
+
+
+RUNS = [("sm90", kv, ssm, m, None) for kv in ("bf16", "fp8", "nvfp4") for ssm in ("fp32", "bf16") for m in (0, 3)]
+RUNS += [("sm90", "fp8", "fp32", 3, "ue8m0"), ("sm103", "nvfp4", "bf16", 3, None), ("sm107", "bf16", "fp32", 7, None)]
+
+
+@pytest.mark.parametrize("arch,kv,ssm,drafts,recipe", RUNS, ids=lambda v: str(v))
+def test_generate_launches_exactly_model_specs(monkeypatch, tiny_checkpoint, arch, kv, ssm, drafts, recipe):
+    """Greedy and speculative generation on the kernel path (launches stubbed on the CPU): every
+    spec the model creates is in targets.model_specs for its config and serving setting, and every
+    listed spec is launched."""
+    from k3gen.targets import model_specs
+    from model.generate import Generator, Request, build_model
+    seen: dict[str, object] = {}
+
+    def launcher(self, spec):
+        seen.setdefault(spec.digest(), spec)
+        return _Stub(spec)
+    monkeypatch.setattr(KernelOps, "launcher", launcher)
+    m = build_model("tiny", arch, kv, ssm, drafts, "kernel", tiny_checkpoint, 0, "cpu", 64, 2)
+    if recipe:
+        m = type(m)(m.w, TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=drafts, path="kernel", recipe=recipe),
+                    m.cache)
+    assert m.ops.menu is not None
+    g = Generator(m)
+    g.generate([Request([1, 2, 3, 1, 2], 4), Request([4, 5], 3)])
+    if drafts:
+        g.generate([Request([1, 2, 3, 1, 2], 6)], speculative=True)
+    want = {s.digest(): s for s in model_specs(m.tcfg.target, tiny_config(), 1, serving=m.tcfg.serving())}
+    assert sorted(s.file_stem for s in seen.values()) == sorted(s.file_stem for s in want.values())
+    assert {s.digest() for s in m.kernel_specs()} == set(want)
+
+
+def test_unlisted_launch_raises():
+    t = TargetConfig(kv="bf16", path="kernel")
+    ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), H, H, 0, model=tiny_config())
+    with pytest.raises(SpecError, match="fp8_block_gemm"):
+        ops._get("fp8_block_gemm", n=384, k=256, recipe=t.recipe)
+
+
+def test_model_presets_match_k3gen_presets():
+    """k3gen builds a preset by name without importing model/: its kernel view must be the model's."""
+    from k3gen.targets import MODEL_PRESETS
+    from model.config import CONFIGS
+    for name, make in CONFIGS.items():
+        assert make().kernel_shape() == MODEL_PRESETS[name], name

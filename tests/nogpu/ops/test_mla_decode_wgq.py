@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 
 from k3gen.pipeline.build import build_one, lower
-from k3gen.errors import SpecError, TargetError
+from k3gen.errors import SpecError
 from k3gen.ir.dtypes import KvDtype
-from k3gen.ops.mla_decode.spec import SMEM_LIMIT, WG_THREADS, MlaDecodeSpec, choose_splits
+from k3gen.ops.mla_decode.spec import MlaDecodeSpec, choose_splits
+from k3gen.ops.mla_decode.variants import SMEM_LIMIT, WG_THREADS
 from k3gen.arch.sm90 import (SW128_KMAJOR, blocked_sw128_offset, encode_desc, sw128_mnmajor, tma_sw128_offset,
                                  wgmma_read_addr, wgmma_read_addr_mn)
 from k3gen.targets import TARGETS
@@ -30,6 +31,12 @@ def qm(heads=128, tokens=1, **kw):
     return MlaDecodeSpec(target=SM90, heads=heads, tokens=tokens, schedule="wgmma_qm", **kw)
 
 
+def geo(heads=128, tokens=1, **kw):
+    """The wgmma_qm plan (geometry) of qm(...)."""
+    s = qm(heads, tokens, **kw)
+    return s.impl.plan(s)
+
+
 def desc_k(a):
     return encode_desc(a, SW128_KMAJOR)
 
@@ -40,32 +47,32 @@ def desc_v(a):
 
 # -- spec ---------------------------------------------------------------------------------------------
 def test_validation():
-    with pytest.raises(SpecError, match="kv"):
+    with pytest.raises(SpecError, match="schedule='wgmma_qm'.*BF16 KV"):
         qm(kv=KvDtype.FP8)
     with pytest.raises(SpecError, match="m_tiles=2"):
         qm(m_tiles=2)
     for t in ("sm103-nvfp4", "sm107-nvfp4"):
-        with pytest.raises(TargetError, match="schedule='wgmma_qm'"):
+        with pytest.raises(SpecError, match="schedule='wgmma_qm'.*needs wgmma"):
             MlaDecodeSpec(target=TARGETS[t], heads=128, schedule="wgmma_qm")
 
 
 @pytest.mark.parametrize("h,t,groups", [(128, 1, 2), (12, 1, 1), (64, 1, 1), (96, 1, 2), (128, 8, 16), (12, 8, 2)])
 def test_geometry_and_slug(h, t, groups):
-    s = qm(h, t)
-    assert (s.rows, s.m_tiles, s.groups, s.threads, s.stages) == (64, 4, groups, WG_THREADS, 2)
+    s, g = qm(h, t), geo(h, t)
+    assert (g.rows, s.m_tiles, g.groups, g.threads, g.stages) == (64, 4, groups, WG_THREADS, 2)
     assert s.slug() == f"h{h}-t{t}-bf16-wgmma_qm"
-    assert s.digest() != MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule="wgmma").digest()
+    assert s.digest() != MlaDecodeSpec(target=SM90, heads=h, tokens=t, schedule="mma").digest()
     # The split planner counts 64-row CTAs.
-    assert choose_splits(1, 8192, h, 132, t, s.rows) == choose_splits(1, 8192, h, 132, t, 64)
+    assert choose_splits(1, 8192, h, 132, t, g.rows) == choose_splits(1, 8192, h, 132, t, 64)
 
 
 def test_shared_memory_plan():
-    p = qm().wg_smem()
+    p = geo().smem
     assert p["stages"] == 0 and p["q"] == 2 * TILE and p["p"] == p["q"] + 64 * 1152
     assert p["alpha"] == p["p"] + 64 * 128 and p["stats"] == p["alpha"] + 256 and p["bars"] == p["stats"] + 512
     assert p["q"] % 1024 == 0 and p["p"] % 1024 == 0
-    assert qm().smem_bytes == p["end"] + 1024 <= SMEM_LIMIT
-    assert (qm().smem_bytes + 1024) >> 4 < 1 << 14       # descriptor start-address field
+    assert geo().smem_bytes == p["end"] + 1024 <= SMEM_LIMIT
+    assert (geo().smem_bytes + 1024) >> 4 < 1 << 14      # descriptor start-address field
 
 
 # -- addresses ------------------------------------------------------------------------------------------
@@ -73,7 +80,7 @@ def test_qk_operands():
     """S = Q K^T, 36 k16 steps: A = Q at q + (ks / 4) * 8192 + (ks % 4) * 32 holds Q[row][16 ks + k]
     as the loader stored it ([64][576], sw_off(64, ...)); B = the stage at the same offsets holds
     K[token][16 ks + k] as the producer's cp.async put it."""
-    p = qm().wg_smem()
+    p = geo().smem
     for ks in range(36):
         off = (ks >> 2) * BLK + (ks & 3) * 32
         da = desc_k(p["q"] + off)
@@ -120,7 +127,7 @@ def test_pv_operands():
     """O[:, 256 c + 128 h ..] += P V: A = P at p + ks * 32 holds P[row][16 ks + k] where the softmax
     stored it; B = V at stage + (4 c + 2 h) * 8192 + ks * 2048, N-major with LBO = 8192, holds
     V[16 ks + k][256 c + 128 h + n] for all 128 n (the second 64 from the next block)."""
-    p = qm().wg_smem()
+    p = geo().smem
     stored = {}
     for warp in range(4):
         for lane in range(32):
@@ -177,11 +184,10 @@ def test_fragment_naming():
 
 
 def test_template_checks_the_encoder_and_the_plan():
-    s = qm(96, 4)
-    src = lower(s).source
-    assert '#include "k3gen/mla/decode_wg_qm.cuh"' in src and "wgq::decode<Config>" in src
-    assert f"QmGeo::kSmem == {s.smem_bytes}" in src
-    addr, d = s.wg_desc_probe
+    src, g = lower(qm(96, 4)).source, geo(96, 4)
+    assert '#include "k3gen/mla/decode_wg_qm.cuh"' in src and "wgq::decode<Config>(p, &kv_map)" in src
+    assert "using Geo = k3gen::mla::wgq::QmGeo<Config>;" in src and f"Geo::kSmem == {g.smem_bytes}" in src
+    addr, d = g.desc_probe
     assert d == desc_v(addr) and f"({addr}u) == {d}ull" in src
 
 
@@ -192,7 +198,7 @@ def test_compiles_without_spills_or_serialized_wgmma(h, t):
     r = build_one(s)
     res = {x["function"]: x for x in r.resources}
     k = res["k3gen_mla_decode"]
-    assert k["local"] == 0 and k["stack"] == 0 and k["registers"] <= s.max_registers, k
+    assert k["local"] == 0 and k["stack"] == 0 and k["registers"] <= geo(h, t).max_registers, k
     from k3gen.pipeline.inspect import sass_text
     text = sass_text(r.cubin)
     # QK and the S warpgroup's PV, the O warpgroup's PV; KV tiles by TMA, no cp.async.

@@ -17,12 +17,18 @@ from k3gen.ir import evaluate
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ir.layouts import MLA_ROW
 from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
-from k3gen.ops.mla_decode.spec import SMEM_LIMIT, MlaDecodeSpec, choose_splits, plan_splits
+from k3gen.ops.mla_decode.spec import MlaDecodeSpec, choose_splits, plan_splits
+from k3gen.ops.mla_decode.variants import SMEM_LIMIT
 from k3gen.ops.kv_cache_write.reference import alloc_cache, gather_rows, kv_cache_write, poison_cache
 from k3gen.ops.mla_decode.reference import attend, mla_decode
 from k3gen.targets import TARGETS, build_specs
 
 SM90, SM100, SM103, SM107 = (TARGETS[n] for n in ("sm90", "sm100-mxfp4", "sm103-nvfp4", "sm107-nvfp4"))
+
+
+def geo(s):
+    """The chosen kernel's geometry."""
+    return s.impl.plan(s)
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -45,17 +51,17 @@ def test_nvfp4_not_on_original_target_and_defaults():
     assert MlaDecodeSpec(target=SM90, heads=12, kv=KvDtype.NVFP4).scale_layout is ScaleLayout.LINEAR
     assert MlaDecodeSpec(target=SM90, heads=12, schedule="mma").m_tiles == 1
     assert MlaDecodeSpec(target=SM90, heads=12, tokens=4, schedule="mma").m_tiles == 2
-    assert MlaDecodeSpec(target=SM90, heads=128, tokens=8, schedule="mma").groups == 32
+    assert geo(MlaDecodeSpec(target=SM90, heads=128, tokens=8, schedule="mma")).groups == 32
     assert MlaDecodeSpec(target=SM90, heads=12, tokens=4).m_tiles == 4   # auto: wgmma_qm, 64 rows per CTA
 
 
 @pytest.mark.parametrize("kv", list(KvDtype), ids=str)
 @pytest.mark.parametrize("mt", [1, 2])
 def test_shared_memory_plan_fits(kv, mt):
-    s = MlaDecodeSpec(target=SM90, heads=12, kv=kv, m_tiles=mt, schedule="mma")
+    s = geo(MlaDecodeSpec(target=SM90, heads=12, kv=kv, m_tiles=mt, schedule="mma"))
     assert s.smem_bytes <= SMEM_LIMIT and s.stages >= 2
     # Loads in flight per SM: at least one 64-token tile beyond the one being computed.
-    assert (s.stages - 1) * s.raw_stage_bytes >= 18 * 1024
+    assert (s.stages - 1) * s.stage_bytes >= 18 * 1024
 
 
 def test_two_ctas_per_sm_for_fp8_and_nvfp4_single_tile():
@@ -63,15 +69,16 @@ def test_two_ctas_per_sm_for_fp8_and_nvfp4_single_tile():
     # half the SM's shared memory (minus the 1 KB every resident CTA reserves) with a 2-deep ring.
     for kv in (KvDtype.FP8, KvDtype.NVFP4):
         kw = {"max_drafts": 3} if kv is KvDtype.NVFP4 else {}
-        s = MlaDecodeSpec(target=SM90, heads=12, kv=kv, schedule="mma", **kw)
+        spec = MlaDecodeSpec(target=SM90, heads=12, kv=kv, schedule="mma", **kw)
+        s = geo(spec)
         assert s.ctas_per_sm == 2 and not s.q_in_registers
         assert 2 * (s.smem_bytes + 1024) <= 228 * 1024 and s.stages >= 2
-        assert s.smem_bytes >= s.stages * s.raw_stage_bytes + s.rows * (576 * 2 + 64)   # Q rows included
-        src = lower(s).source
+        assert s.smem_bytes >= s.stages * s.stage_bytes + s.rows * (576 * 2 + 64)   # Q rows included
+        src = lower(spec).source
         assert "__launch_bounds__(256, 2)" in src and "kCtasPerSm = 2" in src
         t = MlaDecodeSpec(target=SM90, heads=12, tokens=4, kv=kv, schedule="mma", **kw)   # two tiles: 1 CTA/SM
-        assert t.ctas_per_sm == 1 and "__launch_bounds__(256, 1)" in lower(t).source
-    b = MlaDecodeSpec(target=SM90, heads=12, schedule="mma")
+        assert geo(t).ctas_per_sm == 1 and "__launch_bounds__(256, 1)" in lower(t).source
+    b = geo(MlaDecodeSpec(target=SM90, heads=12, schedule="mma"))
     assert b.ctas_per_sm == 1 and b.q_in_registers and b.stages == 3
     # The split planner then sees twice the CTA slots: B = 128 at H = 12 splits in two.
     assert choose_splits(128, 8192, 12, 2 * 132) == 2
@@ -217,7 +224,7 @@ def test_compiles_without_spills(target, kv, heads, tokens):
     names = {x["function"] for x in r.resources}
     assert names == {"k3gen_mla_decode", "k3gen_mla_decode_combine"}
     for x in r.resources:
-        assert x["local"] == 0 and x["stack"] == 0 and x["registers"] <= spec.max_registers, x
+        assert x["local"] == 0 and x["stack"] == 0 and x["registers"] <= geo(spec).max_registers, x
         if x["function"] == "k3gen_mla_decode":
             # "auto" on sm90: wgmma_qm for BF16, wgmma for FP8 (E4M3 wgmma: QGMMA) and NVFP4
             mma = ("QGMMA" if kv is KvDtype.FP8 else "HGMMA") if spec.schedule != "mma" else "HMMA"

@@ -13,6 +13,7 @@ from k3gen.ir.dtypes import GateKind, SsmDtype
 from k3gen.ops.kda_prefill.spec import CHUNK_SMEM_BYTES, KdaPrefillSpec, PrefillAlgo
 from k3gen.ops.kda_decode.reference import kda_token_loop, random_weights
 from k3gen.ops.kda_prefill.reference import chunk_emulation, kda_prefill
+from helpers import assert_each_rejected
 from k3gen.targets import KDA_PREFILL_HEADS, TARGETS, build_specs
 
 SM90, SM100, SM103, SM107 = (TARGETS[n] for n in ("sm90", "sm100-mxfp4", "sm103-nvfp4", "sm107-nvfp4"))
@@ -47,10 +48,10 @@ def test_targets_and_build_specs():
         assert len(specs) == len(KDA_PREFILL_HEADS) * 2 and all(s.algo is PrefillAlgo.CHUNK16 for s in specs)
     assert not [s for s in build_specs(SM100) if s.op == "kda_prefill"]
     assert KdaPrefillSpec(target=SM90, heads=12).slug() == "h12-bounded-fp32"
-    tok = KdaPrefillSpec(target=SM90, heads=12, algo=PrefillAlgo.TOKEN)
-    assert tok.slug() == "h12-bounded-fp32-token" and tok.smem_bytes == 0
-    assert KdaPrefillSpec(target=SM90, heads=12).smem_bytes == CHUNK_SMEM_BYTES
-    assert spec_from_canonical(tok.canonical(), SM90) == tok
+    par = KdaPrefillSpec(target=SM90, heads=12, algo=PrefillAlgo.CHUNKPAR)
+    assert par.slug() == "h12-bounded-fp32-chunkpar" and par.smem_bytes == CHUNK_SMEM_BYTES
+    assert KdaPrefillSpec(target=SM90, heads=12).algo is PrefillAlgo.CHUNK16  # auto: what the model runs
+    assert spec_from_canonical(par.canonical(), SM90) == par
 
 
 def test_bytes_moved():
@@ -148,7 +149,7 @@ def _token_recurrence(q, k, v, g, beta, s):
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 63, 64, 65, 200])
 @pytest.mark.parametrize("gate_scale", [1.0, 8.0])
 def test_chunk_algebra_equals_token_recurrence(T, gate_scale):
-    """The chunk kernel's algebra (reference.kda_prefill.chunk_emulation): FP64 equal to the token
+    """The chunk kernel's algebra (k3gen.ops.kda_prefill.reference.chunk_emulation): FP64 equal to the token
     recurrence to rounding; FP32 within 5e-6, half the GPU tests' 1e-5 state bar (the kernel's 3xTF32 products aim at FP32 accuracy).
     gate_scale 8 gives decays near e^-40 per token (a softplus-like gate): no overflow or NaN."""
     g0 = torch.Generator().manual_seed(T)
@@ -171,7 +172,6 @@ def test_chunk_algebra_equals_token_recurrence(T, gate_scale):
 @pytest.mark.parametrize("ssm,gate,algo", [(SsmDtype.FP32, GateKind.BOUNDED, PrefillAlgo.CHUNK16),
                                            (SsmDtype.BF16, GateKind.BOUNDED, PrefillAlgo.CHUNK16),
                                            (SsmDtype.FP32, GateKind.SOFTPLUS, PrefillAlgo.CHUNK16),
-                                           (SsmDtype.FP32, GateKind.BOUNDED, PrefillAlgo.TOKEN),
                                            (SsmDtype.FP32, GateKind.BOUNDED, PrefillAlgo.CHUNKPAR),
                                            (SsmDtype.BF16, GateKind.SOFTPLUS, PrefillAlgo.CHUNKPAR)])
 def test_compiles_without_spills(target, ssm, gate, algo):
@@ -186,10 +186,10 @@ def test_compiles_without_spills(target, ssm, gate, algo):
     for x in r.resources:  # chunkpar: three kernels in one cubin
         for k, n in x["sass"].items():
             ops[k] = ops.get(k, 0) + n
-    if algo is not PrefillAlgo.TOKEN:  # 3xTF32 m16n8k8: 3 x (64 + 4 + 32) mma per warp and chunk,
-        # and the gate's BF16 m16n8k16: 2 channel tiles x 8 k steps per warp
-        hmma = 300 + 16 + (3 * (32 + 4 + 16) if algo is PrefillAlgo.CHUNKPAR else 0)  # + the k-split state pass
-        assert sum(n for k, n in ops.items() if k.startswith("HMMA")) == hmma, ops
+    # 3xTF32 m16n8k8: 3 x (64 + 4 + 32) mma per warp and chunk, and the gate's BF16 m16n8k16: 2
+    # channel tiles x 8 k steps per warp
+    hmma = 300 + 16 + (3 * (32 + 4 + 16) if algo is PrefillAlgo.CHUNKPAR else 0)  # + the k-split state pass
+    assert sum(n for k, n in ops.items() if k.startswith("HMMA")) == hmma, ops
     if algo is PrefillAlgo.CHUNKPAR:  # prep at 2 CTAs per SM (88 KB shared each)
         assert len(r.resources) == 4 and sorted(x["registers"] for x in r.resources)[1] <= 128, r.resources
 
@@ -206,17 +206,11 @@ def test_launcher_checks():
                 ssm=torch.zeros(S, H, K, K), conv=torch.zeros(S, 3 * D, 3, dtype=bf), conv_w=w.conv_w,
                 fb_w=w.fb_w, dt_bias=w.dt_bias, a_log=w.a_log, norm_w=w.norm_w, out=torch.zeros(N, H, K, dtype=bf))
     op = KdaPrefill(KdaPrefillSpec(target=SM90, heads=H))
-    for name, bad, needle in [("cu_seqlens", torch.tensor([0, 10], dtype=torch.int32), "cu_seqlens="),
-                              ("resume", torch.zeros(B, dtype=torch.bool), "resume="),
-                              ("fa", torch.zeros(N + 1, K, dtype=bf), "fa="),
-                              ("out", torch.zeros(N, H, K), "out="),
-                              ("out", None, "device=")]:
-        a = dict(args)
-        if bad is not None:
-            a[name] = bad
-        with pytest.raises(SpecError) as e:
-            op(**a)
-        assert needle in str(e.value)
+    assert_each_rejected(op, args, [("cu_seqlens", torch.tensor([0, 10], dtype=torch.int32), "cu_seqlens="),
+                                    ("resume", torch.zeros(B, dtype=torch.bool), "resume="),
+                                    ("fa", torch.zeros(N + 1, K, dtype=bf), "fa="),
+                                    ("out", torch.zeros(N, H, K), "out="),
+                                    ("out", None, "device=")])
 
 
 def test_chunkpar_work_items_and_workspace():

@@ -66,7 +66,6 @@ def test_cubin_is_for_the_target_arch(built, name):
     m = re.search(r"64-bit ELF: type=ET_EXEC, ABI=\d+, sm=(\w+),", header)
     assert m and f"sm_{m.group(1)}" == ARCHS[name], header[:300]
     assert f"-arch {ARCHS[name]}" in header  # ptxas' command line in .note.nv.tkinfo
-    assert secs < 60, f"compile took {secs:.1f}s"
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
@@ -129,18 +128,15 @@ def test_ptx_check_catches_a_wrong_layout(built):
     assert cc.check_ptx_params(art.ptx, art.entry, wrong)
 
 
-def test_artifact_save_load_roundtrip(built, tmp_path):
-    out, _ = built
-    spec, art, _ = out["sm90"]
-    art.save(tmp_path, spec.file_stem)
-    back = cc.CuteArtifact.load(tmp_path, spec.file_stem)
-    assert back.cubin == art.cubin and back.params == art.params and back.block == art.block
-    assert back.source_sha256 == cc.source_sha256(spec)
-    bad = bytearray(art.cubin)
-    bad[len(bad) // 2] ^= 0xFF
-    (tmp_path / f"{spec.file_stem}.cubin").write_bytes(bytes(bad))
-    with pytest.raises(CompileError, match="does not match"):
-        cc.CuteArtifact.load(tmp_path, spec.file_stem)
+def test_launch_abi_comes_only_from_meta_params(built):
+    """The build metadata (cache entry or `k3gen build --out` bundle) carries the ABI under
+    "params"; nothing else is read as an ABI."""
+    from k3gen.runtime.cute_launch import load_cute_kernel
+    _, art, _ = built[0]["sm90"]
+    with pytest.raises(SpecError, match="meta.params"):
+        load_cute_kernel(art.cubin, art.params_json())
+    kern = load_cute_kernel(art.cubin, {"params": art.params_json()})   # lazy: no driver call yet
+    assert kern.entry == art.entry and kern.names == ["x", "codes", "scales"]
 
 
 def test_compile_error_carries_a_repro(tmp_path):
@@ -267,7 +263,7 @@ def test_cute_source_names_the_spec():
     src = cc.cute_source(s)
     assert s.canonical() in src and "class ActQuantFp8Kernel" in src
     assert cc.cute_flags(s) == ["CUTE_DSL_ARCH=sm_107a"]
-    assert cc.source_sha256(s) != cc.source_sha256(ActQuantFp8Spec(target=TARGETS["sm90"], k=128))
+    assert src != cc.cute_source(ActQuantFp8Spec(target=TARGETS["sm90"], k=128))
 
 
 # -- reference --------------------------------------------------------------------------------------

@@ -1,30 +1,26 @@
 """fp8_block_gemm on the CPU: spec validation and recipe pairing, the UE8M0 conversion against an
-independent construction, the reference against a float64 product and the unquantized matmul,
-the split heuristic, and compiles for sm90/sm103/sm107 with resource and SASS checks."""
+independent construction, the weight quantizer, and the reference against a float64 product and
+the unquantized matmul. The kernels' plans and compiles: test_fp8_gemm_wgmma.py (sm90) and
+test_fp8_block_gemm_tcgen05_spec.py (sm103/sm107)."""
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from k3gen.pipeline.build import build_one
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
-from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec, choose_split
+from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
 from k3gen.ops.fp8_block_gemm.reference import (dequantize_weights, fp8_block_gemm, quantize_activations,
                                             quantize_weights)
 from k3gen.numerics import ue8m0_decode, ue8m0_encode
 from k3gen.ops.fp8_block_gemm.launcher import Fp8BlockGemm
 from k3gen.targets import TARGETS
 
-SM90, SM103, SM107 = TARGETS["sm90"], TARGETS["sm103-nvfp4"], TARGETS["sm107-nvfp4"]
-# The mma.sync flavour has no target of its own any more (sm90 builds wgmma, sm103/sm107 tcgen05):
-# a copy of sm90 without wgmma keeps the fallback kernel compiled and checked.
-SM90_MMA_SYNC = dataclasses.replace(SM90, mma="mma.sync")
+SM90, SM103 = TARGETS["sm90"], TARGETS["sm103-nvfp4"]
 RECIPES = tuple(ScaleRecipe)
 
 
@@ -135,45 +131,3 @@ def test_reference_against_float64_and_plain_matmul(m, n, k, recipe):
     assert ((y32.double() - y64).norm() / y64.norm()) < 1e-6
     exact = x.double() @ w.double().T
     assert ((y64 - exact).norm() / exact.norm()) < 0.08   # two E4M3 roundings
-
-
-def test_split_heuristic():
-    sms = 132
-    # q_b at TP8, M = 1: 36 tiles of 64 rows; 7 splits fill one wave of 2 CTAs per SM.
-    assert choose_split(2304, 1536, 1, 64, sms) == 7
-    # o_proj at TP8: 112 tiles -> 2 splits (224 CTAs), never a partial second wave.
-    assert choose_split(7168, 1536, 1, 64, sms) == 2
-    assert choose_split(7168, 1536, 128, 64, sms) == 1
-    # The fused KDA projection at TP1 has 768 tiles: no split.
-    assert choose_split(49152, 7168, 1, 64, sms) == 1
-    # Never more splits than 128-column K blocks, never more than a portable cluster.
-    assert choose_split(64, 256, 1, 64, sms) == 2
-    assert choose_split(64, 16, 1, 64, sms) == 1
-    assert choose_split(1536, 7168, 1, 64, sms) == 8
-
-
-def test_smem_fits_two_ctas_per_sm():
-    for n, k in ((2304, 1536), (7168, 12288), (49152, 7168)):
-        s = Fp8BlockGemmSpec(target=SM90_MMA_SYNC, n=n, k=k)
-        assert s.smem_bytes(1) <= 113 * 1024
-
-
-@pytest.mark.parametrize("target", [SM90_MMA_SYNC], ids=lambda t: t.name)
-@pytest.mark.parametrize("bm", [16, 64])
-def test_compiles_without_spills_with_tensor_core_sass(target, bm):
-    """The mma.sync flavour, kept as the sm90 fallback (sm90 builds the wgmma kernel, see
-    test_fp8_gemm_wgmma.py; sm103/sm107 the tcgen05 one). sm_90a has no FP8 mma.sync in hardware: the kernel converts E4M3 to
-    F16 itself (F2FP.F16.E4M3.UNPACK_B) and runs HMMA.16816.F32. One k32 step per warp and n8
-    tile is two HMMAs; the conversions stay once per weight fragment and token chunk."""
-    spec = Fp8BlockGemmSpec(target=target, n=200, k=272, bm=bm, recipe=ScaleRecipe.UE8M0)
-    r = build_one(spec)
-    (res,) = r.resources
-    assert res["local"] == 0 and res["stack"] == 0, res
-    assert res["registers"] <= 128
-    sass = res["sass"]
-    assert sass.get("HMMA", 0) == 4 * (bm // 8) * 2, sass
-    assert sass.get("F2FP", 0) <= 4 * 8 + 2 * 4 * (bm * 8 // 128) + 8, sass   # no per-MMA conversions
-    assert sass.get("LDGSTS", 0) > 0 and sass.get("LDSM", 0) > 0
-    from k3gen.pipeline.inspect import sass_text
-    text = sass_text(r.cubin)
-    assert "HMMA.16816.F32" in text and "F2FP.F16.E4M3.UNPACK_B" in text

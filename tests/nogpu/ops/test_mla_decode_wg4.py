@@ -14,7 +14,8 @@ import pytest
 from k3gen.pipeline.build import build_one
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import KvDtype, ScaleLayout
-from k3gen.ops.mla_decode.spec import SMEM_LIMIT, MlaDecodeSpec
+from k3gen.ops.mla_decode.spec import MlaDecodeSpec
+from k3gen.ops.mla_decode.variants import SMEM_LIMIT
 from k3gen.arch.sm90 import SW128_KMAJOR, SW128_MNMAJOR_1BLOCK, encode_desc, wgmma_read_addr, wgmma_read_addr_mn
 from k3gen.targets import TARGETS
 
@@ -33,17 +34,18 @@ def wg4(heads=12, tokens=1, **kw):
 
 # -- spec --------------------------------------------------------------------------------------------
 def test_spec_rules_and_plan():
-    s = wg4()
-    assert s.m_tiles == 1 and s.rows == 16 and s.threads == 384 and s.stages == 3
-    p = s.wg_smem()
+    spec = wg4()
+    s = spec.impl.plan(spec)
+    assert spec.m_tiles == 1 and s.rows == 16 and s.threads == 384 and s.stages == 3
+    p = s.smem
     assert p["ring"] == 3 * STAGE and p["v"] % 1024 == 0 and p["q"] - p["v"] == 2 * 8 * BLK
     assert p["p"] - p["q"] == 9 * N * 128 and p["red"] - p["p"] == 2 * N * 128
     assert s.smem_bytes == p["total"] <= SMEM_LIMIT
-    assert wg4(12, 4).groups == 3 and wg4(128, 1).groups == 8
-    assert wg4().slug() == "h12-t1-nvfp4-linear-m3-wgmma"
+    assert [spec.impl.plan(x).groups for x in (wg4(12, 4), wg4(128, 1))] == [3, 8]
+    assert spec.slug() == "h12-t1-nvfp4-linear-m3-wgmma"
     with pytest.raises(SpecError, match="m_tiles=2"):
         wg4(12, 2, m_tiles=2)
-    with pytest.raises(SpecError, match="scale_layout='swz128x4'"):
+    with pytest.raises(SpecError, match="schedule='wgmma'.*linear layout"):
         wg4(scale_layout=ScaleLayout.SWIZZLE_128X4)
 
 

@@ -10,7 +10,8 @@ from k3gen.errors import SpecError
 from model.cache import HybridCache
 from model.checkpoint import write_random_checkpoint
 from model.config import TargetConfig, small_config, tiny_config
-from model.generate import Generator, Request, main, ngram_drafts
+from model.cli import generate_main as main
+from model.generate import Generator, Request, ngram_drafts
 from model.model import K3Model
 from model.weights import load_weights
 

@@ -13,7 +13,8 @@ import pytest
 from k3gen.pipeline.build import build_one
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype
-from k3gen.ops.mla_decode.spec import SMEM_LIMIT, MlaDecodeSpec
+from k3gen.ops.mla_decode.spec import MlaDecodeSpec
+from k3gen.ops.mla_decode.variants import SMEM_LIMIT
 from k3gen.arch.sm90 import SW128_KMAJOR, encode_desc, swizzle128, wgmma_read_addr
 from k3gen.targets import TARGETS
 
@@ -25,6 +26,12 @@ N = 16
 
 def wg8(heads=12, tokens=1, **kw):
     return MlaDecodeSpec(target=SM90, heads=heads, tokens=tokens, kv=KvDtype.FP8, schedule="wgmma", **kw)
+
+
+def geo(heads=12, tokens=1, **kw):
+    """The wgmma plan (geometry) of wg8(...)."""
+    s = wg8(heads, tokens, **kw)
+    return s.impl.plan(s)
 
 
 def sw_off(rows: int, row: int, c: int) -> int:
@@ -49,15 +56,15 @@ def test_desc_words_match_the_encoder():
 # -- spec --------------------------------------------------------------------------------------------
 def test_spec_rules_and_plan():
     for scales in Fp8ScaleGranularity:
-        s = wg8(fp8_scales=scales)
-        assert s.m_tiles == 1 and s.rows == 16 and s.threads == 384 and s.stages == 4
-        p = s.wg_smem()
+        s = geo(fp8_scales=scales)
+        assert wg8(fp8_scales=scales).m_tiles == 1 and s.rows == 16 and s.threads == 384 and s.stages == 4
+        p = s.smem
         assert p["scales"] == 4 * CODE_BYTES and p["q"] % 1024 == 0 and p["p"] % 1024 == 0
         assert p["p"] - p["q"] == 5 * 32 * 128 and p["red"] - p["p"] == 2 * 4 * 16 * 128
         assert s.smem_bytes == p["total"] <= SMEM_LIMIT
         assert 16 * (512 + 4) * 4 <= p["scales"], "the merge buffer reuses the stages"
     # 16 query rows per CTA: more rows become more CTAs (groups), never a wider CTA.
-    assert wg8(12, 4).m_tiles == 1 and wg8(12, 4).groups == 3 and wg8(128, 1).groups == 8
+    assert wg8(12, 4).m_tiles == 1 and geo(12, 4).groups == 3 and geo(128, 1).groups == 8
     with pytest.raises(SpecError, match="m_tiles=2"):
         wg8(12, 2, m_tiles=2)
     assert wg8().slug() == "h12-t1-fp8-tok128-wgmma"
@@ -98,7 +105,7 @@ def test_producer_covers_the_tile_as_qk_reads_it():
 def test_q_hi_lo_rows_as_qk_reads_them():
     """stage_q stores hi row r at sw_off(32, r, c), lo at sw_off(32, 16 + r, c); QK's B for step
     ks (q + (ks/4) 4096 + (ks%4) 32) reads column j < 16 as hi row j and j >= 16 as lo row j - 16."""
-    q = wg8().wg_smem()["q"]
+    q = geo().smem["q"]
     for ks in range(18):
         db = desc(q + (ks >> 2) * 2 * N * 128 + (ks & 3) * 32)
         for j in range(32):

@@ -12,6 +12,7 @@ from k3gen.ir.layouts import MLA_ROW, PAGE_TOKENS, KvLayout, swizzle_128x4_offse
 from k3gen import numerics as Q
 from k3gen.ops.kv_cache_write.reference import (POISON_BYTE, alloc_cache, gather_rows, kv_cache_write,
                                             poison_cache)
+from helpers import random_block_tables
 
 G = 2688 / 30
 FP8_TENSOR_SCALE = 0.05
@@ -36,14 +37,8 @@ class Sim:
     def __init__(self, lay: KvLayout, num_seqs: int, max_len: int, seed: int, poison=True):
         self.lay, self.rng = lay, random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
-        per_seq = -(-max_len // lay.page)
-        self.num_pages = num_seqs * per_seq + 3
-        ids = list(range(self.num_pages))
-        self.rng.shuffle(ids)
-        self.bt = torch.tensor(ids[:num_seqs * per_seq], dtype=torch.int32).view(num_seqs, per_seq)
-        slots = list(range(num_seqs + 2))
-        self.rng.shuffle(slots)
-        self.ring_slot = torch.tensor(slots[:num_seqs], dtype=torch.int32)
+        self.num_pages, self.bt, self.ring_slot = random_block_tables(
+            self.rng, num_seqs, -(-max_len // lay.page), 3, num_seqs + 2)
         self.cache = alloc_cache(lay, self.num_pages, num_seqs + 2)
         if poison:
             poison_cache(self.cache)

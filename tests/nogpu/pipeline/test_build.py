@@ -10,15 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from k3gen.pipeline.build import (GENERATED_ROOT, build_many, build_one, check_generated, generated_files, lower, resolve,
+from k3gen.pipeline.build import (GENERATED_ROOT, build_many, build_one, check_generated, generated_files, lower,
                          write_bundle, write_generated)
+from k3gen.runtime.resolve import resolve
 from k3gen.pipeline.inspect import KernelResources, cubin_arch
 from k3gen.errors import CompileError, MissingKernelError
 from k3gen.ir.dtypes import KvDtype
 from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
 from k3gen.targets import TARGETS, build_specs
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GOLDEN = ROOT / "tests" / "golden" / "sm100_mxfp4.json"
 
 
@@ -138,15 +139,13 @@ def test_compile_error_carries_log_options_and_repro(tmp_path):
     assert proc.returncode == 1 and "undefined_thing" in proc.stderr
 
 
-def test_cli_build_warm_is_fast_and_writes_bundle(tmp_path):
+def test_cli_build_warm_compiles_nothing_and_writes_bundle(tmp_path):
+    """The second build takes every cubin from the cache (its time: `python -m bench --op build`)."""
     env = {**os.environ, "K3GEN_CACHE_DIR": os.environ["K3GEN_CACHE_DIR"]}
     cmd = [sys.executable, "-m", "k3gen", "build", "--arch", "sm103", "--kv", "nvfp4", "--out", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, env=env)
-    t0 = time.perf_counter()
     p = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-    warm = time.perf_counter() - t0
     assert "0 compiled" in p.stdout, p.stdout
-    assert warm < 3.0, f"warm build took {warm:.2f}s"
     idx = json.loads((tmp_path / "sm103_nvfp4" / "bundle.json").read_text())
     assert idx and all(v["arch"] == "sm_103a" for v in idx.values())
 
@@ -174,14 +173,12 @@ def test_eight_processes_build_one_real_kernel_once(tmp_path, monkeypatch):
     assert len({h for _, h in out}) == 1
 
 
-def test_cold_build_of_one_target_is_under_two_minutes(tmp_path):
+def test_cold_build_of_one_target_compiles_every_kernel(tmp_path):
+    """From an empty cache every kernel goes through the compiler (its time: `python -m bench --op build`)."""
     env = {**os.environ, "K3GEN_CACHE_DIR": str(tmp_path / "cold")}
-    t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "k3gen", "build", "--arch", "sm103", "-j", "2"],
                        capture_output=True, text=True, env=env)
-    cold = time.perf_counter() - t0
     assert p.returncode == 0, p.stderr
-    assert cold < 120, f"cold build took {cold:.1f}s"
     assert "0 from cache" in p.stdout
 
 

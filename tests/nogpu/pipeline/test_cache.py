@@ -1,27 +1,86 @@
 """The content-addressed cache: key sensitivity, corruption recovery, concurrent builders."""
 import hashlib
 import multiprocessing as mp
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from k3gen.pipeline.build import lower
+import k3gen.pipeline.inputs as I
+from k3gen.pipeline.build import lower, plan
 from k3gen.ir.dtypes import KvDtype
 from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
 from k3gen.pipeline.store import KernelCache, cache_key
 from k3gen.targets import TARGETS
 
-BASE = dict(spec_digest="a" * 64, source="src", inputs_digest="b" * 64, compiler="nvrtc-13.5",
+BASE = dict(spec_digest="a" * 64, inputs_digest="b" * 64, compiler="nvrtc-13.5",
             target="sm_90a", flags=["-std=c++17"], k3gen_hash="c" * 64)
+PKG = Path(I.__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("field,value", [
-    ("spec_digest", "d" * 64), ("source", "src2"), ("inputs_digest", "e" * 64), ("compiler", "nvrtc-13.4"),
+    ("spec_digest", "d" * 64), ("inputs_digest", "e" * 64), ("compiler", "nvrtc-13.4"),
     ("target", "sm_103a"), ("flags", ["-std=c++17", "-G"]), ("k3gen_hash", "f" * 64)])
 def test_key_is_sensitive(field, value):
     assert cache_key(**{**BASE, field: value}) != cache_key(**BASE)
+
+
+def test_key_needs_no_render(monkeypatch):
+    """The runtime computes the key of a spec before (and instead of) rendering it."""
+    import k3gen.pipeline.render as R
+    s = KvCacheWriteSpec(target=TARGETS["sm90"], kv=KvDtype.NVFP4, max_drafts=3)
+    k = lower(s).key
+    monkeypatch.setattr(R, "render", lambda spec: pytest.fail("rendered"))
+    assert plan(s).key == k and plan(s).source == ""
+
+
+@pytest.fixture
+def package_copy(tmp_path, monkeypatch):
+    """inputs_digest over a copy of the package, so a test may edit any file."""
+    import shutil
+    root = tmp_path / "k3gen"
+    for rel in ("ops", "include", "ir", "arch", "numerics.py", "pipeline"):
+        src = PKG / rel
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, root / rel)
+    monkeypatch.setattr(I, "PACKAGE_DIR", root)
+    monkeypatch.setattr(I, "OPS_DIR", root / "ops")
+
+    def digest(op, lowering="nvrtc"):
+        I.inputs_digest.cache_clear()
+        return I.inputs_digest(op, lowering)
+    yield root, digest
+    I.inputs_digest.cache_clear()
+
+
+def test_inputs_digest_covers_what_the_bytes_are_made_from(package_copy):
+    root, digest = package_copy
+    before = {op: digest(op) for op in ("kv_cache_write", "kda_prefill", "kda_decode")}
+    cute = digest("act_quant_fp8", "cute")
+
+    def edited(rel: str) -> dict:
+        p = root / rel
+        p.write_text(p.read_text() + "\n// edited\n")
+        return {op: digest(op) for op in before}
+    after = edited("ops/kv_cache_write/template.cu.j2")
+    assert after["kv_cache_write"] != before["kv_cache_write"] and after["kda_decode"] == before["kda_decode"]
+    before = after
+    after = edited("include/k3gen/common/pdl.cuh")
+    assert all(after[op] != before[op] for op in before)
+    assert digest("act_quant_fp8", "cute") == cute  # CuTe modules include no headers
+    before = after
+    after = edited("ops/kda_decode/spec.py")  # kda_prefill's spec imports kda_decode's
+    assert after["kda_prefill"] != before["kda_prefill"] and after["kv_cache_write"] == before["kv_cache_write"]
+    for rel in ("ir/layouts.py", "arch/sm90.py", "numerics.py", "pipeline/render.py"):
+        before = after
+        after = edited(rel)
+        assert after["kv_cache_write"] != before["kv_cache_write"], rel
+    before = after
+    assert edited("ops/kv_cache_write/launcher.py") == before  # runtime-only files never reach the bytes
+    assert edited("ops/kv_cache_write/reference.py") == before
+    assert digest("act_quant_fp8", "cute") != cute
+    before_cute = digest("act_quant_fp8", "cute")
+    edited("ops/act_quant_fp8/cute_kernel.py")
+    assert digest("act_quant_fp8", "cute") != before_cute
 
 
 def test_key_ignores_thread_count(monkeypatch):
@@ -33,10 +92,9 @@ def test_key_ignores_thread_count(monkeypatch):
 
 
 def test_template_change_changes_key(monkeypatch):
-    import k3gen.pipeline.render as J
     s = KvCacheWriteSpec(target=TARGETS["sm90"], kv=KvDtype.BF16)
     k1 = lower(s).key
-    monkeypatch.setattr(J, "template_inputs_digest", lambda op: "0" * 64)
+    monkeypatch.setattr(I, "spec_inputs_digest", lambda spec: "0" * 64)
     assert lower(s).key != k1
 
 

@@ -1,4 +1,4 @@
-"""fp8_block_gemm, wgmma flavour (sm_90a), on the CPU: the shared-memory addressing the GPU cannot
+"""fp8_block_gemm, wgmma variant (sm_90a), on the CPU: the shared-memory addressing the GPU cannot
 show us before it runs (TMA's 128B swizzle against what a wgmma descriptor reads, for every tile
 and K step the kernel uses), the accumulator fragment mapping of the epilogue, the launch plan,
 and the compile with resource and SASS checks."""
@@ -24,7 +24,7 @@ SMEM_CAP = 227 * 1024          # sm_90 opt-in dynamic shared memory per CTA
 def tma_box_byte(row: int, kbyte: int) -> int:
     """Where TMA's SWIZZLE_128B puts byte `kbyte` of box row `row` (box rows of 128 bytes, box
     base 1024-byte aligned), written the way the CUDA guide states it: 16-byte chunk i of row r
-    goes to chunk i XOR (r mod 8) of that row. Independent of sm90_tiles.swizzle128 on purpose."""
+    goes to chunk i XOR (r mod 8) of that row. Independent of k3gen.arch.sm90.swizzle128 on purpose."""
     chunk, inner = divmod(kbyte, 16)
     return row * 128 + ((chunk ^ (row % 8)) * 16) + inner
 
@@ -228,15 +228,12 @@ def test_compiles_to_fp8_wgmma_and_tma_without_spills(recipe):
     assert "F2FP.F16.E4M3" not in text                   # no software FP8 conversion left
 
 
-def test_flavours_by_target():
-    import dataclasses
-    assert Fp8BlockGemmSpec(target=SM90, n=256, k=256).mma == "wgmma"
+def test_variants_by_target():
+    s = Fp8BlockGemmSpec(target=SM90, n=256, k=256)
+    assert s.mma == "wgmma" and s.lowering == "nvrtc" and s.threads == THREADS90
+    assert '#include "k3gen/gemm/fp8_wgmma.cuh"' in lower(s).source
     for t in ("sm103-nvfp4", "sm107-nvfp4"):
         assert Fp8BlockGemmSpec(target=TARGETS[t], n=256, k=256).mma == "tcgen05"
-    fallback = Fp8BlockGemmSpec(target=dataclasses.replace(SM90, mma="mma.sync"), n=256, k=256)
-    assert fallback.mma == "mma_sync" and fallback.threads == 128
-    src = lower(fallback).source
-    assert '#include "k3gen/gemm/fp8_mma_sync.cuh"' in src and "gemm/fp8_wgmma.cuh" not in src
 
 
 def test_streaming_plan_is_opt_in():

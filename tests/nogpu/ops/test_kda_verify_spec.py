@@ -9,11 +9,13 @@ import torch
 from k3gen.errors import SpecError, TargetError
 from k3gen.ir import evaluate
 from k3gen.ops import spec_from_canonical
-from k3gen.ir.dtypes import GateKind, SsmDtype
+from k3gen.ir.dtypes import SsmDtype
 from k3gen.ops.kda_verify.spec import KdaVerifySpec, VerifyVariant
 from k3gen.ops.kda_decode.reference import kda_decode, random_weights
 from k3gen.ops.kda_verify.reference import commit, kda_verify
+from helpers import assert_each_rejected
 from k3gen.targets import KDA_VERIFY_DRAFTS, KDA_VERIFY_HEADS, TARGETS, build_specs
+from numerics import rel_rms as _rel
 
 SM90, SM100, SM103, SM107 = (TARGETS[n] for n in ("sm90", "sm100-mxfp4", "sm103-nvfp4", "sm107-nvfp4"))
 K = 128
@@ -29,7 +31,7 @@ K = 128
     ({"variant": "v2"}, "variant='v2'"),
     ({"threads": 128}, "threads=128"),
     ({"min_blocks": 3}, "min_blocks=3"),
-    ({"variant": VerifyVariant.ORIGINAL, "ssm": SsmDtype.BF16}, "ssm='bf16'"),
+    ({"variant": VerifyVariant.ORIGINAL, "ssm": SsmDtype.BF16}, "stores FP32 state only"),
 ])
 def test_spec_rejects(kw, needle):
     with pytest.raises(SpecError) as e:
@@ -38,8 +40,10 @@ def test_spec_rejects(kw, needle):
 
 
 def test_variants_and_targets():
-    with pytest.raises(TargetError, match="variant='nvfp4'"):
-        KdaVerifySpec(target=SM100, heads=12, drafts=3)
+    with pytest.raises(SpecError, match="variant='nvfp4'.*frozen with the original"):
+        KdaVerifySpec(target=SM100, heads=12, drafts=3, variant=VerifyVariant.NVFP4)
+    assert KdaVerifySpec(target=SM100, heads=12, drafts=3).variant is VerifyVariant.ORIGINAL   # auto
+    assert KdaVerifySpec(target=SM90, heads=12, drafts=3).variant is VerifyVariant.NVFP4
     with pytest.raises(TargetError, match="ssm='bf16'"):
         KdaVerifySpec(target=SM100, heads=12, drafts=3, ssm=SsmDtype.BF16, variant=VerifyVariant.ORIGINAL)
     orig = KdaVerifySpec(target=SM100, heads=12, drafts=3, variant=VerifyVariant.ORIGINAL)
@@ -100,11 +104,6 @@ def _tokens(B, T, H, g):
     qkvg = torch.randn(B * T, 4 * D + 8, generator=g).to(torch.bfloat16)
     fab = torch.randn(B * T, K + H, generator=g).to(torch.bfloat16)
     return qkvg, fab[:, :K], fab[:, K:]
-
-
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
 
 
 def _committed(p: Pools, slot):
@@ -262,15 +261,9 @@ def test_launcher_checks():
                 conv_w=w.conv_w, fb_w=w.fb_w, dt_bias=w.dt_bias, a_log=w.a_log, norm_w=w.norm_w,
                 out=torch.zeros(B, T, H, K, dtype=bf))
     op = KdaVerify(KdaVerifySpec(target=SM90, heads=H, drafts=M))
-    for name, bad, needle in [("draft_rec", torch.zeros(S, M, H, K, K, dtype=bf), "draft_rec="),
-                              ("conv_ext", torch.zeros(S, 3 * D, 3), "conv_ext="),
-                              ("pending", torch.zeros(S), "pending="),
-                              ("qkvg", torch.zeros(B, 4 * D, dtype=bf), "qkvg="),
-                              ("out", torch.zeros(B, H, K, dtype=bf), "out="),
-                              ("out", None, "device=")]:
-        a = dict(args)
-        if bad is not None:
-            a[name] = bad
-        with pytest.raises(SpecError) as e:
-            op(**a)
-        assert needle in str(e.value)
+    assert_each_rejected(op, args, [("draft_rec", torch.zeros(S, M, H, K, K, dtype=bf), "draft_rec="),
+                                    ("conv_ext", torch.zeros(S, 3 * D, 3), "conv_ext="),
+                                    ("pending", torch.zeros(S), "pending="),
+                                    ("qkvg", torch.zeros(B, 4 * D, dtype=bf), "qkvg="),
+                                    ("out", torch.zeros(B, H, K, dtype=bf), "out="),
+                                    ("out", None, "device=")])
