@@ -4,7 +4,7 @@
 // digest: 34d6d5e8f4ddc1ff08ad8db8efa2f97c512da5c21fe208e5b3450e4450bdadd0
 
 // kda_decode h12-softplus-fp32 for sm_103a
-// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ir/ops/kda_decode.py.
+// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ops/kda_decode/spec.py.
 // Launch: grid (split, 12, B), 256 threads, cluster (split, 1, 1);
 // split in 1, 2, 4, 8 up to 8, chosen by the launcher; warm, ahead:
 // L2 warming before the PDL wait and one wave ahead (kda/decode.cuh warm_cta; 0 turns each off).

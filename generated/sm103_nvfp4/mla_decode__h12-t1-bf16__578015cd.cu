@@ -4,7 +4,8 @@
 // digest: 578015cd9a6c954fe33d2617b7deba92c6b259b475f8fb9417263c06edba49c7
 
 // mla_decode h12-t1-bf16 for sm_103a
-// Algorithm: include/k3gen/mla/decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode.cuh (schedule "mma": mma.sync, every target).
+// Contract: k3gen/ops/mla_decode/spec.py; geometry: the variant's plan in k3gen/ops/mla_decode/variants.py.
 // Entries:
 //   k3gen_mla_decode          grid (1, splits, B), 256 threads, 228096 B dynamic smem
 //   k3gen_mla_decode_combine  grid (12, B), 512 threads (only when splits > 1)
@@ -31,17 +32,15 @@ struct Config {
 };
 
 using Geo = k3gen::mla::Geo<Config>;
-static_assert(Geo::kSmem == 228096, "shared memory plan differs from MlaDecodeSpec.smem_bytes");
-static_assert(Geo::kRaw == 73728, "stage size differs from MlaDecodeSpec.raw_stage_bytes");
+static_assert(Geo::kSmem == 228096, "shared memory plan differs from the mma variant's plan");
+static_assert(Geo::kRaw == 73728, "stage size differs from the mma variant's plan");
 static_assert(Config::kStages >= 2 && Config::kStages <= 4, "cp.async ring depth");
 static_assert(Config::kMT == 1 || Config::kMT == 2, "query rows per CTA: 16 or 32");
 static_assert(Config::kPage % k3gen::mla::kTok == 0, "tiles never straddle pages");
-static_assert(k3gen::mla::kWarps * 64 == k3gen::mla::kLat && k3gen::mla::kWarps * 8 == k3gen::mla::kTok,
-              "PV: 64 output columns per warp; QK: 8 tokens per warp");
+static_assert(k3gen::mla::kWarps * 64 == k3gen::mla::kLat && k3gen::mla::kWarps * 8 == k3gen::mla::kTok, "PV: 64 output columns per warp; QK: 8 tokens per warp");
 static_assert(Config::kKv != k3gen::mla::Kv::kNvfp4 ||
-              (Config::kPage == 128 && Config::kNumTensors == (Config::kSwizzle ? 3 : 4)),
-              "NVFP4: 128-token pages; codes, scales (1 swizzled or 2 linear), hp_tail");
-static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from MlaDecodeSpec");
+              (Config::kPage == 128 && Config::kNumTensors == (Config::kSwizzle ? 3 : 4)), "NVFP4: 128-token pages; codes, scales (1 swizzled or 2 linear), hp_tail");
+static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from the plan");
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890)
 #error "mla_decode needs cvt.rn.f16x2.e4m3x2 (sm_89+)"
 #endif

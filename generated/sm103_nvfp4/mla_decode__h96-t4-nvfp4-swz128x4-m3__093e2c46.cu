@@ -4,7 +4,8 @@
 // digest: 093e2c46178d0cb5754d61dd4c99f1986470bf4a45dbd914e5caaef6182afd09
 
 // mla_decode h96-t4-nvfp4-swz128x4-m3 for sm_103a
-// Algorithm: include/k3gen/mla/decode.cuh. Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode.cuh (schedule "mma": mma.sync, every target).
+// Contract: k3gen/ops/mla_decode/spec.py; geometry: the variant's plan in k3gen/ops/mla_decode/variants.py.
 // Entries:
 //   k3gen_mla_decode          grid (12, splits, B), 256 threads, 139776 B dynamic smem
 //   k3gen_mla_decode_combine  grid (384, B), 512 threads (only when splits > 1)
@@ -33,17 +34,15 @@ struct Config {
 };
 
 using Geo = k3gen::mla::Geo<Config>;
-static_assert(Geo::kSmem == 139776, "shared memory plan differs from MlaDecodeSpec.smem_bytes");
-static_assert(Geo::kRaw == 21760, "stage size differs from MlaDecodeSpec.raw_stage_bytes");
+static_assert(Geo::kSmem == 139776, "shared memory plan differs from the mma variant's plan");
+static_assert(Geo::kRaw == 21760, "stage size differs from the mma variant's plan");
 static_assert(Config::kStages >= 2 && Config::kStages <= 4, "cp.async ring depth");
 static_assert(Config::kMT == 1 || Config::kMT == 2, "query rows per CTA: 16 or 32");
 static_assert(Config::kPage % k3gen::mla::kTok == 0, "tiles never straddle pages");
-static_assert(k3gen::mla::kWarps * 64 == k3gen::mla::kLat && k3gen::mla::kWarps * 8 == k3gen::mla::kTok,
-              "PV: 64 output columns per warp; QK: 8 tokens per warp");
+static_assert(k3gen::mla::kWarps * 64 == k3gen::mla::kLat && k3gen::mla::kWarps * 8 == k3gen::mla::kTok, "PV: 64 output columns per warp; QK: 8 tokens per warp");
 static_assert(Config::kKv != k3gen::mla::Kv::kNvfp4 ||
-              (Config::kPage == 128 && Config::kNumTensors == (Config::kSwizzle ? 3 : 4)),
-              "NVFP4: 128-token pages; codes, scales (1 swizzled or 2 linear), hp_tail");
-static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from MlaDecodeSpec");
+              (Config::kPage == 128 && Config::kNumTensors == (Config::kSwizzle ? 3 : 4)), "NVFP4: 128-token pages; codes, scales (1 swizzled or 2 linear), hp_tail");
+static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from the plan");
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890)
 #error "mla_decode needs cvt.rn.f16x2.e4m3x2 (sm_89+)"
 #endif

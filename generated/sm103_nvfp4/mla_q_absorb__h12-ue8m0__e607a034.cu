@@ -4,7 +4,7 @@
 // digest: e607a03426c95aa2a87279f00683a4bf8221d9a011a2fb33505c7978d87fe4a9
 
 // mla_q_absorb h12-ue8m0 for sm_103a
-// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_q_absorb.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ops/mla_q_absorb/spec.py.
 // Two entries, launched around the Q-B fp8_block_gemm (n2304-k1536-ue8m0):
 //   k3gen_mla_q_norm_quant  grid (B), 192 threads
 //   k3gen_mla_q_absorb      grid (12, ceil(B / 8)), 256 threads

@@ -4,7 +4,7 @@
 // digest: 80d8f7509775c56f2dfa3e5aba8172a8675a8ae421a762447ac856cc7f5531a1
 
 // mla_q_absorb h96-ue8m0 for sm_103a
-// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_q_absorb.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ops/mla_q_absorb/spec.py.
 // Two entries, launched around the Q-B fp8_block_gemm (n18432-k1536-ue8m0):
 //   k3gen_mla_q_norm_quant  grid (B), 192 threads
 //   k3gen_mla_q_absorb      grid (96, ceil(B / 8)), 256 threads

@@ -4,7 +4,7 @@
 // digest: 101e900b88a06c1f74bf5e67e083417ebf54bf4887876d8244b4b1d2c74ead29
 
 // mla_vb_gate h12 for sm_103a
-// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_vb_gate.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ops/mla_vb_gate/spec.py.
 // Launch: grid (12, ceil(B / 8)), 256 threads.
 #include <cuda_bf16.h>
 

@@ -4,7 +4,7 @@
 // digest: 4c9da405e4efccafab2090909759b98acdcdb823e30bc38c841597e21a3b3deb
 
 // mla_vb_gate h96 for sm_103a
-// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_vb_gate.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ops/mla_vb_gate/spec.py.
 // Launch: grid (96, ceil(B / 8)), 256 threads.
 #include <cuda_bf16.h>
 

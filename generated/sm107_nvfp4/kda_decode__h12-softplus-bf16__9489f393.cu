@@ -4,7 +4,7 @@
 // digest: 9489f39349884e2eafd6177de49e3b5a2be212e503e4a4fc8cfcf3d4e94d27f8
 
 // kda_decode h12-softplus-bf16 for sm_107a
-// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ir/ops/kda_decode.py.
+// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ops/kda_decode/spec.py.
 // Launch: grid (split, 12, B), 256 threads, cluster (split, 1, 1);
 // split in 1, 2, 4, 8 up to 8, chosen by the launcher; warm, ahead:
 // L2 warming before the PDL wait and one wave ahead (kda/decode.cuh warm_cta; 0 turns each off).

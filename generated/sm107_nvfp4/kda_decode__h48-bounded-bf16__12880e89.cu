@@ -4,7 +4,7 @@
 // digest: 12880e891ee7d475cef7d870d4dbe19ba93cc8ba8cf5c145a4d1604a2ad6afde
 
 // kda_decode h48-bounded-bf16 for sm_107a
-// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ir/ops/kda_decode.py.
+// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ops/kda_decode/spec.py.
 // Launch: grid (split, 48, B), 256 threads, cluster (split, 1, 1);
 // split in 1, 2, 4, 8 up to 8, chosen by the launcher; warm, ahead:
 // L2 warming before the PDL wait and one wave ahead (kda/decode.cuh warm_cta; 0 turns each off).

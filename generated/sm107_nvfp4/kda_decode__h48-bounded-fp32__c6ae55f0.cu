@@ -4,7 +4,7 @@
 // digest: c6ae55f054760177cd5c0acf80d1eeaa554eaa53ecafe6d65eb30d13259a24f7
 
 // kda_decode h48-bounded-fp32 for sm_107a
-// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ir/ops/kda_decode.py.
+// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ops/kda_decode/spec.py.
 // Launch: grid (split, 48, B), 256 threads, cluster (split, 1, 1);
 // split in 1, 2, 4, 8 up to 8, chosen by the launcher; warm, ahead:
 // L2 warming before the PDL wait and one wave ahead (kda/decode.cuh warm_cta; 0 turns each off).

@@ -4,12 +4,13 @@
 // digest: e07d2dfd290b250d2af0bb4d65e006fcdaa42878f492599135820c2477d3177f
 
 // kda_prefill h96-bounded-fp32 (chunk16) for sm_107a
-// Algorithm: include/k3gen/kda/prefill_chunk.cuh (chunked WY form, 3xTF32 mma.sync). Contract:
-// k3gen/ir/ops/kda_prefill.py. Launch: grid (96, B), 256 threads,
-// 90112 B dynamic shared memory.
+// Algorithm: include/k3gen/kda/prefill_chunk.cuh
+// (chunked WY form, 3xTF32 mma.sync, one CTA per (sequence, head)). Contract: k3gen/ops/kda_prefill/spec.py.
+// Launches: launcher.py; 256 threads, 90112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
 #include "k3gen/kda/prefill_chunk.cuh"
+
 struct Config {
   static constexpr int kHeads = 96;
   static constexpr bool kBf16State = false;
@@ -22,7 +23,7 @@ static_assert(static_cast<long long>(Config::kHeads) * k3gen::kda::kDim * 3 * 3 
               "conv window offsets of one slot fit in int");
 static_assert(sizeof(k3gen::kda::chunk::Smem) <= 90112, "dynamic shared memory the launcher passes");
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
-#error "kda_prefill (chunk16) uses bulk copies and mbarriers (sm_90+)"
+#error "kda_prefill uses bulk copies and mbarriers (sm_90+)"
 #endif
 
 extern "C" __global__ void __launch_bounds__(256, 1) k3gen_kda_prefill(

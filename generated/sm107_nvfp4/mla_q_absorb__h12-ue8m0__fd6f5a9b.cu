@@ -4,7 +4,7 @@
 // digest: fd6f5a9b4d5700fdee73c390547cd4ea78e964d941662332c2bbaab8c3575a82
 
 // mla_q_absorb h12-ue8m0 for sm_107a
-// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_q_absorb.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ops/mla_q_absorb/spec.py.
 // Two entries, launched around the Q-B fp8_block_gemm (n2304-k1536-ue8m0):
 //   k3gen_mla_q_norm_quant  grid (B), 192 threads
 //   k3gen_mla_q_absorb      grid (12, ceil(B / 8)), 256 threads

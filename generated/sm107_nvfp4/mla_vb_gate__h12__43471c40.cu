@@ -4,7 +4,7 @@
 // digest: 43471c40a4e798efdc57032d8c6424de63ac431f730cd3efbcf6a380bfd5105f
 
 // mla_vb_gate h12 for sm_107a
-// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_vb_gate.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ops/mla_vb_gate/spec.py.
 // Launch: grid (12, ceil(B / 8)), 256 threads.
 #include <cuda_bf16.h>
 

@@ -4,7 +4,7 @@
 // digest: ba9d252a466756e04269bc3be8e6f780b9c81e4dcd23f8b3263ed6559cffb859
 
 // mla_vb_gate h96 for sm_107a
-// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_vb_gate.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ops/mla_vb_gate/spec.py.
 // Launch: grid (96, ceil(B / 8)), 256 threads.
 #include <cuda_bf16.h>
 

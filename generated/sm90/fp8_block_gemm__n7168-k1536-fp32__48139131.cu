@@ -4,7 +4,7 @@
 // digest: 48139131ed4f499cffdd5d465421c380ace8f0addcc1149ae1cdac6d53344d1c
 
 // fp8_block_gemm n7168-k1536-fp32 for sm_90a
-// wgmma flavour. Contract: k3gen/ir/ops/fp8_block_gemm.py.
+// wgmma variant. Contract: k3gen/ops/fp8_block_gemm/spec.py.
 // Algorithm: include/k3gen/gemm/fp8_wgmma.cuh. Launch (spec.plan): grid (split, ceil(M / nt),
 // 56), 384 threads, cluster (split, 1, 1) when split > 1,
 // dynamic shared memory spec.smem_bytes_nt(nt); W and x are TMA tensor maps (spec.tma_boxes).
@@ -41,7 +41,7 @@ static_assert(k3gen::fp8gemm90::smem_bytes(64, Config::kRingBytes, Config::kMaxS
 static_assert(k3gen::fp8gemm90::smem_bytes(128, Config::kRingBytes, Config::kMaxStages) == 200800,
               "launcher and kernel agree on the shared memory of nt = 128");
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "the wgmma flavour of fp8_block_gemm needs sm_90a"
+#error "the wgmma variant of fp8_block_gemm needs sm_90a"
 #endif
 
 extern "C" __global__ void __launch_bounds__(384, 1) k3gen_fp8_block_gemm(

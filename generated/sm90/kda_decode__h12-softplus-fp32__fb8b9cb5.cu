@@ -4,7 +4,7 @@
 // digest: fb8b9cb5fede1c46ecf376f5dc94274e5418c91aed4faa10496fd863fb338e5d
 
 // kda_decode h12-softplus-fp32 for sm_90a
-// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ir/ops/kda_decode.py.
+// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ops/kda_decode/spec.py.
 // Launch: grid (split, 12, B), 256 threads, cluster (split, 1, 1);
 // split in 1, 2, 4, 8 up to 8, chosen by the launcher; warm, ahead:
 // L2 warming before the PDL wait and one wave ahead (kda/decode.cuh warm_cta; 0 turns each off).

@@ -4,7 +4,7 @@
 // digest: e0f665a38b4c6a4f8ae50050788abdf2ddeb7c9de7559ae32628e0c18c888212
 
 // kda_decode h24-bounded-fp32 for sm_90a
-// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ir/ops/kda_decode.py.
+// Algorithm: include/k3gen/kda/decode.cuh. Contract: k3gen/ops/kda_decode/spec.py.
 // Launch: grid (split, 24, B), 256 threads, cluster (split, 1, 1);
 // split in 1, 2, 4, 8 up to 8, chosen by the launcher; warm, ahead:
 // L2 warming before the PDL wait and one wave ahead (kda/decode.cuh warm_cta; 0 turns each off).

@@ -9,7 +9,6 @@
 #include <cuda_bf16.h>
 
 #include "k3gen/kda/verify.cuh"
-#include "k3gen/kda/verify_split.cuh"
 
 struct Config {
   static constexpr int kHeads = 12;
@@ -38,6 +37,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_verify(
       slots, pending, ssm, draft_rec, conv_ext, num_slots};
   k3gen::kda::verify::run<Config>(p);
 }
+
+#include "k3gen/kda/verify_split.cuh"
 
 // Prefetch schedule (include/k3gen/kda/verify_prefetch.cuh): grid (P, 1, 1) persistent CTAs over
 // the H * B (head, sequence) items, 256 threads, two CTAs per SM, dynamic shared

@@ -4,7 +4,8 @@
 // digest: 2bf57a9b24ccc04f72ffd581ff096e9cc6de19dfd0a41457c94d75f39bcc1f6f
 
 // mla_decode h12-t4-fp8-tok128-wgmma for sm_90a
-// Algorithm: include/k3gen/mla/decode_wg_fp8.cuh (FP8 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode_wg_fp8.cuh (schedule "wgmma": FP8 / NVFP4 KV on wgmma, tokens on the M side).
+// Contract: k3gen/ops/mla_decode/spec.py; geometry: the variant's plan in k3gen/ops/mla_decode/variants.py.
 // Entries:
 //   k3gen_mla_decode          grid (3, splits, B), 384 threads, 207808 B dynamic smem
 //   k3gen_mla_decode_combine  grid (48, B), 512 threads (only when splits > 1)
@@ -31,19 +32,18 @@ struct Config {
   static constexpr int kNumTensors = 2;
 };
 
-using Geo8 = k3gen::mla::wg8::Geo8<Config>;
-static_assert(Geo8::kSmem == 207808, "shared memory plan differs from MlaDecodeSpec.wg_smem");
-static_assert(Geo8::kScaleOff == 163840 && Geo8::kQOff == 168960 &&
-              Geo8::kPOff == 189440 && Geo8::kRedOff == 205824 &&
-              Geo8::kStatsOff == 206464 && Geo8::kBarOff == 206720,
-              "shared memory offsets differ from MlaDecodeSpec.wg_smem");
-static_assert(Config::kKv == k3gen::mla::Kv::kFp8 && Config::kMT == 1 && k3gen::mla::wg8::kThreads == 384,
-              "the FP8 wgmma schedule: FP8 KV, 16 query rows, 3 warpgroups");
+using Geo = k3gen::mla::wg8::Geo8<Config>;
+static_assert(Geo::kSmem == 207808, "shared memory plan differs from the wgmma variant's plan");
+static_assert(Geo::kScaleOff == 163840 &&
+              Geo::kQOff == 168960 &&
+              Geo::kPOff == 189440 &&
+              Geo::kRedOff == 205824 &&
+              Geo::kStatsOff == 206464 &&
+              Geo::kBarOff == 206720, "shared memory offsets differ from the wgmma variant's plan");
+static_assert(Config::kKv == k3gen::mla::Kv::kFp8 && Config::kMT == 1 &&
+              k3gen::mla::wg8::kThreads == 384, "the FP8 wgmma schedule: FP8 KV, 16 query rows, 3 warpgroups");
 static_assert(Config::kPage == k3gen::mla::kTok, "FP8 pages are one 64-token tile");
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "the wgmma schedule of mla_decode needs sm_90a"
-#endif
-static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from MlaDecodeSpec");
+static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from the plan");
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890)
 #error "mla_decode needs cvt.rn.f16x2.e4m3x2 (sm_89+)"
 #endif

@@ -4,7 +4,8 @@
 // digest: e4ad9ca6f4176b06093d76cda256d32fadbb81b846b2a8d62148f73cc4feeaa3
 
 // mla_decode h12-t4-nvfp4-linear-m3-wgmma for sm_90a
-// Algorithm: include/k3gen/mla/decode_wg_nvfp4.cuh (NVFP4 wgmma schedule). Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode_wg_nvfp4.cuh (schedule "wgmma": FP8 / NVFP4 KV on wgmma, tokens on the M side).
+// Contract: k3gen/ops/mla_decode/spec.py; geometry: the variant's plan in k3gen/ops/mla_decode/variants.py.
 // Entries:
 //   k3gen_mla_decode          grid (3, splits, B), 384 threads, 231216 B dynamic smem
 //   k3gen_mla_decode_combine  grid (48, B), 512 threads (only when splits > 1)
@@ -33,21 +34,19 @@ struct Config {
   static constexpr int kNumTensors = 4;
 };
 
-using Geo4 = k3gen::mla::wg4::Geo4<Config>;
-static_assert(Geo4::kSmem == 231216, "shared memory plan differs from MlaDecodeSpec.wg_smem");
-static_assert(Geo4::kRingOff == 56448 && Geo4::kVOff == 75776 &&
-              Geo4::kQOff == 206848 && Geo4::kPOff == 225280 &&
-              Geo4::kRedOff == 229376 && Geo4::kStatsOff == 229888 &&
-              Geo4::kBarOff == 230144, "shared memory offsets differ from MlaDecodeSpec.wg_smem");
+using Geo = k3gen::mla::wg4::Geo4<Config>;
+static_assert(Geo::kSmem == 231216, "shared memory plan differs from the wgmma variant's plan");
+static_assert(Geo::kRingOff == 56448 &&
+              Geo::kVOff == 75776 &&
+              Geo::kQOff == 206848 &&
+              Geo::kPOff == 225280 &&
+              Geo::kRedOff == 229376 &&
+              Geo::kStatsOff == 229888 &&
+              Geo::kBarOff == 230144, "shared memory offsets differ from the wgmma variant's plan");
 static_assert(Config::kKv == k3gen::mla::Kv::kNvfp4 && Config::kMT == 1 && !Config::kSwizzle &&
-              k3gen::mla::wg4::kThreads == 384,
-              "the NVFP4 wgmma schedule: NVFP4 KV with linear scales, 16 query rows, 3 warpgroups");
-static_assert(Config::kPage == 128 && Config::kNumTensors == 4 && Config::kRing <= 16 + 8,
-              "NVFP4: 128-token pages; codes, tile scales, rope scales, hp_tail");
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "the wgmma schedule of mla_decode needs sm_90a"
-#endif
-static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from MlaDecodeSpec");
+              k3gen::mla::wg4::kThreads == 384, "the NVFP4 wgmma schedule: NVFP4 KV with linear scales, 16 query rows, 3 warpgroups");
+static_assert(Config::kPage == 128 && Config::kNumTensors == 4 && Config::kRing <= 16 + 8, "NVFP4: 128-token pages; codes, tile scales, rope scales, hp_tail");
+static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from the plan");
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890)
 #error "mla_decode needs cvt.rn.f16x2.e4m3x2 (sm_89+)"
 #endif

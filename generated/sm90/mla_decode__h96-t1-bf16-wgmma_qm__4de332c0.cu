@@ -4,7 +4,8 @@
 // digest: 4de332c0783846d018e4e2b74e56eab51ed59c2a81bd486cbdc5e373dbbb9283
 
 // mla_decode h96-t1-bf16-wgmma_qm for sm_90a
-// Algorithm: include/k3gen/mla/decode_wg_qm.cuh (query rows on the wgmma M side). Contract: k3gen/ir/ops/mla_decode.py.
+// Algorithm: include/k3gen/mla/decode_wg_qm.cuh (schedule "wgmma_qm": query rows on the wgmma M side, TMA producer).
+// Contract: k3gen/ops/mla_decode/spec.py; geometry: the variant's plan in k3gen/ops/mla_decode/variants.py.
 // Entries:
 //   k3gen_mla_decode          grid (2, splits, B), 384 threads, 231200 B dynamic smem
 //                             (+ kv_map: TMA map of c0 as uint8 [pages * 64 rows][1152], box [64][128], 128B swizzle)
@@ -31,22 +32,18 @@ struct Config {
   static constexpr int kNumTensors = 1;
 };
 
-using QmGeo = k3gen::mla::wgq::QmGeo<Config>;
-static_assert(QmGeo::kSmem == 231200, "shared memory plan differs from MlaDecodeSpec.wg_smem");
-static_assert(QmGeo::kQOff == 147456 && QmGeo::kPOff == 221184 &&
-              QmGeo::kAlphaOff == 229376 && QmGeo::kStatsOff == 229632 &&
-              QmGeo::kBarOff == 230144, "shared memory offsets differ from MlaDecodeSpec.wg_smem");
-static_assert(k3gen::mla::wg::kTileBytes == 73728 && k3gen::mla::wg::kStages == 2,
-              "stage plan differs from MlaDecodeSpec");
-static_assert(Config::kKv == k3gen::mla::Kv::kBf16 && Config::kMT == 4 && k3gen::mla::wgq::kThreads == 384,
-              "the wgmma_qm schedule: BF16 KV, 64 query rows, 3 warpgroups");
+using Geo = k3gen::mla::wgq::QmGeo<Config>;
+static_assert(Geo::kSmem == 231200, "shared memory plan differs from the wgmma_qm variant's plan");
+static_assert(Geo::kQOff == 147456 &&
+              Geo::kPOff == 221184 &&
+              Geo::kAlphaOff == 229376 &&
+              Geo::kStatsOff == 229632 &&
+              Geo::kBarOff == 230144, "shared memory offsets differ from the wgmma_qm variant's plan");
+static_assert(k3gen::mla::wgq::kTileBytes == 73728 && k3gen::mla::wgq::kStages == 2, "stage plan differs from the wgmma_qm variant's plan");
+static_assert(Config::kKv == k3gen::mla::Kv::kBf16 && Config::kMT == 4 && k3gen::mla::wgq::kThreads == 384, "the wgmma_qm schedule: BF16 KV, 64 query rows, 3 warpgroups");
 static_assert(Config::kPage % k3gen::mla::kTok == 0, "tiles never straddle pages");
-static_assert(k3gen::sm90::wgmma_desc<k3gen::mla::wg::kBlk, 1024, 1>(129024u) == 4611686293338857344ull,
-              "descriptor encoder differs from k3gen.ir.sm90_tiles.encode_desc");
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "the wgmma schedule of mla_decode needs sm_90a"
-#endif
-static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from MlaDecodeSpec");
+static_assert(k3gen::sm90::wgmma_desc<k3gen::mla::wg::kBlk, 1024, 1>(129024u) == 4611686293338857344ull, "descriptor encoder differs from k3gen.arch.sm90.encode_desc");
+static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from the plan");
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890)
 #error "mla_decode needs cvt.rn.f16x2.e4m3x2 (sm_89+)"
 #endif

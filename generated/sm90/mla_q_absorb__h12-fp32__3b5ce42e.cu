@@ -4,7 +4,7 @@
 // digest: 3b5ce42e676e915a391521e7520083f81fb70af23955bc6248449888089b35bf
 
 // mla_q_absorb h12-fp32 for sm_90a
-// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_q_absorb.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ops/mla_q_absorb/spec.py.
 // Two entries, launched around the Q-B fp8_block_gemm (n2304-k1536-fp32):
 //   k3gen_mla_q_norm_quant  grid (B), 192 threads
 //   k3gen_mla_q_absorb      grid (12, ceil(B / 8)), 256 threads

@@ -4,7 +4,7 @@
 // digest: 019903d0e56b5136e4a5c7d3a7df971e382b56fb644794629c66a6c98c9bb7ec
 
 // mla_q_absorb h96-fp32 for sm_90a
-// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_q_absorb.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ops/mla_q_absorb/spec.py.
 // Two entries, launched around the Q-B fp8_block_gemm (n18432-k1536-fp32):
 //   k3gen_mla_q_norm_quant  grid (B), 192 threads
 //   k3gen_mla_q_absorb      grid (96, ceil(B / 8)), 256 threads

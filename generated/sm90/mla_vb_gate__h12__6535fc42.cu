@@ -4,7 +4,7 @@
 // digest: 6535fc4275f3490b4a23d8f35a421f5a5707d5ca62b8aa90712b649e9c661e00
 
 // mla_vb_gate h12 for sm_90a
-// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_vb_gate.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ops/mla_vb_gate/spec.py.
 // Launch: grid (12, ceil(B / 8)), 256 threads.
 #include <cuda_bf16.h>
 

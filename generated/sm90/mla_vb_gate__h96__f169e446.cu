@@ -4,7 +4,7 @@
 // digest: f169e4464e9b2e2c8a3ff6957dfeb9cc055bfefbe42f1396f90ad403d0c30dbb
 
 // mla_vb_gate h96 for sm_90a
-// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ir/ops/mla_vb_gate.py.
+// Algorithm: include/k3gen/mla/proj.cuh. Contract: k3gen/ops/mla_vb_gate/spec.py.
 // Launch: grid (96, ceil(B / 8)), 256 threads.
 #include <cuda_bf16.h>
 
