@@ -62,3 +62,25 @@ def random_block_tables(rng, num_seqs: int, per_seq: int, spare_pages: int, num_
     slots = list(range(num_slots))
     rng.shuffle(slots)
     return num_pages, bt, torch.tensor(slots[:num_seqs], dtype=torch.int32)
+
+
+def fp8_gemm_graph_replay(run, out, xc, xs, fresh, check) -> None:
+    """Graph replay of an FP8 GEMM launch: the replay equals the eager run bit for bit, and a replay
+    after new activations are copied in (`fresh()` -> (xc, xs)) passes `check(out)`. The eager run comes
+    first because a launcher may allocate its workspace there, outside capture."""
+    from k3gen.runtime.graphs import capture
+    run()
+    torch.cuda.synchronize()
+    eager = out.clone()
+    graph = capture(run)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    nxc, nxs = fresh()
+    xc.copy_(nxc)
+    xs.copy_(nxs)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out)

@@ -13,10 +13,9 @@ from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
 from k3gen.ops.fp8_block_gemm.reference import dequantize_activations, dequantize_weights
-from k3gen.runtime.graphs import capture
 from k3gen.ops.fp8_block_gemm.launcher import Fp8BlockGemm
 from k3gen.targets import TARGETS
-from helpers import fp8_gemm_close, fp8_gemm_inputs as _inputs, poisoned_bf16 as _poisoned
+from helpers import fp8_gemm_close, fp8_gemm_graph_replay, fp8_gemm_inputs as _inputs, poisoned_bf16 as _poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -161,21 +160,9 @@ def test_graph_replay(n, k, m, recipe, streaming):
     assert (op.plan_for(m, **kw).ctas > 0) == streaming
     xc, xs, wc, ws = _inputs(m, n, k, recipe, seed=11)
     out = _poisoned(m, n)
-    op(xc, xs, wc, ws, out, **kw)   # eager first: the streaming workspace is allocated outside capture
-    torch.cuda.synchronize()
-    eager = out.clone()
-    graph = capture(lambda: op(xc, xs, wc, ws, out, **kw))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
-    nxc, nxs, _, _ = _inputs(m, n, k, recipe, seed=12)
-    xc.copy_(nxc)
-    xs.copy_(nxs)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    _check(out, xc, xs, wc, ws, recipe)
+    fp8_gemm_graph_replay(lambda: op(xc, xs, wc, ws, out, **kw), out, xc, xs,
+                          lambda: _inputs(m, n, k, recipe, seed=12)[:2],
+                          lambda o: _check(o, xc, xs, wc, ws, recipe))
 
 
 @pytest.mark.parametrize("recipe", tuple(ScaleRecipe), ids=lambda r: r.value)
