@@ -1,8 +1,8 @@
 """Time every launch plan of the sm90 FP8 block GEMM on the bar shapes, in one GPU call, and print
 one table: which plan is fastest per (shape, M), the default plan's time, the bar and cuBLASLt.
 
-Usage (H200, K3GEN_PREBUILT bundle from tools/prebuild_gpu.py, which builds these specs through
-tests/gpu/test_fp8_block_gemm.py's prebuild_specs):
+Usage (H200, K3GEN_PREBUILT bundle from tools/prebuild_gpu.py, which builds these specs from
+tests/gpu/specs.py):
     python tools/sweep_gemm.py [--quick] [--recipe fp32|ue8m0] [--json OUT.json]
 """
 from __future__ import annotations

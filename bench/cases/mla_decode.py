@@ -35,7 +35,6 @@ def _kv_formats():
 
 
 def bench_specs(quick: bool = False) -> list:
-    from k3gen.ir.dtypes import KvDtype
     from k3gen.ops.mla_decode.spec import MlaDecodeSpec
     from k3gen.targets import get_target
     tgt = get_target("sm90")
@@ -95,7 +94,6 @@ def heads_sweep_specs(quick: bool = False) -> list:
 def bars_specs() -> list:
     """mla_decode_bars: issue 6's memory-bound H = 12 shapes (B * L >= 256K tokens), T = 1, every KV
     dtype through mma.sync, BF16 also through wgmma_qm, FP8 and NVFP4 also through wgmma."""
-    from k3gen.ir.dtypes import KvDtype
     from k3gen.ops.mla_decode.spec import MlaDecodeSpec
     from k3gen.targets import get_target
     tgt = get_target("sm90")

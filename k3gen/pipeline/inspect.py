@@ -6,7 +6,6 @@ import re
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from k3gen.errors import K3genError
 from k3gen.pipeline.toolchain import tool

@@ -3,7 +3,7 @@ tree, as plain data: tools/prebuild_gpu.py builds them ahead of time without exe
 module, and a test module may take its list from here.
 
 Collected once from the test modules of 6a6bb6c the way prebuild used to (every OpSpec in a
-module's globals plus its `prebuild_specs()`), written as constructor calls with the fields that
+module's globals plus its `prebuild_specs()`, since deleted), written as constructor calls with the fields that
 differ from the defaults. Not carried over: the `token` KDA prefill algorithm and the BF16
 tokens-on-M `wgmma` mla_decode schedule, both deleted (issue 19). The model tests' lists are
 enumerator calls (targets.model_specs), as the model resolves its kernels through it.

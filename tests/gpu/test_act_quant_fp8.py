@@ -23,7 +23,7 @@ from k3gen.targets import TARGETS
 pytestmark = pytest.mark.gpu
 
 MS = (1, 2, 7, 33, 128)
-KS = (128, 1536, 7168)  # 128 comes from prebuild_specs(); the others are K3 shapes
+KS = (128, 1536, 7168)  # 128 is listed in tests/gpu/specs.py; the others are K3 shapes
 RECIPES = (ScaleRecipe.FP32, ScaleRecipe.UE8M0)
 POISON = 0xA5
 
@@ -161,8 +161,3 @@ def test_empty_batch_launches_nothing():
     scales = torch.empty(0, 1, device="cuda", dtype=torch.float32)
     kern.launch(spec.grid(0), x, codes, scales)
     torch.cuda.synchronize()
-
-
-def prebuild_specs():
-    """Specs beyond `k3gen build`'s list that these tests use (tools/prebuild_gpu.py)."""
-    return [ActQuantFp8Spec(target=TARGETS["sm90"], k=128, recipe=r) for r in RECIPES]

@@ -244,9 +244,3 @@ def test_sanitize_small_ragged_case():
         _op(200, 272, recipe)(xc, xs, wc, ws, out, split=3)
         torch.cuda.synchronize()
         _check(out, xc, xs, wc, ws, recipe)
-
-
-def prebuild_specs():
-    from bench.cases import fp8_block_gemm_specs   # k3gen bench --op fp8_block_gemm
-    from bench.cases.fp8_block_gemm import sweep_specs   # tools/sweep_gemm.py's cubins
-    return list(SPECS.values()) + sweep_specs() + fp8_block_gemm_specs()

@@ -32,13 +32,6 @@ ALGOS = [PrefillAlgo(n) for n in VARIANTS.names()]
 CHUNK = 16  # tokens per chunk of the chunk16 and chunkpar kernels (chunkpar: sub-chunks from the sequence start)
 
 
-def prebuild_specs():
-    t = get_target("sm90")
-    return [KdaPrefillSpec(target=t, heads=h, ssm=s, algo=a) for h in (6, 12, 96) for s in SsmDtype
-            for a in ALGOS] + [KdaPrefillSpec(target=t, heads=12, gate=GateKind.SOFTPLUS, algo=a)
-                               for a in ALGOS]
-
-
 @functools.lru_cache(maxsize=None)
 def op_for(heads, ssm=SsmDtype.FP32, gate=GateKind.BOUNDED, algo=PrefillAlgo.CHUNK16):
     from k3gen.ops.kda_prefill.launcher import KdaPrefill

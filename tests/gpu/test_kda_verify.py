@@ -29,16 +29,6 @@ DEV = "cuda"
 TORCH_SSM = {SsmDtype.FP32: torch.float32, SsmDtype.BF16: torch.bfloat16}
 
 
-def prebuild_specs():
-    """Specs these tests load that `k3gen build --arch sm90` does not list."""
-    t = get_target("sm90")
-    out = [KdaVerifySpec(target=t, heads=h, drafts=m, ssm=s) for h in (6, 12, 96) for m in (1, 3, 7) for s in SsmDtype]
-    out += [KdaVerifySpec(target=t, heads=12, drafts=3, variant=VerifyVariant.ORIGINAL),
-            KdaVerifySpec(target=t, heads=12, drafts=3, gate=GateKind.SOFTPLUS)]
-    out += [KdaDecodeSpec(target=t, heads=h, ssm=s) for h in (6, 12) for s in SsmDtype]
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def verify_op(heads, drafts, ssm=SsmDtype.FP32, gate=GateKind.BOUNDED, variant=VerifyVariant.NVFP4):
     from k3gen.ops.kda_verify.launcher import KdaVerify

@@ -83,13 +83,6 @@ def heads_for(fmt: str, sched: str, T: int, H: int = 12) -> int:
     return H if fmt == "bf16" or sched != "wgmma" or H * T <= 16 else 16 // T
 
 
-def prebuild_specs():
-    """Everything this module and `k3gen bench --op mla_decode` launch (tools/prebuild_gpu.py)."""
-    from bench.cases.mla_decode import bars_specs, bench_specs, heads_sweep_specs
-    return (list(WRITE_SPECS.values()) + list(ATTN_SPECS.values()) + bench_specs() + heads_sweep_specs()
-            + bars_specs())
-
-
 @functools.lru_cache(maxsize=None)
 def writer(fmt: str):
     from k3gen.ops.kv_cache_write.launcher import KvCacheWrite

@@ -62,10 +62,3 @@ def test_graph_replay_and_sanitize_small(recipe):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
-
-
-def prebuild_specs():
-    out = []
-    for s in SPECS.values():
-        out += [s, s.gemm_spec]
-    return out

@@ -32,16 +32,6 @@ def _tc(kv="nvfp4", ssm="bf16"):
 COMBOS = [("nvfp4", "bf16"), ("bf16", "fp32")]
 
 
-def prebuild_specs():
-    sh = CFG.for_tp(TP)
-    out = []
-    for kv, ssm in COMBOS:
-        t = _tc(kv, ssm)
-        out += KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), sh.kda_heads, sh.mla_heads, 0).specs(
-            gemm_shapes_for(CFG, TP))
-    return out
-
-
 def _lin(n, k, g):
     c, s = quantize_weights((torch.randn(n, k, generator=g) * k ** -0.5).cuda(), ScaleRecipe.FP32)
     return Fp8Linear(c, s, ScaleRecipe.FP32)

@@ -40,17 +40,6 @@ KERNEL_OPS = {"kernel:fp8_linear", "kernel:kda_decode", "kernel:kv_cache_write",
               "kernel:mla_vb_gate", "kernel:mla_decode"}
 
 
-def prebuild_specs():
-    """Every kernel these tests launch (tools/prebuild_gpu.py builds them ahead of time)."""
-    out = []
-    for kv, ssm in COMBOS:
-        t = TargetConfig(kv=kv, ssm=ssm, max_drafts=DRAFTS, path="kernel")
-        sh = CFG.for_tp(1)
-        ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), sh.kda_heads, sh.mla_heads, DRAFTS)
-        out += ops.specs(gemm_shapes_for(CFG))
-    return out
-
-
 @functools.lru_cache(maxsize=1)
 def checkpoint_dir():
     import tempfile

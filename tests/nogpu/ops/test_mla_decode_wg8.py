@@ -15,7 +15,7 @@ from k3gen.errors import SpecError
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype
 from k3gen.ops.mla_decode.spec import MlaDecodeSpec
 from k3gen.ops.mla_decode.variants import SMEM_LIMIT
-from k3gen.arch.sm90 import SW128_KMAJOR, encode_desc, swizzle128, wgmma_read_addr
+from k3gen.arch.sm90 import SW128_KMAJOR, encode_desc, wgmma_read_addr
 from k3gen.targets import TARGETS
 
 SM90 = TARGETS["sm90"]

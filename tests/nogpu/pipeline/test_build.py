@@ -5,13 +5,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from k3gen.pipeline.build import (GENERATED_ROOT, build_many, build_one, check_generated, generated_files, lower,
-                         write_bundle, write_generated)
+from k3gen.pipeline.build import (GENERATED_ROOT, build_many, build_one, check_generated, generated_files,
+                                  write_bundle, write_generated)
 from k3gen.runtime.resolve import resolve
 from k3gen.pipeline.inspect import KernelResources, cubin_arch
 from k3gen.errors import CompileError, MissingKernelError
