@@ -287,8 +287,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--arch", required=True, choices=ARCH_CHOICES, help="target GPU family")
     b.add_argument("--kv", choices=KV_CHOICES, help="KV cache dtype to compile (default: all the target allows)")
     b.add_argument("--ssm", choices=SSM_CHOICES, help="recurrent-state storage dtype")
-    b.add_argument("--model", metavar="NAME", help="build exactly what this model runs: k3, small, tiny, "
-                   "kimi_linear (a config.json path: issue 20); the committed tree is left as is")
+    b.add_argument("--model", metavar="NAME", help="build exactly what this model runs: a preset (k3, small, "
+                   "tiny, kimi_linear_48b) or a HF config.json / checkpoint folder; the committed tree is left as is")
     b.add_argument("--tp", type=int, help="with --model: tensor-parallel degree of the rank (default 1)")
     b.add_argument("--drafts", metavar="M,..", help="with --model: max_drafts settings to cover (default 0,3,7)")
     b.add_argument("--out", metavar="DIR", help="also write the cubins here (a bundle for K3GEN_PREBUILT)")

@@ -148,24 +148,15 @@ class ModelShape:
         return self.kda_heads // tp, self.mla_heads // tp
 
 
-MODEL_PRESETS: dict[str, ModelShape] = {m.name: m for m in (
-    ModelShape(name="k3", hidden=7168, kda_heads=96, mla_heads=96),
-    ModelShape(name="small", hidden=1024, kda_heads=12, mla_heads=12),
-    ModelShape(name="tiny", hidden=256, kda_heads=2, mla_heads=2),
-    # Kimi-Linear-48B-A3B: softplus gate; its MLA has no q LoRA (a plain q_proj), which no kernel
-    # here implements yet, so model_specs rejects it by that field (issue 20 adds the layers).
-    ModelShape(name="kimi_linear", hidden=2304, kda_heads=32, mla_heads=32, q_lora=None, gate=GateKind.SOFTPLUS),
-)}
-
-
 def get_model(name: str) -> ModelShape:
-    """A preset by name; a path to a config.json is issue 20's ingestion (typed error until then)."""
-    if name in MODEL_PRESETS:
-        return MODEL_PRESETS[name]
+    """A preset by name (k3gen/presets.py), or a config.json path / checkpoint folder."""
+    from k3gen.hf_config import model_shape, read_config
+    from k3gen.presets import PRESETS, preset_dict
+    if name in PRESETS:
+        return model_shape(preset_dict(name), name=name, src=f"preset {name}")
     if name.endswith(".json") or Path(name).exists():
-        raise SpecError("model", name, sorted(MODEL_PRESETS),
-                        "reading a HF config.json is issue 20 (config ingestion); use a preset name")
-    raise SpecError("model", name, sorted(MODEL_PRESETS))
+        return model_shape(*read_config(name))
+    raise SpecError("model", name, sorted(PRESETS) + ["a config.json path or checkpoint folder"])
 
 
 def _shape(model) -> ModelShape:

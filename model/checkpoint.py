@@ -104,7 +104,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorInfo]:
             _plain(t, a + "f_b_proj.weight", (D, 128))
             for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
                 _plain(t, a + n + ".weight", (D, 1, 4))
-            _plain(t, a + "A_log", (cfg.a_log_pad,), torch.float32)
+            _plain(t, a + "A_log", (cfg.a_log_pad,) if cfg.a_log_pad else (1, 1, H, 1), torch.float32)
             _plain(t, a + "dt_bias", (D,), torch.float32)
             _plain(t, a + "o_norm.weight", (128,))
         else:
@@ -129,9 +129,9 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorInfo]:
         _plain(t, m + "latent_down.weight", (cfg.moe_latent, hid))
         _plain(t, m + "latent_up.weight", (hid, cfg.moe_latent))
         for e in range(cfg.experts):
-            _fp4(t, f"{m}experts.{e}.w1", cfg.expert_inter, cfg.moe_latent)
-            _fp4(t, f"{m}experts.{e}.w3", cfg.expert_inter, cfg.moe_latent)
-            _fp4(t, f"{m}experts.{e}.w2", cfg.moe_latent, cfg.expert_inter)
+            _fp4(t, f"{m}experts.{e}.w1", cfg.moe_inter, cfg.moe_latent)
+            _fp4(t, f"{m}experts.{e}.w3", cfg.moe_inter, cfg.moe_latent)
+            _fp4(t, f"{m}experts.{e}.w2", cfg.moe_latent, cfg.moe_inter)
         si = cfg.shared_inter * cfg.shared_experts
         _plain(t, m + "shared_experts.gate_proj.weight", (si, hid))
         _plain(t, m + "shared_experts.up_proj.weight", (si, hid))

@@ -1,23 +1,18 @@
-"""Model configs (the real Kimi K3 text backbone and small same-shaped ones) and the serving
-target (`TargetConfig`), validated by k3gen's `check_serving` at construction.
+"""Model configs and the serving target (`TargetConfig`, validated by k3gen's `check_serving`).
 
-Choices k3gen makes where SPEC.md leaves a detail open (each one is a field, so a real
-checkpoint's facts replace them without code changes):
-- MoE: latent experts. The router reads the hidden state; routed experts run in a `moe_latent`
-  space entered through `latent_down` (hidden -> latent) and left through `latent_up`; shared
-  experts run in the hidden space. The expert activation is the gated SiLU (`act = "swiglu"`):
-  SPEC.md's "SiTU" is not confirmed publicly, so the activation is a named field.
-- K3's routed-expert and shared-expert intermediate sizes are not in SPEC.md: 1024 (latent) and
-  2048 are placeholders that put the NVFP4 checkpoint near 0.6 TB; plan-memory's weight estimate
-  follows them.
-- `routed_scale` multiplies the renormalized top-k weights (1.0 until the K3 value is known).
+A `ModelConfig` is what a HF `config.json` says (model/hf_config.py reads one; the presets of
+model/presets.py are config dicts in that same format). Architecture variants are fields, never
+family-name checks in the layers: Attention Residuals (`attn_res_block`), the latent MoE
+(`moe_latent`, `latent_norm`), the activation (`act`: SiTU or SiLU), the KDA gate kind and output
+gate (`kda_gate`, `kda_out_gate`), the MLA output gate (`mla_out_gate`), the router (`n_group`,
+`topk_group`, `renormalize`, `routed_scale`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from k3gen.errors import SpecError
-from k3gen.ir.dtypes import KvDtype, ScaleRecipe, SsmDtype
+from k3gen.ir.dtypes import GateKind, KvDtype, ScaleRecipe, SsmDtype
 from k3gen.ir.layouts import KDA_DK, MLA_LATENT, MLA_ROPE, KvLayout, StatePoolLayout
 from k3gen.ir.target import Target
 from k3gen.targets import ModelShape, ServingOptions, check_serving, get_target, serving_kv_layout
@@ -26,56 +21,110 @@ from k3gen.targets import ModelShape, ServingOptions, check_serving, get_target,
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str
+    family: str                          # "kimi_k3" or "kimi_linear" (reported, never branched on)
     layers: int
-    mla_layers: tuple[int, ...]          # 1-based layer numbers that are MLA; the others are KDA
+    layer_kinds: tuple[str, ...]         # per 0-based layer: "kda" or "mla"
+    mlp_kinds: tuple[str, ...]           # per 0-based layer: "dense" or "moe"
     hidden: int
     vocab: int
+    eps: float = 1e-5
+    tie_embeddings: bool = False
+    # KDA
     kda_heads: int                       # full model (TP1)
+    kda_head_dim: int = KDA_DK
+    conv_size: int = 4
+    kda_gate: GateKind = GateKind.BOUNDED
+    gate_lower_bound: float | None = -5.0
+    kda_out_gate: str = "full"           # "full": g_proj D x hidden; "low_rank": g_b(g_a(x)) through head_dim
+    a_log_pad: int | None = None         # A_log stored padded to this many entries (None: [1, 1, H, 1])
+    # MLA
     mla_heads: int
-    q_lora: int = 1536
+    q_lora: int | None = 1536         # None: a plain q_proj (Kimi-Linear-48B)
     kv_lora: int = MLA_LATENT
     qk_nope: int = 128
     qk_rope: int = MLA_ROPE
     v_head: int = 128
+    mla_out_gate: bool = True            # sigmoid output gate g (H*128 x hidden) before o_proj
+    # FFN
     experts: int
     top_k: int
     shared_experts: int
-    moe_latent: int
-    expert_inter: int                    # intermediate size of one routed expert (in the latent)
-    shared_inter: int                    # intermediate size of one shared expert (in the hidden space)
-    dense_layers: tuple[int, ...] = (1,)  # 1-based layers with a dense MLP instead of the MoE
-    dense_inter: int
+    moe_inter: int                       # one routed expert's intermediate size
+    dense_inter: int                     # the dense MLP's intermediate size
+    n_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = True
     routed_scale: float = 1.0
-    act: str = "swiglu"
-    eps: float = 1e-5
-    a_log_pad: int = 128                 # A_log is stored padded to this many entries
-    tie_embeddings: bool = False
+    moe_latent: int | None = None        # routed experts' width (None: they run on the hidden width)
+    latent_norm: bool = False            # routed_expert_norm RMSNorm(moe_latent) after the experts
+    act: str = "situ"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    # residual stream
+    attn_res_block: int | None = None    # Attention Residuals block size (None: the plain residual sum)
 
     def __post_init__(self):
+        L = self.layers
+        for f, ok in (("layer_kinds", ("kda", "mla")), ("mlp_kinds", ("dense", "moe"))):
+            v = tuple(getattr(self, f))
+            object.__setattr__(self, f, v)
+            if len(v) != L or any(x not in ok for x in v):
+                raise SpecError(f, v, f"{L} entries of {ok}")
+        object.__setattr__(self, "kda_gate", GateKind(self.kda_gate))
         if self.kv_lora != MLA_LATENT or self.qk_rope != MLA_ROPE:
             raise SpecError("kv_lora/qk_rope", (self.kv_lora, self.qk_rope), [(MLA_LATENT, MLA_ROPE)],
                             "the KV cache formats are written for 512 + 64")
-        if self.qk_nope != 128 or self.v_head != 128:
-            raise SpecError("qk_nope/v_head", (self.qk_nope, self.v_head), [(128, 128)])
-        bad = [n for n in self.mla_layers if not 1 <= n <= self.layers]
-        if bad:
-            raise SpecError("mla_layers", bad, f"1..{self.layers}")
+        if self.qk_nope != 128 or self.v_head != 128 or self.kda_head_dim != KDA_DK or self.conv_size != 4:
+            raise SpecError("qk_nope/v_head/kda head_dim/conv", (self.qk_nope, self.v_head, self.kda_head_dim,
+                                                                  self.conv_size), [(128, 128, KDA_DK, 4)])
         if not 1 <= self.top_k <= self.experts:
             raise SpecError("top_k", self.top_k, f"1..{self.experts}")
-        if self.kda_heads > self.a_log_pad:
+        if self.experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise SpecError("n_group/topk_group", (self.n_group, self.topk_group),
+                            f"n_group divides experts={self.experts}, 1 <= topk_group <= n_group")
+        if self.top_k > self.topk_group * (self.experts // self.n_group):
+            raise SpecError("top_k", self.top_k, f"<= topk_group * experts/n_group")
+        if self.a_log_pad is not None and self.kda_heads > self.a_log_pad:
             raise SpecError("kda_heads", self.kda_heads, f"<= a_log_pad ({self.a_log_pad})")
-        if self.act != "swiglu":
-            raise SpecError("act", self.act, ["swiglu"])
-        for f in ("hidden", "moe_latent", "expert_inter", "shared_inter", "dense_inter"):
-            if getattr(self, f) % 128:
-                raise SpecError(f, getattr(self, f), "multiples of 128", "FP8/NVFP4 block scales")
+        if self.act not in ("situ", "silu"):
+            raise SpecError("act", self.act, ["situ", "silu"])
+        if self.kda_out_gate not in ("full", "low_rank"):
+            raise SpecError("kda_out_gate", self.kda_out_gate, ["full", "low_rank"])
+        if (self.kda_gate is GateKind.BOUNDED) != (self.gate_lower_bound is not None):
+            raise SpecError("gate_lower_bound", self.gate_lower_bound, "a bound with the bounded gate, None with softplus")
+        if self.gate_lower_bound not in (None, -5.0):
+            raise SpecError("gate_lower_bound", self.gate_lower_bound, [-5.0], "the KDA kernels' bounded gate")
+        if self.attn_res_block is not None and self.attn_res_block < 1:
+            raise SpecError("attn_res_block", self.attn_res_block, ">= 1")
+        if self.latent_norm and self.moe_latent is None:
+            raise SpecError("latent_norm", True, [False], "no latent to normalize")
+        for f in ("hidden", "moe_latent", "moe_inter", "dense_inter"):
+            v = getattr(self, f)
+            if v is not None and v % 128:
+                raise SpecError(f, v, "multiples of 128", "FP8/NVFP4 block scales")
 
     def kind(self, layer: int) -> str:
         """"mla" or "kda" for a 0-based layer index."""
-        return "mla" if layer + 1 in self.mla_layers else "kda"
+        return self.layer_kinds[layer]
 
     def is_dense(self, layer: int) -> bool:
-        return layer + 1 in self.dense_layers
+        return self.mlp_kinds[layer] == "dense"
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        """1-based MLA layer numbers (as `linear_attn_config.full_attn_layers` lists them)."""
+        return tuple(i + 1 for i, k in enumerate(self.layer_kinds) if k == "mla")
+
+    @property
+    def shared_inter(self) -> int:
+        """The shared experts run as one MLP of this width (transformers' KimiLinearMoE:
+        moe_intermediate_size x n_shared_experts)."""
+        return self.moe_inter * self.shared_experts
+
+    @property
+    def expert_width(self) -> int:
+        """What a routed expert reads and writes: the latent, or the hidden width."""
+        return self.moe_latent or self.hidden
 
     @property
     def kda_layer_ids(self) -> list[int]:
@@ -92,7 +141,8 @@ class ModelConfig:
     def kernel_shape(self) -> ModelShape:
         """What k3gen's enumerator (targets.model_specs) reads of this model."""
         return ModelShape(name=self.name, hidden=self.hidden, kda_heads=self.kda_heads, mla_heads=self.mla_heads,
-                          q_lora=self.q_lora, kda=bool(self.kda_layer_ids), mla=bool(self.mla_layer_ids))
+                          q_lora=self.q_lora, kda=bool(self.kda_layer_ids), mla=bool(self.mla_layer_ids),
+                          gate=self.kda_gate)
 
 
 @dataclass(frozen=True)
@@ -101,34 +151,38 @@ class RankShape:
     mla_heads: int
 
 
+def get_config(name: str) -> ModelConfig:
+    """A preset by name (k3gen/presets.py), or a config.json path / checkpoint folder."""
+    from k3gen.presets import PRESETS, preset_fields
+    if name in PRESETS:
+        return ModelConfig(**preset_fields(name))
+    import os
+    if os.sep in name or name.endswith(".json") or os.path.isdir(name):
+        return config_from_json(name)
+    raise SpecError("config", name, sorted(PRESETS) + ["a config.json path or checkpoint folder"])
+
+
+def config_from_json(path) -> ModelConfig:
+    """The `ModelConfig` of a config.json file or a checkpoint folder holding one."""
+    from k3gen.hf_config import config_fields, read_config
+    return ModelConfig(**config_fields(*read_config(path)))
+
+
+def config_from_dict(d: dict, name: str | None = None) -> ModelConfig:
+    from k3gen.hf_config import config_fields
+    return ModelConfig(**config_fields(d, name))
+
+
 def k3_config() -> ModelConfig:
-    """Kimi K3 text backbone (SPEC.md section 1): 93 layers, MLA at 4, 8, ..., 92 and 93."""
-    return ModelConfig(name="k3", layers=93, mla_layers=tuple(range(4, 93, 4)) + (93,), hidden=7168,
-                       vocab=163840, kda_heads=96, mla_heads=96, experts=896, top_k=16, shared_experts=2,
-                       moe_latent=3584, expert_inter=1024, shared_inter=2048, dense_inter=18432)
+    return get_config("k3")
 
 
 def small_config() -> ModelConfig:
-    """Same structure at test size: 8 layers, KDA at 1-3 and 5-7, MLA at 4 and 8, H = 12."""
-    return ModelConfig(name="small", layers=8, mla_layers=(4, 8), hidden=1024, vocab=2048, kda_heads=12,
-                       mla_heads=12, experts=32, top_k=4, shared_experts=1, moe_latent=512,
-                       expert_inter=256, shared_inter=512, dense_inter=2048)
+    return get_config("small")
 
 
 def tiny_config() -> ModelConfig:
-    """The small structure shrunk (4 layers, H = 2, hidden 256): what the CPU tests generate with."""
-    return replace(small_config(), name="tiny", layers=4, mla_layers=(2, 4), hidden=256, vocab=512, kda_heads=2,
-                   mla_heads=2, experts=8, top_k=2, moe_latent=128, expert_inter=128, shared_inter=128,
-                   dense_inter=512)
-
-
-CONFIGS = {"k3": k3_config, "small": small_config, "tiny": tiny_config}
-
-
-def get_config(name: str) -> ModelConfig:
-    if name not in CONFIGS:
-        raise SpecError("config", name, sorted(CONFIGS))
-    return CONFIGS[name]()
+    return get_config("tiny")
 
 
 PATHS = ("reference", "kernel")

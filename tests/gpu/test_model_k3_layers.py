@@ -20,7 +20,7 @@ from model.ops import KernelOps
 from model.weights import KV_A_PAD, Fp8Linear, KdaLayerWeights, MlaLayerWeights
 
 pytestmark = pytest.mark.gpu
-CFG = dataclasses.replace(k3_config(), layers=2, mla_layers=(2,), dense_layers=(1, 2))
+CFG = dataclasses.replace(k3_config(), layers=2, layer_kinds=("kda", "mla"), mlp_kinds=("dense", "dense"))
 TP = 8
 CONTEXT = 4096
 

@@ -91,8 +91,8 @@ def test_model_commands_are_registered_by_name():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (("build", "--arch", "sm90", "--model", "kimi_linear"), "q_lora=None"),
-    (("build", "--arch", "sm90", "--model", "x/config.json"), "issue 20"),
+    (("build", "--arch", "sm90", "--model", "kimi_linear_48b"), "q_lora=None"),
+    (("build", "--arch", "sm90", "--model", "x/config.json"), "no such file"),
     (("build", "--arch", "sm90", "--model", "k3", "--tp", "5"), "tp=5"),
     (("build", "--arch", "sm90", "--tp", "8"), "--model"),
     (("build", "--arch", "sm100", "--model", "small", "--kv", "bf16"), "op='kda_decode'"),

@@ -223,7 +223,8 @@ def test_unlisted_launch_raises():
 
 def test_model_presets_match_k3gen_presets():
     """k3gen builds a preset by name without importing model/: its kernel view must be the model's."""
-    from k3gen.targets import MODEL_PRESETS
-    from model.config import CONFIGS
-    for name, make in CONFIGS.items():
-        assert make().kernel_shape() == MODEL_PRESETS[name], name
+    from k3gen.presets import PRESETS
+    from k3gen.targets import get_model
+    from model.config import get_config
+    for name in PRESETS:
+        assert get_config(name).kernel_shape() == get_model(name), name

@@ -2,6 +2,7 @@
 and allowed set."""
 import pytest
 
+from k3gen.hf_config import ConfigError
 from k3gen.errors import SpecError, TargetError
 from k3gen.ir.dtypes import KvDtype, ScaleLayout, ScaleRecipe, SsmDtype
 from k3gen.ir.layouts import KvLayout
@@ -183,10 +184,10 @@ def test_model_specs_tp_and_presets():
     with _raises(SpecError, "tp=5", "kda_heads=96"):
         model_specs(SM90, "k3", 5)
     with _raises(SpecError, "q_lora=None", "1536"):
-        model_specs(SM90, "kimi_linear", 1)
+        model_specs(SM90, "kimi_linear_48b", 1)
     with _raises(SpecError, "model='nope'", "k3", "small"):
         model_specs(SM90, "nope")
-    with _raises(SpecError, "config.json", "issue 20"):
+    with _raises(ConfigError, "/some/where/config.json", "no such file"):
         get_model("/some/where/config.json")
     with _raises(SpecError, "ep=0"):
         model_specs(SM90, "small", ep=0)
