@@ -1,0 +1,117 @@
+"""K3's model-level math in FP32, written from the formulas (SPEC.md section 1), shared by the
+serving model (model/layers.py, model/model.py) and the FP32 reference (model/reference.py):
+the activations (SiTU, SiLU), the router, and Attention Residuals.
+
+Sources for the facts (read, never copied): SGLang `models/kimi_k3.py` (`KimiK3DecoderLayer`,
+`_forward_unfused`), vLLM `models/kimi_k3/nvidia/model.py`; /work notes in SPEC.md section 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def rms_norm_fp32(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) (* w), all FP32."""
+    x = x.float()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if w is None else y * w.float()
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """SiTU: beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up / linear_beta), FP32
+    (the published `hidden_act: situ`, beta 4, linear_beta 25)."""
+    g, u = gate.float(), up.float()
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g = gate.float()
+    return g * torch.sigmoid(g) * up.float()
+
+
+def act_fn(cfg):
+    """The gated activation of `cfg` as f(gate, up)."""
+    if cfg.act == "situ":
+        return lambda g, u: situ(g, u, cfg.situ_beta, cfg.situ_linear_beta)
+    return silu_glu
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """The noaux_tc sigmoid router: scores = sigmoid(logits); experts ranked by scores + bias
+    within the best `topk_group` of `n_group` groups (a group's rank: the sum of its two best
+    biased scores); weights = the chosen experts' unbiased scores, renormalized if configured,
+    times routed_scale. Returns (ids [M, k] int64, weights [M, k] FP32)."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + bias.float()
+    M, E = choice.shape
+    if cfg.n_group > 1:
+        grouped = choice.view(M, cfg.n_group, E // cfg.n_group)
+        gscore = grouped.topk(min(2, E // cfg.n_group), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter(1, gscore.topk(cfg.topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // cfg.n_group, dim=1), float("-inf"))
+    ids = choice.topk(cfg.top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if cfg.renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * cfg.routed_scale
+
+
+@dataclass
+class AttnResWeights:
+    """One pseudo-query: `proj` [hidden] (the checkpoint's `*_res_proj.weight` [1, hidden]) and
+    its RMSNorm weight `norm` [hidden] (`*_res_norm.weight`), both FP32."""
+    proj: torch.Tensor
+    norm: torch.Tensor
+
+    def query(self) -> torch.Tensor:
+        # score_i = proj . (norm * RMSNorm(V_i)) = (norm * proj) . RMSNorm(V_i)
+        return self.norm.float() * self.proj.float().reshape(-1)
+
+
+def attn_res_mix(sources: list[torch.Tensor], w: AttnResWeights, eps: float) -> torch.Tensor:
+    """sum_i softmax_i(q . RMSNorm(V_i)) V_i over the sources (each [M, hidden] FP32)."""
+    V = torch.stack([s.float() for s in sources])                       # [N, M, hidden]
+    score = torch.einsum("nmh,h->nm", rms_norm_fp32(V, None, eps), w.query())
+    return torch.einsum("nm,nmh->mh", torch.softmax(score, dim=0), V)
+
+
+class AttnResStream:
+    """The Attention Residuals stream of one forward over rows [M, hidden] (FP32): the completed
+    block sums and the running partial sum of the current block.
+
+    Blocks of `block` layers; source 0 is the embedding. For 0-based layer l: the attention input
+    mixes the completed blocks and the partial; if l starts a block (l % block == 0), the partial
+    is sealed as a completed block right after that mix and a new partial starts with the
+    attention output; the FFN input mixes the completed blocks and the (new) partial. The final
+    output query mixes everything once more. So at layer 0 the attention reads the embedding
+    alone, and at a block-start layer l > 0 it reads ceil(l / block) completed blocks + the
+    block just finished (SGLang kimi_k3: prev_valid_blocks = ceil(l / 12), the FFN side one more
+    when l is a block-write layer).
+
+    A plain residual stream (block None) is the same object with `mix` returning the sum.
+    """
+
+    def __init__(self, embed: torch.Tensor, block: int | None, eps: float):
+        self.block, self.eps = block, eps
+        self.blocks: list[torch.Tensor] = []
+        self.partial = embed.float()
+
+    def inputs(self, w: AttnResWeights | None) -> torch.Tensor:
+        if self.block is None:
+            return self.partial
+        return attn_res_mix(self.blocks + [self.partial], w, self.eps)
+
+    def add_attn(self, layer: int, out: torch.Tensor) -> None:
+        if self.block is not None and layer % self.block == 0:
+            self.blocks.append(self.partial)
+            self.partial = out.float()
+        else:
+            self.partial = self.partial + out.float()
+
+    def add_ffn(self, out: torch.Tensor) -> None:
+        self.partial = self.partial + out.float()
+
+    def output(self, w: AttnResWeights | None) -> torch.Tensor:
+        return self.inputs(w)
