@@ -26,7 +26,11 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="k3")
     p.add_argument("--arch", default="sm90")
-    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--tp", type=int, default=8, help="ranks (GPUs); attention heads, dense and shared MLPs split by tp")
+    p.add_argument("--ep", type=int, default=1,
+                   help="routed experts split by id over ep ranks (a divisor of tp), by intermediate over tp/ep")
+    p.add_argument("--layout", default="nvfp4", choices=("mxfp4", "nvfp4"),
+                   help="checkpoint: nvfp4 (nvidia/Kimi-K3-NVFP4) or mxfp4 (moonshotai/Kimi-K3); weights as served")
     p.add_argument("--gpu-gib", type=float, default=141.0, help="GPU memory (H200: 141 GB ~ 139 GiB usable)")
     p.add_argument("--util", type=float, default=0.9, help="fraction of GPU memory for weights + cache")
     p.add_argument("--max-drafts", type=int, default=0)

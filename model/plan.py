@@ -1,30 +1,22 @@
 """`k3gen plan-memory`: how many sequences x tokens of the real K3 config fit one GPU at a given
-TP, for every KV/SSM dtype combination, from the IR's byte expressions (model/cache.py)."""
+TP/EP and checkpoint layout, for every KV/SSM dtype combination: weights per rank from
+model/params.py (the serving form of the layout), cache from the IR's byte expressions (model/cache.py)."""
 from __future__ import annotations
 
 
 from k3gen.errors import K3genError
 
 from model.cache import CacheCapacityError, cache_bytes, plan_capacity
-from model.checkpoint import expected_tensors
 from model.config import TargetConfig, get_config
+from model.params import weight_bytes_per_rank
 
 CONTEXTS = (4096, 32768, 131072)
 
 
-def weight_bytes_per_rank(cfg, tp: int) -> int:
-    """Stored checkpoint bytes / tp (every weight split evenly: an estimate; replicated norms are small)."""
-    import math
-    total = 0
-    for info in expected_tensors(cfg).values():
-        total += math.prod(info.shape) * info.dtype.itemsize
-    return total // tp
-
-
 def plan_rows(config: str, arch: str, tp: int, gpu_gib: float, util: float, max_drafts: int,
-              contexts=CONTEXTS) -> tuple[list[dict], int, int]:
+              contexts=CONTEXTS, ep: int = 1, layout: str = "nvfp4") -> tuple[list[dict], int, int]:
     cfg = get_config(config)
-    weights = weight_bytes_per_rank(cfg, tp)
+    weights = weight_bytes_per_rank(cfg, tp, ep, layout)
     budget = int(gpu_gib * 2**30 * util) - weights
     rows = []
     for kv in ("bf16", "fp8", "nvfp4"):
@@ -45,18 +37,34 @@ def plan_rows(config: str, arch: str, tp: int, gpu_gib: float, util: float, max_
     return rows, weights, budget
 
 
+def human_params(n: int) -> str:
+    """2.78 T, 104.2 B, 6.19 M: three significant digits or more."""
+    for unit, v in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= v:
+            x = n / v
+            return f"{x:.2f} {unit}" if x < 100 else f"{x:.1f} {unit}"
+    return str(n)
+
+
 def run(a) -> int:
     from rich.console import Console
     from rich.table import Table
     import sys
     con = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    from model.params import count_params
+    ep, layout = a.ep, a.layout
     try:
-        rows, weights, budget = plan_rows(a.config, a.arch, a.tp, a.gpu_gib, a.util, a.max_drafts)
+        rows, weights, budget = plan_rows(a.config, a.arch, a.tp, a.gpu_gib, a.util, a.max_drafts,
+                                          ep=ep, layout=layout)
+        n = count_params(get_config(a.config))
     except K3genError as e:
         con.print(f"[red]error:[/red] {e}")
         return 2
-    table = Table(title=f"{a.config} TP{a.tp} on {a.gpu_gib:g} GiB x {a.util:g}: weights {weights / 2**30:.1f} GiB/rank, "
-                        f"cache budget {budget / 2**30:.1f} GiB", title_justify="left")
+    # Two short lines: rich wraps a title to the table's width, which would split a figure.
+    table = Table(title=f"{a.config}: {human_params(n.total)} params, {human_params(n.active)} active per token; "
+                        f"{layout} TP{a.tp} EP{ep}: weights {weights / 2**30:.1f} GiB/rank\n"
+                        f"on {a.gpu_gib:g} GiB x {a.util:g}: cache budget {budget / 2**30:.1f} GiB",
+                  title_justify="left")
     for col in ("KV", "SSM", "KV bytes/token", "state bytes/seq") + tuple(f"seqs x {c // 1024}K tokens" for c in CONTEXTS):
         table.add_column(col, justify="left" if col in ("KV", "SSM") else "right")
     for r in rows:
