@@ -260,3 +260,32 @@ def test_k3_latent_norm_follows_the_experts(k3):
     base = Fp32Reference(cfg, scaled(8.0))._moe(1, x)
     assert rel_rms(Fp32Reference(cfg, scaled(64.0))._moe(1, x), base) <= SELF_TOL
     assert rel_rms(Fp32Reference(dataclasses.replace(cfg, latent_norm=False), scaled(8.0))._moe(1, x), base) > 1e-2
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_reference_kda_layer_equals_the_kda_op_reference(k3, gate):
+    """The model reference's KDA layer against k3gen's kda_decode op reference (written apart
+    from it, what the kernels are tested against), token by token from a zero state: the
+    bounded gate's exp(A_log) and bound, which transformers cannot check, are covered here."""
+    from k3gen.ir.dtypes import GateKind
+    from k3gen.ops.kda_decode.reference import KdaWeights, kda_token_loop
+    cfg, t = k3
+    if gate == "softplus":
+        cfg = dataclasses.replace(cfg, kda_gate=GateKind.SOFTPLUS, gate_lower_bound=None)
+    ref = Fp32Reference(cfg, t)
+    i = cfg.kda_layer_ids[0]
+    a = f"model.layers.{i}.self_attn."
+    H, D, T = cfg.kda_heads, cfg.kda_heads * 128, 6
+    x = torch.randn(T, cfg.hidden, generator=torch.Generator().manual_seed(9))
+    got = ref._kda(i, x)
+    w = {n: v.float() for n, v in t.items()}
+    qkvg = torch.cat([x @ w[a + n + ".weight"].T for n in ("q_proj", "k_proj", "v_proj", "g_proj")], -1)
+    kw = KdaWeights(conv_w=torch.cat([w[a + n + "_conv1d.weight"].reshape(D, 4) for n in "qkv"]),
+                    fb_w=w[a + "f_b_proj.weight"], dt_bias=w[a + "dt_bias"], a_log=w[a + "A_log"][:H],
+                    norm_w=w[a + "o_norm.weight"])
+    y, *_ = kda_token_loop(qkvg[None], (x @ w[a + "f_a_proj.weight"].T)[None], (x @ w[a + "b_proj.weight"].T)[None],
+                           torch.zeros(1, H, 128, 128), torch.zeros(1, 3 * D, 3), kw, gate=cfg.kda_gate)
+    want = y[0].reshape(T, D) @ w[a + "o_proj.weight"].T
+    err = rel_rms(got, want)
+    print(f"KDA layer ({gate}) vs op reference: rel-RMS {err:.2e}")
+    assert err <= SELF_TOL
