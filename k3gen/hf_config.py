@@ -204,11 +204,3 @@ def read_config(path) -> tuple[dict, str, str]:
         raise ConfigError("config.json", "not a JSON object", str(p))
     return d, p.parent.name, str(p)
 
-
-def model_shape(d: dict, name: str | None = None, src: str = "config.json"):
-    """What k3gen's kernels depend on (targets.ModelShape) of a config.json dict."""
-    from k3gen.targets import ModelShape
-    f = config_fields(d, name, src)
-    return ModelShape(name=f["name"], hidden=f["hidden"], kda_heads=f["kda_heads"], mla_heads=f["mla_heads"],
-                      q_lora=f["q_lora"], kda="kda" in f["layer_kinds"], mla="mla" in f["layer_kinds"],
-                      gate=f["kda_gate"])

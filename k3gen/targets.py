@@ -150,13 +150,17 @@ class ModelShape:
 
 def get_model(name: str) -> ModelShape:
     """A preset by name (k3gen/presets.py), or a config.json path / checkpoint folder."""
-    from k3gen.hf_config import model_shape, read_config
-    from k3gen.presets import PRESETS, preset_dict
+    from k3gen.hf_config import config_fields, read_config
+    from k3gen.presets import PRESETS, preset_fields
     if name in PRESETS:
-        return model_shape(preset_dict(name), name=name, src=f"preset {name}")
-    if name.endswith(".json") or Path(name).exists():
-        return model_shape(*read_config(name))
-    raise SpecError("model", name, sorted(PRESETS) + ["a config.json path or checkpoint folder"])
+        f = preset_fields(name)
+    elif name.endswith(".json") or Path(name).exists():
+        f = config_fields(*read_config(name))
+    else:
+        raise SpecError("model", name, sorted(PRESETS) + ["a config.json path or checkpoint folder"])
+    return ModelShape(name=f["name"], hidden=f["hidden"], kda_heads=f["kda_heads"], mla_heads=f["mla_heads"],
+                      q_lora=f["q_lora"], kda="kda" in f["layer_kinds"], mla="mla" in f["layer_kinds"],
+                      gate=f["kda_gate"])
 
 
 def _shape(model) -> ModelShape:

@@ -247,6 +247,19 @@ def test_split_counts_agree(sched):
     assert all(rel_rms(o, outs[0]) < 4e-3 for o in outs[1:])
 
 
+def assert_schedules_agree(b, q, fmt, H, T):
+    """The mma and wgmma schedules on one batch, at 1 and 4 splits: each within the reference
+    tolerance, and close to each other."""
+    ref = b.reference(q)
+    for splits in (1, 4):
+        got = {}
+        for sched in ("mma", "wgmma"):
+            op = attn(fmt, H, T, sched)
+            got[sched] = b.run(op, q, plan=op.plan(len(b.lens), max(b.lens), splits=splits)).clone()
+            assert_close(got[sched], ref, f"{fmt} {sched} H{H} T{T} s{splits} lens={b.lens}")
+        assert rel_rms(got["wgmma"], got["mma"]) < 4e-3
+
+
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
 @pytest.mark.parametrize("H,T", [(12, 1), (4, 4)], ids=str)
 def test_fp8_wgmma_schedule_matches_mma_schedule(fmt, H, T):
@@ -256,14 +269,7 @@ def test_fp8_wgmma_schedule_matches_mma_schedule(fmt, H, T):
     rng = random.Random(91 + H * T)
     b = Batch(fmt, ragged(rng, 5, T) + [T, 64, 65, 3000], T, seed=13)
     q = b.query(H, 13)
-    ref = b.reference(q)
-    for splits in (1, 4):
-        got = {}
-        for sched in ("mma", "wgmma"):
-            op = attn(fmt, H, T, sched)
-            got[sched] = b.run(op, q, plan=op.plan(len(b.lens), max(b.lens), splits=splits)).clone()
-            assert_close(got[sched], ref, f"{fmt} {sched} H{H} T{T} s{splits} lens={b.lens}")
-        assert rel_rms(got["wgmma"], got["mma"]) < 4e-3
+    assert_schedules_agree(b, q, fmt, H, T)
 
 
 def test_fp8_wgmma_scale_range():
@@ -291,14 +297,7 @@ def test_nvfp4_wgmma_schedule_matches_mma_schedule(H, T):
     rng = random.Random(93 + H * T)
     b = Batch(NV, ragged(rng, 5, T) + [T, 16, 17, 64, 65, 3000, 3001], T, seed=15)
     q = b.query(H, 15)
-    ref = b.reference(q)
-    for splits in (1, 4):
-        got = {}
-        for sched in ("mma", "wgmma"):
-            op = attn(NV, H, T, sched)
-            got[sched] = b.run(op, q, plan=op.plan(len(b.lens), max(b.lens), splits=splits)).clone()
-            assert_close(got[sched], ref, f"{NV} {sched} H{H} T{T} s{splits} lens={b.lens}")
-        assert rel_rms(got["wgmma"], got["mma"]) < 4e-3
+    assert_schedules_agree(b, q, NV, H, T)
 
 
 def test_nvfp4_wgmma_scale_range_and_g():

@@ -31,6 +31,16 @@ from k3gen.ir.layouts import MLA_ROW, NVFP4_TILE_TOKENS, PAGE_TOKENS, KvLayout
 from k3gen.ir.spec import OpSpec, register_op
 
 
+def kv_format_slug(kv: KvDtype, fp8_scales: Fp8ScaleGranularity, scale_layout: ScaleLayout, max_drafts: int) -> str:
+    """The cache-format part of a kernel name, shared by the writer and mla_decode (the reader), so a
+    writer and a reader of one cache format carry the same suffix."""
+    if kv is KvDtype.FP8:
+        return "-" + ("tensor" if fp8_scales is Fp8ScaleGranularity.PER_TENSOR else "tok128")
+    if kv is KvDtype.NVFP4:
+        return f"-{scale_layout.value}-m{max_drafts}"
+    return ""
+
+
 @register_op("kv_cache_write")
 @dataclass(frozen=True, kw_only=True)
 class KvCacheWriteSpec(OpSpec):
@@ -61,12 +71,8 @@ class KvCacheWriteSpec(OpSpec):
                         scale_layout=self.scale_layout, max_drafts=self.max_drafts)
 
     def slug(self) -> str:
-        s = f"{self.kv.value}-p{self.page}"
-        if self.kv is KvDtype.FP8:
-            s += "-" + ("tensor" if self.fp8_scales is Fp8ScaleGranularity.PER_TENSOR else "tok128")
-        if self.kv is KvDtype.NVFP4:
-            s += f"-{self.scale_layout.value}-m{self.max_drafts}"
-        return s
+        return f"{self.kv.value}-p{self.page}" + kv_format_slug(self.kv, self.fp8_scales, self.scale_layout,
+                                                                 self.max_drafts)
 
     # -- estimates --------------------------------------------------------------------------
     def bytes_moved(self):

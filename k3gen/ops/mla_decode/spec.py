@@ -37,6 +37,7 @@ from k3gen.ir.dims import sym
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ir.layouts import MLA_LATENT, MLA_ROW, PAGE_TOKENS, KvLayout
 from k3gen.ir.spec import OpSpec, register_op
+from k3gen.ops.kv_cache_write.spec import kv_format_slug
 
 TILE_TOKENS = 64              # KV tokens per tile (every variant)
 MAX_TOKENS = 8
@@ -95,11 +96,8 @@ class MlaDecodeSpec(OpSpec):
         return SOFTMAX_SCALE
 
     def slug(self) -> str:
-        s = f"h{self.heads}-t{self.tokens}-{self.kv.value}"
-        if self.kv is KvDtype.FP8:
-            s += "-" + ("tensor" if self.fp8_scales is Fp8ScaleGranularity.PER_TENSOR else "tok128")
-        if self.kv is KvDtype.NVFP4:
-            s += f"-{self.scale_layout.value}-m{self.max_drafts}"
+        s = f"h{self.heads}-t{self.tokens}-{self.kv.value}" + kv_format_slug(self.kv, self.fp8_scales,
+                                                                            self.scale_layout, self.max_drafts)
         if self.m_tiles != self.impl.default_m_tiles(self):
             s += f"-mt{self.m_tiles}"
         if self.schedule != "mma":

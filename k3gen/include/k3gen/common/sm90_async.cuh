@@ -31,6 +31,16 @@ __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
 __device__ __forceinline__ void fence_mbar_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
+// A ring's barriers, one thread: full[s] at full0 + 8 s and empty[s] at empty0 + 8 s for s < S,
+// with their expected arrival counts, then the init fence.
+__device__ __forceinline__ void mbar_init_ring(unsigned full0, unsigned empty0, int S, unsigned full_count,
+                                               unsigned empty_count) {
+  for (int s = 0; s < S; ++s) {
+    mbar_init(full0 + 8 * s, full_count);
+    mbar_init(empty0 + 8 * s, empty_count);
+  }
+  fence_mbar_init();
+}
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }

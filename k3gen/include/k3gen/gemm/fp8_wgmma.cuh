@@ -209,13 +209,7 @@ __device__ __forceinline__ void gemm(const sm90::TmaMap* wmap, const sm90::TmaMa
   const int mrem = p.m - m0;                  // tokens of this tile, >= 1
   const int kb0 = rank * KB / split, nk = (rank + 1) * KB / split - kb0;
 
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(full0 + 8 * s, kFullArrivals);
-      sm90::mbar_init(empty0 + 8 * s, kConsumerWarps);
-    }
-    sm90::fence_mbar_init();
-  }
+  if (tid == 0) sm90::mbar_init_ring(full0, empty0, S, kFullArrivals, kConsumerWarps);
   __syncthreads();
   griddep_launch_dependents();   // under PDL the next kernel's weight-only prologue may start
 
@@ -378,13 +372,7 @@ __device__ __forceinline__ void gemm_stream(const sm90::TmaMap* wmap, const sm90
   const int l = ((p.m + NT - 1) / NT) * NTILES * KB;   // the launcher keeps this < 2^31
   const int x0 = range_start(c, g, l), x1 = range_start(c + 1, g, l);
 
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(full0 + 8 * s, kFullArrivals);
-      sm90::mbar_init(empty0 + 8 * s, kConsumerWarps);
-    }
-    sm90::fence_mbar_init();
-  }
+  if (tid == 0) sm90::mbar_init_ring(full0, empty0, S, kFullArrivals, kConsumerWarps);
   __syncthreads();
   griddep_launch_dependents();   // under PDL the next kernel's weight-only prologue may start
 

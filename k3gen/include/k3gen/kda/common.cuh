@@ -118,6 +118,43 @@ __device__ __forceinline__ float half_sum(float x) {
   return x;
 }
 
+// A lane's 8 key channels (i0 .. i0 + 3 and i1 .. i1 + 3) of q, k and exp(g) from shared rows, q
+// and k L2-normalized over the head from half-warp sums (q also by 128^-0.5). Returns q.k of the
+// normalized vectors. The decode row update and the multi-token recurrence both start so.
+__device__ __forceinline__ float load_qk_norm(const float* sq, const float* sk, const float* seg, int i0, int i1,
+                                              float (&qv)[8], float (&kv)[8], float (&ev)[8]) {
+  {
+    const float* src[3] = {sq, sk, seg};
+    float* dst[3] = {qv, kv, ev};
+#pragma unroll
+    for (int t = 0; t < 3; ++t) {
+      const float4 lo = *reinterpret_cast<const float4*>(src[t] + i0);
+      const float4 hi = *reinterpret_cast<const float4*>(src[t] + i1);
+      dst[t][0] = lo.x, dst[t][1] = lo.y, dst[t][2] = lo.z, dst[t][3] = lo.w;
+      dst[t][4] = hi.x, dst[t][5] = hi.y, dst[t][6] = hi.z, dst[t][7] = hi.w;
+    }
+  }
+  float ssq_q = 0.0f, ssq_k = 0.0f, qk = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    ssq_q = fmaf(qv[e], qv[e], ssq_q);
+    ssq_k = fmaf(kv[e], kv[e], ssq_k);
+    qk = fmaf(qv[e], kv[e], qk);
+  }
+  ssq_q = half_sum(ssq_q);
+  ssq_k = half_sum(ssq_k);
+  qk = half_sum(qk);
+  const float iq = rsqrtf(ssq_q + kL2Eps) * 0.08838834764831845f;  // 128^-0.5
+  const float ik = rsqrtf(ssq_k + kL2Eps);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    qv[e] *= iq;
+    kv[e] *= ik;
+  }
+  qk *= iq * ik;
+  return qk;
+}
+
 // Sums N values (N = 2^p <= 16) over the 16 lanes of a half-warp, leaving lane l with the sum of
 // value half_rs_index<N>(l) (16/N lanes hold each). It exchanges N-1+4-p values instead of 4N,
 // and each per-value sum is the same float expression as half_sum's (a + b == b + a).
@@ -433,35 +470,7 @@ template <class Sm>
 __device__ __forceinline__ void recur(float (&d)[kRows][8], Sm& sm, int t) {
   const int tid = threadIdx.x, half = (tid >> 4) & 1, hl = tid & 15;
   float qv[8], kv[8], ev[8];
-  {
-    const float* src[3] = {sm.q[t], sm.k[t], sm.eg[t]};
-    float* dst[3] = {qv, kv, ev};
-#pragma unroll
-    for (int s = 0; s < 3; ++s) {
-      const float4 lo = *reinterpret_cast<const float4*>(src[s] + 4 * hl);
-      const float4 hi = *reinterpret_cast<const float4*>(src[s] + 64 + 4 * hl);
-      dst[s][0] = lo.x, dst[s][1] = lo.y, dst[s][2] = lo.z, dst[s][3] = lo.w;
-      dst[s][4] = hi.x, dst[s][5] = hi.y, dst[s][6] = hi.z, dst[s][7] = hi.w;
-    }
-  }
-  float ssq_q = 0.0f, ssq_k = 0.0f, qk = 0.0f;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    ssq_q = fmaf(qv[e], qv[e], ssq_q);
-    ssq_k = fmaf(kv[e], kv[e], ssq_k);
-    qk = fmaf(qv[e], kv[e], qk);
-  }
-  ssq_q = half_sum(ssq_q);
-  ssq_k = half_sum(ssq_k);
-  qk = half_sum(qk);
-  const float iq = rsqrtf(ssq_q + kL2Eps) * 0.08838834764831845f;  // 128^-0.5
-  const float ik = rsqrtf(ssq_k + kL2Eps);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    qv[e] *= iq;
-    kv[e] *= ik;
-  }
-  qk *= iq * ik;
+  const float qk = load_qk_norm(sm.q[t], sm.k[t], sm.eg[t], 4 * hl, 64 + 4 * hl, qv, kv, ev);
   const float beta = sm.beta[t];
   // Rows in two groups of 4: each group's 8 dot products (a_j, c_j) are reduce-scattered together,
   // so only 8 partial sums are live next to the 64 row values (the same shuffle count as one

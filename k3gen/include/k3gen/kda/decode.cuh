@@ -81,36 +81,7 @@ __device__ __forceinline__ float head_update(const typename Row::Frag (&frag)[RP
                                              bool& o_lane) {
   // ---- per-lane K slice of q, k, exp(g); head-wide norms from half-warp sums ------------------
   float qv[8], kv[8], ev[8];
-  {
-    const int i0 = Row::k0(hl), i1 = Row::k1(hl);
-    const float* src[3] = {sq, sk, seg};
-    float* dst[3] = {qv, kv, ev};
-#pragma unroll
-    for (int t = 0; t < 3; ++t) {
-      const float4 lo = *reinterpret_cast<const float4*>(src[t] + i0);
-      const float4 hi = *reinterpret_cast<const float4*>(src[t] + i1);
-      dst[t][0] = lo.x, dst[t][1] = lo.y, dst[t][2] = lo.z, dst[t][3] = lo.w;
-      dst[t][4] = hi.x, dst[t][5] = hi.y, dst[t][6] = hi.z, dst[t][7] = hi.w;
-    }
-  }
-  float ssq_q = 0.0f, ssq_k = 0.0f, qk = 0.0f;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    ssq_q = fmaf(qv[e], qv[e], ssq_q);
-    ssq_k = fmaf(kv[e], kv[e], ssq_k);
-    qk = fmaf(qv[e], kv[e], qk);
-  }
-  ssq_q = half_sum(ssq_q);
-  ssq_k = half_sum(ssq_k);
-  qk = half_sum(qk);
-  const float iq = rsqrtf(ssq_q + kL2Eps) * 0.08838834764831845f;  // 128^-0.5
-  const float ik = rsqrtf(ssq_k + kL2Eps);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    qv[e] *= iq;
-    kv[e] *= ik;
-  }
-  qk *= iq * ik;
+  const float qk = load_qk_norm(sq, sk, seg, Row::k0(hl), Row::k1(hl), qv, kv, ev);
 
   // ---- the recurrence, one row per half-warp per pair -----------------------------------------
   // All rows' dot products first, then one reduce-scatter of the 2 RP sums over the half-warp

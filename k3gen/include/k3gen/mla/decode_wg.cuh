@@ -98,6 +98,82 @@ __device__ __forceinline__ void rows_out(const Params& p, const float* buf, int 
   }
 }
 
+// ---- the two-consumer frame of decode_wg_fp8.cuh and decode_wg_nvfp4.cuh ----------------------
+// A producer warpgroup copies the split's tiles (cp.async) into an S-stage ring: full[s] at
+// bar + 8 s, empty[s] at bar + 8 (S + s); consumer c of two takes tiles c, c + 2, .. with its own
+// online softmax over N query columns, merged at the end.
+
+// The producer's loop over the split's n tiles from t_begin: tile it into stage it % S once the
+// consumers released it, then one cp.async arrival per thread on full[s]. load(s, pg, row0, nv)
+// issues the tile's copies (row0 its first row in the page pool, nv its valid rows; pg < 0 and
+// nv = 0 for a missing page). The page id is read a tile ahead (its load would otherwise stall
+// every tile's copies).
+template <class C, int S, class Load>
+__device__ __forceinline__ void produce(const Params& p, int b, int t_begin, int n, int len, unsigned bar, Load load) {
+  int pg = n > 0 ? tile_page<C>(p, b, t_begin) : -1;
+  for (int it = 0; it < n; ++it) {
+    const int s = it % S;
+    const int tile = t_begin + it;
+    const int pg_next = it + 1 < n ? tile_page<C>(p, b, tile + 1) : -1;
+    const int nv = pg < 0 ? 0 : min(kTok, len - tile * kTok);
+    const long long row0 = static_cast<long long>(max(pg, 0)) * C::kPage + (tile * kTok) % C::kPage;
+    if (it >= S) sm90::mbar_wait_or_trap(bar + 8 * (S + s), (it / S - 1) & 1);
+    load(s, pg, row0, nv);
+    sm90::cp_async_mbar_arrive_noinc(bar + 8 * s);
+    pg = pg_next;
+  }
+  cp_async_wait<0>();
+}
+
+// A consumer's state before its first tile: O^T zero, column maxima -inf, sums 0, and lim[j][e]
+// = cap(the last key position query row r0 + 8 j + 2 (lane % 4) + e may see).
+template <class C, int N, int NA, int HT, class Cap>
+__device__ __forceinline__ void init_state(float (&o)[8][NA], float (&m)[N / 8][2], float (&l)[N / 8][2],
+                                           int (&lim)[N / 8][2], int r0, int len, int lane, Cap cap) {
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+    for (int i = 0; i < NA; ++i) o[mb][i] = 0.f;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = r0 + 8 * j + 2 * (lane & 3) + e;
+      m[j][e] = K3GEN_MLA_NEG_INF;
+      l[j][e] = 0.f;
+      lim[j][e] = cap(len - C::kTokens + (r < HT ? r / C::kHeads : C::kTokens - 1));
+    }
+}
+
+// Consumer c's full denominators: 8 lanes per column, then its 4 warps through red (rd: its
+// [4][RS] rows); its column maxima and sums into stats ([consumer][m, l][N]).
+template <int c, int N, int RS>
+__device__ __forceinline__ void col_stats(const float (&m)[N / 8][2], const float (&l)[N / 8][2], float* rd,
+                                          float* stats, int warp, int lane) {
+  sm90::barrier_sync_divergent(1 + c, 128);   // every warp is done with red
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float x = col_sum8(l[j][e]);
+      if (lane < 4) rd[warp * RS + 8 * j + 2 * lane + e] = x;
+    }
+  sm90::barrier_sync_divergent(1 + c, 128);
+  if (warp == 0 && lane < 4) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * lane + e;
+        stats[(c * 2) * N + col] = m[j][e];
+        stats[(c * 2 + 1) * N + col] = rd[col] + rd[RS + col] + rd[2 * RS + col] + rd[3 * RS + col];
+      }
+  }
+}
+// The merge after col_stats (weights, split LSE, the two O^T halves, rows_out) stays written out
+// in each kernel: moved into a helper here it changed both kernels' SASS (NVVM then branches on
+// the split-LSE store's condition per column instead of hoisting it).
+
 }  // namespace wg
 }  // namespace mla
 }  // namespace k3gen

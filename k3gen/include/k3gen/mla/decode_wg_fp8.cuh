@@ -183,33 +183,16 @@ __device__ void decode(const Params& p) {
   const int t_begin = min(ntiles, split * per), t_end = min(ntiles, t_begin + per);
   const int n = t_end - t_begin;
 
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(bar + 8 * s, 128);
-      sm90::mbar_init(bar + 8 * (S + s), 128);
-    }
-    sm90::fence_mbar_init();
-  }
+  if (tid == 0) sm90::mbar_init_ring(bar, bar + 8 * S, S, 128, 128);
   const float qmul = stage_q<C>(p, b, r0, smem + G::kQOff, red);
   sm90::fence_proxy_async();   // Q (generic stores) is read by wgmma (async proxy)
   __syncthreads();
 
   if (wgi == 0) {
     sm90::setmaxnreg_dec<kProducerRegs>();
-    // The page id is read a tile ahead (its load would otherwise stall every tile's copies).
-    int pg = n > 0 ? tile_page<C>(p, b, t_begin) : -1;
-    for (int it = 0; it < n; ++it) {
-      const int s = it % S;
-      const int tile = t_begin + it;
-      const int pg_next = it + 1 < n ? tile_page<C>(p, b, tile + 1) : -1;
-      const int nv = pg < 0 ? 0 : min(kTok, len - tile * kTok);
-      const long long row0 = static_cast<long long>(max(pg, 0)) * C::kPage + (tile * kTok) % C::kPage;
-      if (it >= S) sm90::mbar_wait_or_trap(bar + 8 * (S + s), (it / S - 1) & 1);
+    wg::produce<C, S>(p, b, t_begin, n, len, bar, [&](int s, int, long long row0, int nv) {
       load_tile<C>(p, row0, nv, base + s * kCodeBytes, base + G::kScaleOff + s * kScaleBytes, wt);
-      sm90::cp_async_mbar_arrive_noinc(bar + 8 * s);
-      pg = pg_next;
-    }
-    cp_async_wait<0>();
+    });
     return;   // the consumers synchronize among themselves (named barriers) from here on
   }
 
@@ -224,19 +207,7 @@ __device__ void decode(const Params& p) {
   float o[8][NA];
   float m[NJ][2], l[NJ][2];
   int lim[NJ][2];
-#pragma unroll
-  for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-    for (int i = 0; i < NA; ++i) o[mb][i] = 0.f;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = r0 + 8 * j + 2 * (lane & 3) + e;
-      m[j][e] = K3GEN_MLA_NEG_INF;
-      l[j][e] = 0.f;
-      lim[j][e] = len - C::kTokens + (r < HT ? r / C::kHeads : C::kTokens - 1);
-    }
+  wg::init_state<C, N, NA, HT>(o, m, l, lim, r0, len, lane, [](int x) { return x; });
   const float qk_scale = C::kSoftmaxScale * kLog2e * qmul * (kTensor ? p.scale : 1.f);
   const int g8 = lane >> 2, cq = lane & 3;
   const int tk0 = 16 * warp + g8;
@@ -415,25 +386,7 @@ __device__ void decode(const Params& p) {
   }
 
   // Full denominators: 8 lanes per column, then the 4 warps (through red).
-  sm90::barrier_sync_divergent(1 + c, 128);   // every warp is done with red
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float x = wg::col_sum8(l[j][e]);
-      if (lane < 4) rd[warp * kRedStride + 8 * j + 2 * lane + e] = x;
-    }
-  sm90::barrier_sync_divergent(1 + c, 128);
-  if (warp == 0 && lane < 4) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * lane + e;
-        stats[(c * 2) * N + col] = m[j][e];
-        stats[(c * 2 + 1) * N + col] = rd[col] + rd[kRedStride + col] + rd[2 * kRedStride + col] + rd[3 * kRedStride + col];
-      }
-  }
+  wg::col_stats<c, N, kRedStride>(m, l, rd, stats, warp, lane);
   // Both consumers past their last wgmma: the stages become the merge buffer [N][516] FP32.
   sm90::barrier_sync_divergent(3, 256);
   float* buf = reinterpret_cast<float*>(smem);

@@ -202,13 +202,7 @@ __device__ void decode(const Params& p) {
   const int live = len / 16 * 16;
   const bool has_live = n > 0 && t_end == ntiles && live < len;   // this CTA owns the live rows
 
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(bar + 8 * s, 128);
-      sm90::mbar_init(bar + 8 * (S + s), 128);
-    }
-    sm90::fence_mbar_init();
-  }
+  if (tid == 0) sm90::mbar_init_ring(bar, bar + 8 * S, S, 128, 128);
   // The live rows, staged once (rows past the length, or all of them when the sequence's ring slot
   // is out of range, read as zeros).
   if (has_live) {
@@ -231,20 +225,9 @@ __device__ void decode(const Params& p) {
 
   if (wgi == 0) {
     sm90::setmaxnreg_dec<kProducerRegs>();
-    // The page id is read a tile ahead (its load would otherwise stall every tile's copies).
-    int pg = n > 0 ? tile_page<C>(p, b, t_begin) : -1;
-    for (int it = 0; it < n; ++it) {
-      const int s = it % S;
-      const int tile = t_begin + it;
-      const int pg_next = it + 1 < n ? tile_page<C>(p, b, tile + 1) : -1;
-      const int nv = pg < 0 ? 0 : min(kTok, len - tile * kTok);
-      const long long row0 = static_cast<long long>(max(pg, 0)) * C::kPage + (tile * kTok) % C::kPage;
-      if (it >= S) sm90::mbar_wait_or_trap(bar + 8 * (S + s), (it / S - 1) & 1);
+    wg::produce<C, S>(p, b, t_begin, n, len, bar, [&](int s, int pg, long long row0, int nv) {
       load_tile<C>(p, pg, row0, nv, base + s * kStageBytes, wt);
-      sm90::cp_async_mbar_arrive_noinc(bar + 8 * s);
-      pg = pg_next;
-    }
-    cp_async_wait<0>();
+    });
     return;   // the consumers synchronize among themselves (named barriers) from here on
   }
 
@@ -259,20 +242,8 @@ __device__ void decode(const Params& p) {
   float o[8][NA];
   float m[NJ][2], l[NJ][2];
   int lim[NJ][2];
-#pragma unroll
-  for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-    for (int i = 0; i < NA; ++i) o[mb][i] = 0.f;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = r0 + 8 * j + 2 * (lane & 3) + e;
-      m[j][e] = K3GEN_MLA_NEG_INF;
-      l[j][e] = 0.f;
-      // The tiles stop before the live rows (live_rows adds them).
-      lim[j][e] = min(len - C::kTokens + (r < HT ? r / C::kHeads : C::kTokens - 1), live - 1);
-    }
+  // The tiles stop before the live rows (live_rows adds them).
+  wg::init_state<C, N, NA, HT>(o, m, l, lim, r0, len, lane, [&](int x) { return min(x, live - 1); });
   // Decoded codes are G 2^-8 times the KV values; the query is 2^E times its own.
   const float qk_scale = __fdiv_rn(C::kSoftmaxScale * kLog2e * qmul * 256.f, p.scale);
   const int g8 = lane >> 2, cq = lane & 3;
@@ -475,25 +446,7 @@ __device__ void decode(const Params& p) {
   }
 
   // Full denominators: 8 lanes per column, then the 4 warps (through red).
-  sm90::barrier_sync_divergent(1 + c, 128);   // every warp is done with red
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float x = wg::col_sum8(l[j][e]);
-      if (lane < 4) rd[warp * N + 8 * j + 2 * lane + e] = x;
-    }
-  sm90::barrier_sync_divergent(1 + c, 128);
-  if (warp == 0 && lane < 4) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * lane + e;
-        stats[(c * 2) * N + col] = m[j][e];
-        stats[(c * 2 + 1) * N + col] = rd[col] + rd[N + col] + rd[2 * N + col] + rd[3 * N + col];
-      }
-  }
+  wg::col_stats<c, N, N>(m, l, rd, stats, warp, lane);
   // Both consumers past their last wgmma: the V tiles become the merge buffer [N][516] FP32.
   sm90::barrier_sync_divergent(3, 256);
   float* buf = reinterpret_cast<float*>(smem + G::kVOff);
