@@ -24,7 +24,17 @@ def run(a) -> int:
     if not a.op:
         print("bench: give --op NAME or --list", file=sys.stderr)
         return 2
+    check_op(a.op)
     return harness.main(a)
+
+
+def check_op(name: str) -> None:
+    """An unknown name is answered as such, before anything looks for a GPU."""
+    from bench.cases import registry
+    from k3gen.errors import K3genError
+    known = list(registry())
+    if name not in known:
+        raise K3genError(f"unknown op {name!r}: no benchmark of that name; known: {', '.join(known)}")
 
 
 def main(argv=None) -> int:

@@ -195,9 +195,47 @@ def _job(canonical: str, target_name: str, cache_root: str) -> tuple[str, bool, 
     return r.artifact.key, r.built, r.seconds
 
 
+PR_SET_PDEATHSIG = 1   # <linux/prctl.h>; prctl(2): the signal a child gets when its parent thread exits
+
+
+def _exit_if_orphaned(parent: int) -> None:
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _worker_init(parent: int, poll_seconds: float = 1.0) -> None:
+    """Pool initializer: a build worker dies with the process that started it, even when that one
+    is SIGKILLed (a pool cannot clean up then, and its workers would compile on, then idle).
+    PR_SET_PDEATHSIG fires when the *thread* that forked the worker ends (prctl(2)): the pool is
+    made and fed by the thread that calls build_many, which outlives it."""
+    import signal
+    import sys
+    import threading
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass   # the watchdog below still ends the worker
+    # The parent may have died before prctl ran; prctl only covers deaths after it.
+    _exit_if_orphaned(parent)
+
+    def watch():   # where prctl is missing or failed (not Linux): poll for the re-parenting
+        while True:
+            time.sleep(poll_seconds)
+            _exit_if_orphaned(parent)
+    threading.Thread(target=watch, name="k3gen-orphan-watch", daemon=True).start()
+
+
 def build_many(specs: list[OpSpec], jobs: int = 0, cache: KernelCache | None = None,
-               progress=None) -> list[BuildResult]:
-    """Build specs, compiling cache misses in parallel processes (NVRTC holds the GIL)."""
+               progress=None, running=None, tick: float | None = None) -> list[BuildResult]:
+    """Build specs, compiling cache misses in parallel processes (NVRTC holds the GIL).
+
+    `progress(art, built)` is called as each kernel is done (cached ones first); `running(arts)`
+    with the kernels being compiled, when that set changes and at least every `tick` seconds
+    while a compile runs in a pool (a heartbeat for logs that would otherwise stay silent).
+    """
     cache = cache or KernelCache()
     arts = [lower(s) for s in specs]
     results: dict[str, BuildResult] = {}
@@ -211,21 +249,42 @@ def build_many(specs: list[OpSpec], jobs: int = 0, cache: KernelCache | None = N
         else:
             missing.append(a)
     jobs = jobs or settings().jobs or os.cpu_count() or 1
+    if jobs < 1:
+        raise K3genError(f"jobs={jobs}: need at least one compile process")
     if missing:
         if jobs == 1 or len(missing) == 1:
             for a in missing:
+                if running:
+                    running([a])
                 r = build_one(a.spec, cache)
                 results[a.key] = r
                 if progress:
                     progress(a, r.built)
         else:
-            with ProcessPoolExecutor(max_workers=min(jobs, len(missing))) as ex:
-                futs = {ex.submit(_job, a.spec.canonical(), a.spec.target.name, str(cache.root)): a
-                        for a in missing}
-                for fut, a in futs.items():
-                    key, built, secs = fut.result()
-                    e = cache.get(key)
-                    results[key] = BuildResult(a, e.cubin, e.meta, built, secs, e.meta.get("resources", []))
-                    if progress:
-                        progress(a, built)
+            _pool_build(missing, min(jobs, len(missing)), cache, results, progress, running, tick)
     return [results[a.key] for a in arts]
+
+
+def _pool_build(missing, workers: int, cache, results, progress, running, tick) -> None:
+    from concurrent.futures import FIRST_COMPLETED, wait
+    ex = ProcessPoolExecutor(max_workers=workers, initializer=_worker_init, initargs=(os.getpid(),))
+    try:
+        futs = {ex.submit(_job, a.spec.canonical(), a.spec.target.name, str(cache.root)): a for a in missing}
+        pending = list(futs)   # submission order: the pool starts them in this order
+        while pending:
+            if running:
+                running([futs[f] for f in pending[:workers]])
+            done, _ = wait(pending, timeout=tick, return_when=FIRST_COMPLETED)
+            for fut in [f for f in pending if f in done]:
+                a = futs[fut]
+                key, built, secs = fut.result()
+                e = cache.get(key)
+                results[key] = BuildResult(a, e.cubin, e.meta, built, secs, e.meta.get("resources", []))
+                if progress:
+                    progress(a, built)
+            pending = [f for f in pending if f not in done]
+    except BaseException:
+        # A failed compile or ^C: the queued kernels need not run.
+        ex.shutdown(wait=True, cancel_futures=True)
+        raise
+    ex.shutdown(wait=True)

@@ -5,7 +5,8 @@ Key = sha256 over: spec digest, the digest of every file the source is generated
 is a function of the first two, so the key is known without rendering it; thread count is
 deliberately not in it. Entries are written atomically (temp file +
 os.replace) under a per-key file lock, the manifest last; an entry whose cubin does not hash
-to its manifest's value is corrupt and is rebuilt.
+to its manifest's value is corrupt and is rebuilt. Entries are removed only under their lock, so a
+reader never deletes what a writer is finishing; `verify()` removes what it reports removed.
 """
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from k3gen.config import settings
+from k3gen.errors import CacheError
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
@@ -71,6 +73,41 @@ class Entry:
     meta: dict
 
 
+@dataclass(frozen=True)
+class Damaged:
+    """A cache entry `verify()` removed: its key, the kernel it held (op and slug) and why."""
+    key: str
+    kernel: str
+    why: str
+
+
+@dataclass
+class Verified:
+    good: int
+    removed: list[Damaged]
+    busy: list[str]        # keys a build held locked: left alone, checked by the next run
+
+
+def _kernel_name(d: Path, meta: dict | None) -> str:
+    """'op slug' from the manifest's file name, else the op and target of the source's spec line."""
+    stem = str((meta or {}).get("file", "")).split(".")[0]
+    if stem.count("__") >= 2:
+        op, slug = stem.split("__")[:2]
+        return f"{op} {slug}"
+    try:
+        head = (d / "source.cu").read_text(errors="replace")[:4096]
+    except OSError:
+        return "unknown kernel (no manifest, no source)"
+    for line in head.splitlines():
+        if line.lstrip("/# ").startswith("spec: "):
+            try:
+                spec = json.loads(line.split("spec: ", 1)[1])
+            except ValueError:
+                break
+            return f"{spec.get('op', '?')} (target {spec.get('target', {}).get('name', '?')})"
+    return "unknown kernel (unreadable source)"
+
+
 class KernelCache:
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else settings().cache_dir
@@ -79,25 +116,73 @@ class KernelCache:
         return self.root / "kernels" / key[:2] / key
 
     def _lock(self, key: str) -> FileLock:
-        (self.root / "locks").mkdir(parents=True, exist_ok=True)
-        return FileLock(str(self.root / "locks" / f"{key}.lock"))
+        try:
+            (self.root / "locks").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CacheError(f"kernel cache {self.root} is unusable: {e.strerror or e}") from e
+        # One lock object per path in a process, so its holder may re-enter it (scan -> _discard).
+        return FileLock(str(self.root / "locks" / f"{key}.lock"), is_singleton=True)
 
-    def get(self, key: str) -> Entry | None:
-        """The entry, or None if absent. A corrupt entry is removed and reported as absent."""
+    def ensure_usable(self) -> Path:
+        """Make the root; CacheError unless it is a folder this process can write."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CacheError(f"kernel cache {self.root} is unusable: {e.strerror or e}") from e
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise CacheError(f"kernel cache {self.root} is unusable: not a writable folder "
+                             "(set K3GEN_CACHE_DIR to one)")
+        return self.root
+
+    def _read(self, key: str) -> tuple[Entry | None, str]:
+        """(entry, "") when good; (None, "") when absent; (None, why) when the folder is damaged."""
         d = self._dir(key)
         man = d / "manifest.json"
         if not man.exists():
-            return None
+            return None, ("no manifest (incomplete write)" if d.is_dir() else "")
         try:
             meta = json.loads(man.read_text())
             cubin = (d / "kernel.cubin").read_bytes()
-            ok = meta.get("key") == key and hashlib.sha256(cubin).hexdigest() == meta.get("cubin_sha256")
-        except (OSError, ValueError):
-            ok = False
-        if not ok:
-            shutil.rmtree(d, ignore_errors=True)
+        except OSError as e:
+            return None, f"unreadable: {e.strerror or e}"
+        except ValueError:
+            return None, "manifest is not JSON"
+        if not isinstance(meta, dict) or meta.get("key") != key:
+            return None, "manifest names another key"
+        if hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256"):
+            return None, "cubin does not match its manifest's hash"
+        return Entry(key, cubin, meta), ""
+
+    def _discard(self, key: str, timeout: float) -> Damaged | None:
+        """Under the key's lock: remove the entry's folder if it is still damaged (None: good, absent
+        or locked by someone else for longer than `timeout`)."""
+        lock = self._lock(key)
+        try:
+            lock.acquire(timeout=timeout)
+        except Timeout:
             return None
-        return Entry(key, cubin, meta)
+        try:
+            d = self._dir(key)
+            e, why = self._read(key)
+            if e is not None or not d.is_dir():
+                return None
+            try:
+                meta = json.loads((d / "manifest.json").read_text())
+            except (OSError, ValueError):
+                meta = None
+            dmg = Damaged(key, _kernel_name(d, meta if isinstance(meta, dict) else None), why)
+            shutil.rmtree(d)
+            return dmg
+        finally:
+            lock.release()
+
+    def get(self, key: str) -> Entry | None:
+        """The entry, or None if absent. A corrupt entry is removed (under its lock) and reads as
+        absent; a folder without a manifest may be a write in progress and is left to its writer."""
+        e, why = self._read(key)
+        if e is None and why and (self._dir(key) / "manifest.json").exists():
+            self._discard(key, timeout=0)   # locked: its writer is replacing it; do not wait
+        return e
 
     def put(self, key: str, cubin: bytes, meta: dict, source: str | None = None) -> Entry:
         d = self._dir(key)
@@ -142,15 +227,35 @@ class KernelCache:
             return []
         return sorted(p.name for p in base.glob("*/*") if p.is_dir())
 
-    def verify(self) -> tuple[int, list[str]]:
-        """(number of good entries, keys of corrupt ones, which are removed)."""
-        good, bad = 0, []
+    def scan(self) -> Verified:
+        """Check every entry under its lock and remove the damaged ones: those without a manifest
+        too (nothing holds their lock, so no write is in progress), and the temp files of killed
+        writes. Entries a build holds locked are reported busy and left alone."""
+        good, removed, busy = 0, [], []
         for k in self.entries():
-            if self.get(k) is None:
-                bad.append(k)
-            else:
-                good += 1
-        return good, bad
+            lock = self._lock(k)
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                busy.append(k)
+                continue
+            try:
+                if self._read(k)[0] is not None:
+                    good += 1
+                    for t in self._dir(k).glob(".tmp-*"):
+                        t.unlink(missing_ok=True)
+                else:
+                    d = self._discard(k, timeout=0)   # re-entrant: this process holds the lock
+                    if d is not None:
+                        removed.append(d)
+            finally:
+                lock.release()
+        return Verified(good, removed, busy)
+
+    def verify(self) -> tuple[int, list[str]]:
+        """(number of good entries, keys of the damaged ones, which are removed)."""
+        v = self.scan()
+        return v.good, [d.key for d in v.removed]
 
     def size_bytes(self) -> int:
         return sum(f.stat().st_size for f in (self.root / "kernels").rglob("*") if f.is_file()) \
