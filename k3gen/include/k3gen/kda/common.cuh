@@ -256,6 +256,28 @@ __device__ __forceinline__ unsigned cluster_ctarank() {
   return r;
 }
 
+// Gated RMSNorm of token tok by one warp: lane's O values o_at(i) (O[4 lane + i], i < 4), y = o *
+// rstd * nw(i) * gate(i) in that order, to tk.out ([tok][H][kDim] BF16). The functors keep each
+// caller's loads where they were (its parameters are read at first use, as written out before).
+template <int H, class T, class OAt, class Nw, class Gate>
+__device__ __forceinline__ void gated_rmsnorm(const T& tk, long long tok, int h, int lane, OAt o_at, Nw nw,
+                                              Gate gate) {
+  float o[4], ssq = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    o[i] = o_at(i);
+    ssq = fmaf(o[i], o[i], ssq);
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, m);
+  const float rstd = rsqrtf(ssq * (1.0f / kDim) + kNormEps);
+  float y[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) y[i] = o[i] * rstd * nw(i) * gate(i);
+  *reinterpret_cast<uint2*>(tk.out + (tok * H + h) * kDim + 4 * lane) =
+      make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
+}
+
 // ---- multi-token engine (verify, prefill) ---------------------------------------------------
 // One CTA of 256 threads per (sequence, head) keeps the whole 128 x 128 state in registers (8 rows
 // per half-warp, 8 K values per lane) across every token it processes, so the state crosses
@@ -325,8 +347,10 @@ __device__ __forceinline__ void taps_of(const __nv_bfloat16* conv_w, int c, floa
 }
 
 // Thread 0 starts the f_b / dt_bias bulk copy. Callers __syncthreads() before anyone polls bar
-// (a previous CTA's completed barrier may still sit in this shared memory).
-__device__ __forceinline__ void start_weights(const Weights& w, int h, Smem& sm) {
+// (a previous CTA's completed barrier may still sit in this shared memory). W: any parameters with
+// fb_w and dt_bias; S: any shared layout with fb, dtb and bar (also the prefill's).
+template <class W, class S>
+__device__ __forceinline__ void start_weights(const W& w, int h, S& sm) {
   if (threadIdx.x == 0) {
     mbar_init(&sm.bar, 1);
     fence_proxy_async_smem();
@@ -513,21 +537,13 @@ __device__ __forceinline__ void emit(const Tokens& tk, const Weights& w, int h, 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (warp >= n) return;
   const long long tok = tk.tok0 + t0 + warp;
-  float o[4], ssq = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    o[i] = sm.o[warp][4 * lane + i];
-    ssq = fmaf(o[i], o[i], ssq);
-  }
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, m);
-  const float rstd = rsqrtf(ssq * (1.0f / kDim) + kNormEps);
-  const __nv_bfloat16* go = tk.qkvg + tok * tk.qkvg_stride + 3 * D + h * kDim + 4 * lane;
-  float y[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) y[i] = o[i] * rstd * __ldg(w.norm_w + 4 * lane + i) * sigmoidf_(__bfloat162float(go[i]));
-  *reinterpret_cast<uint2*>(tk.out + (tok * H + h) * kDim + 4 * lane) =
-      make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
+  gated_rmsnorm<H>(
+      tk, tok, h, lane, [&](int i) { return sm.o[warp][4 * lane + i]; },
+      [&](int i) { return __ldg(w.norm_w + 4 * lane + i); },
+      [&](int i) {
+        const __nv_bfloat16* go = tk.qkvg + tok * tk.qkvg_stride + 3 * D + h * kDim + 4 * lane;
+        return sigmoidf_(__bfloat162float(go[i]));
+      });
 }
 
 // Zeros for the outputs of tokens [0, n) of a padded row.

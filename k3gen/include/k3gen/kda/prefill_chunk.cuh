@@ -418,22 +418,13 @@ __device__ __forceinline__ void emit(const Params& p, long long tok0, int h, int
 #pragma unroll 1
   for (int t = warp; t < n; t += 8) {
     const long long tok = tok0 + t;
-    float o[4], ssq = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      o[i] = o_rows[t * ldo + 4 * lane + i];
-      ssq = fmaf(o[i], o[i], ssq);
-    }
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, m);
-    const float rstd = rsqrtf(ssq * (1.0f / kDim) + kNormEps);
-    const __nv_bfloat16* go = p.qkvg + tok * p.qkvg_stride + 3 * D + h * kDim + 4 * lane;
-    float y[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      y[i] = o[i] * rstd * __ldg(p.norm_w + 4 * lane + i) * sigmoidf_(__bfloat162float(go[i]));
-    *reinterpret_cast<uint2*>(p.out + (tok * H + h) * kDim + 4 * lane) =
-        make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
+    gated_rmsnorm<H>(
+        p, tok, h, lane, [&](int i) { return o_rows[t * ldo + 4 * lane + i]; },
+        [&](int i) { return __ldg(p.norm_w + 4 * lane + i); },
+        [&](int i) {
+          const __nv_bfloat16* go = p.qkvg + tok * p.qkvg_stride + 3 * D + h * kDim + 4 * lane;
+          return sigmoidf_(__bfloat162float(go[i]));
+        });
   }
 }
 
@@ -486,13 +477,7 @@ __device__ __forceinline__ void run(const Params& p, Smem& sm) {
   const long long tok0 = __ldg(p.cu_seqlens + b);
   const int len = __ldg(p.cu_seqlens + b + 1) - static_cast<int>(tok0);
   const int slot = __ldg(p.slots + b);
-  if (threadIdx.x == 0) {
-    mbar_init(&sm.bar, 1);
-    fence_proxy_async_smem();
-    mbar_arrive_expect_tx(&sm.bar, kDim * (kDim * 2 + 4));
-    bulk_g2s(sm.fb, p.fb_w + static_cast<long long>(h) * kDim * kRowVecs, kDim * kDim * 2, &sm.bar);
-    bulk_g2s(sm.dtb, p.dt_bias + h * kDim, kDim * 4, &sm.bar);
-  }
+  multi::start_weights(p, h, sm);
   // No thread may poll the barrier before thread 0 has initialised it (stale shared memory).
   __syncthreads();
   if (slot < 0 || slot >= p.num_slots || len <= 0) {  // padded row or empty sequence

@@ -64,26 +64,34 @@ __device__ __forceinline__ int seq_of_item(const int* cu, int batch, long long j
   return lo;
 }
 
+// This CTA's work item: head blockIdx.x, item j = blockIdx.y of sequence b (tokens tok0 .. tok0 +
+// len - 1 of the batch), its first token t0 within the sequence.
+struct Item {
+  int h, b, len, t0;
+  long long tok0, base;
+};
+__device__ __forceinline__ Item item_of(const chunk::Params& p, int batch) {
+  Item it;
+  it.h = blockIdx.x;
+  const long long j = blockIdx.y;
+  it.b = seq_of_item(p.cu_seqlens, batch, j);
+  it.tok0 = __ldg(p.cu_seqlens + it.b);
+  it.len = __ldg(p.cu_seqlens + it.b + 1) - static_cast<int>(it.tok0);
+  it.base = item_base(p.cu_seqlens, it.b);
+  it.t0 = static_cast<int>(j - it.base) * kItem;
+  return it;
+}
+
 template <class C>
 __device__ __forceinline__ void prep(const Params& pp, chunk::Smem& sm) {
   constexpr int H = C::kHeads, D = H * kDim;
   const chunk::Params& p = pp.c;
-  const int h = blockIdx.x;
-  const long long j = blockIdx.y;
-  const int b = seq_of_item(p.cu_seqlens, pp.batch, j);
-  const long long tok0 = __ldg(p.cu_seqlens + b);
-  const int len = __ldg(p.cu_seqlens + b + 1) - static_cast<int>(tok0);
-  const long long base = item_base(p.cu_seqlens, b);
-  const int t0 = static_cast<int>(j - base) * kItem;
+  const Item it = item_of(p, pp.batch);
+  const int h = it.h, b = it.b, len = it.len, t0 = it.t0;
+  const long long tok0 = it.tok0, base = it.base;
   const int slot = __ldg(p.slots + b);
   if (t0 >= len || slot < 0 || slot >= p.num_slots) return;  // uniform over the CTA, before any barrier
-  if (threadIdx.x == 0) {
-    mbar_init(&sm.bar, 1);
-    fence_proxy_async_smem();
-    mbar_arrive_expect_tx(&sm.bar, kDim * (kDim * 2 + 4));
-    bulk_g2s(sm.fb, p.fb_w + static_cast<long long>(h) * kDim * chunk::kRowVecs, kDim * kDim * 2, &sm.bar);
-    bulk_g2s(sm.dtb, p.dt_bias + h * kDim, kDim * 4, &sm.bar);
-  }
+  multi::start_weights(p, h, sm);
   __syncthreads();
   // The conv window before token t0: the slot's window for the first item, else the three raw
   // inputs before it (all inside this sequence: t0 >= 64).
@@ -202,12 +210,9 @@ template <class C>
 __device__ __forceinline__ void emit(const Params& pp) {
   constexpr int H = C::kHeads;
   const chunk::Params& p = pp.c;
-  const int h = blockIdx.x;
-  const long long j = blockIdx.y;
-  const int b = seq_of_item(p.cu_seqlens, pp.batch, j);
-  const long long tok0 = __ldg(p.cu_seqlens + b);
-  const int len = __ldg(p.cu_seqlens + b + 1) - static_cast<int>(tok0);
-  const int t0 = static_cast<int>(j - item_base(p.cu_seqlens, b)) * kItem;
+  const Item it = item_of(p, pp.batch);
+  const int h = it.h, b = it.b, len = it.len, t0 = it.t0;
+  const long long tok0 = it.tok0;
   if (t0 >= len) return;
   const int n = len - t0 < kItem ? len - t0 : kItem;
   const int slot = __ldg(p.slots + b);

@@ -258,20 +258,9 @@ __device__ __forceinline__ void emit_staged(const Tokens& tk, int h, int n, cons
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (warp >= n) return;
   const long long tok = tk.tok0 + warp;
-  float o[4], ssq = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    o[i] = ps.s.o[warp][4 * lane + i];
-    ssq = fmaf(o[i], o[i], ssq);
-  }
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, m);
-  const float rstd = rsqrtf(ssq * (1.0f / kDim) + kNormEps);
-  float y[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) y[i] = o[i] * rstd * ps.nw[4 * lane + i] * ps.gsig[warp][4 * lane + i];
-  *reinterpret_cast<uint2*>(tk.out + (tok * H + h) * kDim + 4 * lane) =
-      make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
+  gated_rmsnorm<H>(
+      tk, tok, h, lane, [&](int i) { return ps.s.o[warp][4 * lane + i]; }, [&](int i) { return ps.nw[4 * lane + i]; },
+      [&](int i) { return ps.gsig[warp][4 * lane + i]; });
 }
 
 // Rows of this thread from the landed state buffer (FP32 words, or BF16 when kBf16).

@@ -151,6 +151,35 @@ __device__ __forceinline__ void qk(float (&acc)[C::kMT][4], const unsigned char*
   }
 }
 
+// The running output's rows (m * 16 + g, + 8) times alpha * s before a tile's PV (s = 1 folds away).
+template <int MT>
+__device__ __forceinline__ void rescale_o(float (&o)[MT][8][4], const float* sAlpha, int g, float s) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    const float a0 = sAlpha[m * 16 + g] * s, a1 = sAlpha[m * 16 + g + 8] * s;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      o[m][j][0] *= a0; o[m][j][1] *= a0;
+      o[m][j][2] *= a1; o[m][j][3] *= a1;
+    }
+  }
+}
+// PV's f16 A fragments of k16 step kk: P (sP [R][kSStride]) at tokens 16 kk + c + 4 i (the PV k
+// permutation of the header) times the token weights w[i] (all 1 fold away).
+template <int MT>
+__device__ __forceinline__ void p_frags(unsigned (&a)[MT][4], const float* sP, int kk, int g, int c,
+                                        const float (&w)[4]) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    const float* p0 = sP + (m * 16 + g) * kSStride + 16 * kk + c;
+    const float* p1 = p0 + 8 * kSStride;
+    a[m][0] = h2(p0[0] * w[0], p0[4] * w[1]);
+    a[m][1] = h2(p1[0] * w[0], p1[4] * w[1]);
+    a[m][2] = h2(p0[8] * w[2], p0[12] * w[3]);
+    a[m][3] = h2(p1[8] * w[2], p1[12] * w[3]);
+  }
+}
+
 // o (permuted columns, see the header) = o * alpha * 2^(F_prev - F) + (p * s / 2^F) . codes over
 // the tile. sP: FP32 probabilities [R][kSStride]. F is carried across tiles in `fexp`.
 template <class C>
@@ -185,28 +214,12 @@ __device__ __forceinline__ void pv(float (&o)[C::kMT][8][4], const unsigned char
   }
   const float resc = pow2(fexp - f);
   fexp = f;
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-    const float a0 = sAlpha[m * 16 + g] * resc, a1 = sAlpha[m * 16 + g + 8] * resc;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      o[m][j][0] *= a0; o[m][j][1] *= a0;
-      o[m][j][2] *= a1; o[m][j][3] *= a1;
-    }
-  }
+  rescale_o<MT>(o, sAlpha, g, resc);
   const unsigned char* vb = stage + c * kRowB + 64 * warp + 4 * g;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     unsigned a[MT][4];
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      const float* p0 = sP + (m * 16 + g) * kSStride + 16 * kk + c;
-      const float* p1 = p0 + 8 * kSStride;
-      a[m][0] = h2(p0[0] * w[kk][0], p0[4] * w[kk][1]);
-      a[m][1] = h2(p1[0] * w[kk][0], p1[4] * w[kk][1]);
-      a[m][2] = h2(p0[8] * w[kk][2], p0[12] * w[kk][3]);
-      a[m][3] = h2(p1[8] * w[kk][2], p1[12] * w[kk][3]);
-    }
+    p_frags<MT>(a, sP, kk, g, c, w[kk]);
 #pragma unroll
     for (int bp = 0; bp < 2; ++bp) {
       const unsigned char* vr = vb + 16 * kk * kRowB + 32 * bp;

@@ -112,28 +112,13 @@ __device__ __forceinline__ void pv(float (&o)[C::kMT][8][4], const unsigned char
                                    const float* sAlpha, int warp, int lane) {
   constexpr int MT = C::kMT;
   const int g = lane >> 2, c = lane & 3;
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-    const float a0 = sAlpha[m * 16 + g], a1 = sAlpha[m * 16 + g + 8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      o[m][j][0] *= a0; o[m][j][1] *= a0;
-      o[m][j][2] *= a1; o[m][j][3] *= a1;
-    }
-  }
+  f8::rescale_o<MT>(o, sAlpha, g, 1.f);
   const unsigned char* vb = stage + c * kRowB + 32 * warp + 2 * g;
+  const float ones[4] = {1.f, 1.f, 1.f, 1.f};   // P is not weighted here
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     unsigned a[MT][4];
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      const float* p0 = sP + (m * 16 + g) * kSStride + 16 * kk + c;
-      const float* p1 = p0 + 8 * kSStride;
-      a[m][0] = f8::h2(p0[0], p0[4]);
-      a[m][1] = f8::h2(p1[0], p1[4]);
-      a[m][2] = f8::h2(p0[8], p0[12]);
-      a[m][3] = f8::h2(p1[8], p1[12]);
-    }
+    f8::p_frags<MT>(a, sP, kk, g, c, ones);
 #pragma unroll
     for (int bp = 0; bp < 2; ++bp) {
       const unsigned char* vr = vb + 16 * kk * kRowB + 16 * bp;

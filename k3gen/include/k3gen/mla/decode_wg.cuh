@@ -170,9 +170,49 @@ __device__ __forceinline__ void col_stats(const float (&m)[N / 8][2], const floa
       }
   }
 }
-// The merge after col_stats (weights, split LSE, the two O^T halves, rows_out) stays written out
-// in each kernel: moved into a helper here it changed both kernels' SASS (NVVM then branches on
-// the split-LSE store's condition per column instead of hoisting it).
+
+// After col_stats and both consumers' last wgmma: consumer c's merge weights (scale(w / l_total)
+// is the factor of its O^T fragment), the split's LSE, both O^T halves summed into buf ([N]
+// [kOStride] FP32; dim(mb, i): the dim of register i of block mb, column 8 (i / 4) + 2 (lane % 4)
+// + i % 2), then the output rows. lse: this thread stores the split's LSE (c == 0, warp 0, lane <
+// 4, splits > 1). The caller declares wself and evaluates lse, and the functors capture by value:
+// declared here (its alloca then comes first) or with reference captures, the kernels' PTX
+// orders and numbers registers differently and ptxas allocates them differently.
+template <int c, int N, int NA, int HT, class Scale, class Dim>
+__device__ __forceinline__ void merge_out(const Params& p, const float (&o)[8][NA], float (&wself)[N / 8][2],
+                                          const float* stats, float* buf, bool lse, int cq, int b, int split, int r0,
+                                          int tid, Scale scale, Dim dim) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * j + 2 * cq + e;
+      const float m0 = stats[col], l0 = stats[N + col], m1 = stats[2 * N + col], l1 = stats[3 * N + col];
+      const float mm = fmaxf(m0, m1);
+      const float w0 = m0 == K3GEN_MLA_NEG_INF ? 0.f : exp2f(m0 - mm);
+      const float w1 = m1 == K3GEN_MLA_NEG_INF ? 0.f : exp2f(m1 - mm);
+      const float lt = l0 * w0 + l1 * w1;
+      wself[j][e] = lt > 0.f ? scale((c == 0 ? w0 : w1) / lt) : 0.f;
+      if (lse && r0 + col < HT)
+        p.part_lse[(static_cast<long long>(b) * p.splits + split) * HT + r0 + col] =
+            lt > 0.f ? mm + log2f(lt) : K3GEN_MLA_NEG_INF;
+    }
+  for (int pass = 1; pass >= 0; --pass) {
+    if (c == pass) {
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+        for (int i = 0; i < NA; ++i) {
+          const int col = 8 * (i >> 2) + 2 * cq + (i & 1);
+          const float v = o[mb][i] * wself[i >> 2][i & 1];
+          float& d = buf[col * kOStride + dim(mb, i)];
+          d = pass == 1 ? v : d + v;
+        }
+    }
+    sm90::barrier_sync_divergent(3, 256);
+  }
+  rows_out(p, buf, N, b, split, r0, HT, tid - 128);
+}
 
 }  // namespace wg
 }  // namespace mla

@@ -391,39 +391,12 @@ __device__ void decode(const Params& p) {
   sm90::barrier_sync_divergent(3, 256);
   float* buf = reinterpret_cast<float*>(smem);
   const float unit = f8::pow2(max(fexp - 8, -126)) * (kTensor ? p.scale : 1.f);
+  // O^T fragment (block mb, register i): dim per the PV M map above.
   float wself[NJ][2];
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = 8 * j + 2 * (lane & 3) + e;
-      const float m0 = stats[col], l0 = stats[N + col], m1 = stats[2 * N + col], l1 = stats[3 * N + col];
-      const float mm = fmaxf(m0, m1);
-      const float w0 = m0 == K3GEN_MLA_NEG_INF ? 0.f : exp2f(m0 - mm);
-      const float w1 = m1 == K3GEN_MLA_NEG_INF ? 0.f : exp2f(m1 - mm);
-      const float lt = l0 * w0 + l1 * w1;
-      wself[j][e] = lt > 0.f ? (c == 0 ? w0 : w1) / lt * unit : 0.f;
-      if (c == 0 && warp == 0 && lane < 4 && p.splits > 1 && r0 + col < HT)
-        p.part_lse[(static_cast<long long>(b) * p.splits + split) * HT + r0 + col] =
-            lt > 0.f ? mm + log2f(lt) : K3GEN_MLA_NEG_INF;
-    }
-  // O^T fragment (block mb, register i): dim per the PV M map above, column 8 (i / 4) + 2 (lane % 4) + i % 2.
-  for (int pass = 1; pass >= 0; --pass) {
-    if (c == pass) {
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-        for (int i = 0; i < NA; ++i) {
-          const int dim = 128 * (mb >> 1) + 4 * (8 * warp + g8) + 2 * (mb & 1) + ((i & 3) >> 1);
-          const int col = 8 * (i >> 2) + 2 * cq + (i & 1);
-          const float v = o[mb][i] * wself[i >> 2][i & 1];
-          float& d = buf[col * wg::kOStride + dim];
-          d = pass == 1 ? v : d + v;
-        }
-    }
-    sm90::barrier_sync_divergent(3, 256);
-  }
-  wg::rows_out(p, buf, N, b, split, r0, HT, tid - 128);
+  const bool lse = c == 0 && warp == 0 && lane < 4 && p.splits > 1;
+  wg::merge_out<c, N, NA, HT>(
+      p, o, wself, stats, buf, lse, cq, b, split, r0, tid, [=](float w) { return w * unit; },
+      [=](int mb, int i) { return 128 * (mb >> 1) + 4 * (8 * warp + g8) + 2 * (mb & 1) + ((i & 3) >> 1); });
   };
   if (wgi == 1) consumer(wg::IntC<0>{});
   else consumer(wg::IntC<1>{});

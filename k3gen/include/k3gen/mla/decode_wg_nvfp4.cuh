@@ -163,6 +163,25 @@ __device__ __forceinline__ void pin(unsigned (&a)[8][4]) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[j][r]));
 }
+// Words 0 .. NW - 1 of this thread's two tokens (w[r]: token tk0 + 8 r) decoded with the scale
+// splat sc(r, iw) into the register-A k-steps 2 iw, 2 iw + 1 (token r in registers r, 2 + r), then
+// pinned. d is the caller's scratch: declared in here, its alloca moves to the kernel's entry and
+// the QK accumulators' PTX registers are numbered differently, which changes the SASS.
+template <int NW, class Sc>
+__device__ __forceinline__ void decode_a(unsigned (&A)[8][4], const unsigned (&w)[2][4], Sc sc,
+                                         unsigned (&d)[4]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int iw = 0; iw < NW; ++iw) {
+      decode8(w[r][iw], sc(r, iw), d);
+      A[2 * iw][r] = d[0];
+      A[2 * iw][2 + r] = d[1];
+      A[2 * iw + 1][r] = d[2];
+      A[2 * iw + 1][2 + r] = d[3];
+    }
+  pin<2 * NW>(A);
+}
 __device__ __forceinline__ unsigned splat_lo(unsigned x) { return f8::prmt(x, x, 0x1010u); }
 __device__ __forceinline__ unsigned splat_hi(unsigned x) { return f8::prmt(x, x, 0x3232u); }
 
@@ -310,18 +329,8 @@ __device__ void decode(const Params& p) {
         sm90::wgmma_wait<1>();   // the set's previous commit group is done
         const unsigned sc = scales64(scur & 0xffu, scur >> 8) & keep;
         const unsigned s0 = splat_lo(sc), s1 = splat_hi(sc);
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int iw = 0; iw < 4; ++iw) {
-            unsigned d[4];
-            decode8(wcur[r][iw], iw < 2 ? s0 : s1, d);   // words 0, 1: group 2 cq; 2, 3: 2 cq + 1
-            A[2 * iw][r] = d[0];
-            A[2 * iw][2 + r] = d[1];
-            A[2 * iw + 1][r] = d[2];
-            A[2 * iw + 1][2 + r] = d[3];
-          }
-        pin<8>(A);
+        unsigned d[4];   // words 0, 1: group 2 cq; 2, 3: 2 cq + 1
+        decode_a<4>(A, wcur, [=](int, int iw) { return iw < 2 ? s0 : s1; }, d);
         sm90::wgmma_fence();
 #pragma unroll
         for (int j = 0; j < 8; ++j) MmaQK::mma(acc, A[j], wg::desc(qd + ((h2 * 2 + (j >> 2)) * N * 128 + (j & 3) * 32) / 16));
@@ -348,18 +357,8 @@ __device__ void decode(const Params& p) {
       sm90::wgmma_wait<1>();
       const unsigned sc = scales64(scur & 0xffu, scur >> 8) & keep;   // token tk0, tk0 + 8
       const unsigned s0 = splat_lo(sc), s1 = splat_hi(sc);
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int iw = 0; iw < 2; ++iw) {
-          unsigned d[4];
-          decode8(wcur[r][iw], r == 0 ? s0 : s1, d);
-          A[2 * iw][r] = d[0];
-          A[2 * iw][2 + r] = d[1];
-          A[2 * iw + 1][r] = d[2];
-          A[2 * iw + 1][2 + r] = d[3];
-        }
-      pin<4>(A);
+      unsigned d[4];
+      decode_a<2>(A, wcur, [=](int r, int) { return r == 0 ? s0 : s1; }, d);
       sm90::wgmma_fence();
 #pragma unroll
       for (int j = 0; j < 4; ++j) MmaQK::mma(acc, A[j], wg::desc(q_lo + (8 * N * 128 + j * 32) / 16));
@@ -450,40 +449,12 @@ __device__ void decode(const Params& p) {
   // Both consumers past their last wgmma: the V tiles become the merge buffer [N][516] FP32.
   sm90::barrier_sync_divergent(3, 256);
   float* buf = reinterpret_cast<float*>(smem + G::kVOff);
-  float wself[NJ][2];
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = 8 * j + 2 * cq + e;
-      const float m0 = stats[col], l0 = stats[N + col], m1 = stats[2 * N + col], l1 = stats[3 * N + col];
-      const float mm = fmaxf(m0, m1);
-      const float w0 = m0 == K3GEN_MLA_NEG_INF ? 0.f : exp2f(m0 - mm);
-      const float w1 = m1 == K3GEN_MLA_NEG_INF ? 0.f : exp2f(m1 - mm);
-      const float lt = l0 * w0 + l1 * w1;
-      wself[j][e] = lt > 0.f ? (c == 0 ? w0 : w1) / lt / gu : 0.f;
-      if (c == 0 && warp == 0 && lane < 4 && p.splits > 1 && r0 + col < HT)
-        p.part_lse[(static_cast<long long>(b) * p.splits + split) * HT + r0 + col] =
-            lt > 0.f ? mm + log2f(lt) : K3GEN_MLA_NEG_INF;
-    }
   // O^T fragment (block mb, register i): row 16 warp + lane / 4 + 8 ((i % 4) / 2) of block mb holds
-  // pv_dim(mb, row); column 8 (i / 4) + 2 (lane % 4) + i % 2.
-  for (int pass = 1; pass >= 0; --pass) {
-    if (c == pass) {
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-        for (int i = 0; i < NA; ++i) {
-          const int dim = pv_dim(mb, 16 * warp + g8 + 8 * ((i & 3) >> 1));
-          const int col = 8 * (i >> 2) + 2 * cq + (i & 1);
-          const float v = o[mb][i] * wself[i >> 2][i & 1];
-          float& d = buf[col * wg::kOStride + dim];
-          d = pass == 1 ? v : d + v;
-        }
-    }
-    sm90::barrier_sync_divergent(3, 256);
-  }
-  wg::rows_out(p, buf, N, b, split, r0, HT, tid - 128);
+  // pv_dim(mb, row).
+  float wself[NJ][2];
+  const bool lse = c == 0 && warp == 0 && lane < 4 && p.splits > 1;
+  wg::merge_out<c, N, NA, HT>(p, o, wself, stats, buf, lse, cq, b, split, r0, tid, [=](float w) { return w / gu; },
+                              [=](int mb, int i) { return pv_dim(mb, 16 * warp + g8 + 8 * ((i & 3) >> 1)); });
   };
   if (wgi == 1) consumer(wg::IntC<0>{});
   else consumer(wg::IntC<1>{});
