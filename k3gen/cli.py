@@ -353,7 +353,7 @@ def cmd_inspect(a) -> int:
 # -- cache / env / bench ----------------------------------------------------------------------
 
 def cmd_cache(a) -> int:
-    from k3gen.pipeline.store import KernelCache
+    from k3gen.pipeline.store import KernelCache, clear_checkpoints
     c = KernelCache()
     c.ensure_usable()
     if a.action == "info":
@@ -367,7 +367,7 @@ def cmd_cache(a) -> int:
             print(f"  removed: {d.kernel}: {d.why} [{d.key[:16]}]")
         return 1 if v.removed else 0
     else:
-        print(f"removed {c.clear()} entries from {c.root}")
+        print(f"removed {c.clear()} entries and {clear_checkpoints(c.root)} random checkpoints from {c.root}")
     return 0
 
 

@@ -1,20 +1,36 @@
-"""The K3 NVFP4 checkpoint format: tensor names and shapes, typed errors, and a writer of small
-random checkpoints in exactly that format (safetensors shards + `model.safetensors.index.json`).
+"""The K3 NVFP4 checkpoint format (nvidia/Kimi-K3-NVFP4, ModelOpt MIXED_PRECISION, with the
+published moonshotai/Kimi-K3 tensor names): names and shapes, typed errors, and a writer of small
+random checkpoints in exactly that format (safetensors shards + `model.safetensors.index.json` +
+`config.json` + `hf_quant_config.json`).
 
-Format (names below `language_model.model.`; layer numbers 0-based as in HF checkpoints):
-- FP8 "FP8_PB_WO" projections: `<name>.weight` float8_e4m3fn [N, K] and `<name>.weight_scale`
-  FP32 [ceil(N/128), ceil(K/128)], the dequantization multiplier of each 128x128 tile.
-  KDA: q_proj, k_proj, v_proj, g_proj (D x hidden), f_a_proj (128 x hidden), b_proj (H x hidden),
-  o_proj (hidden x D). MLA: q_a_proj, q_b_proj (per head [nope 128 | rope 64] rows),
-  kv_a_proj_with_mqa ([c_kv 512 | k_pe 64] rows), kv_b_proj (per head [k_nope 128 | v 128] rows:
-  k3gen's stated choice, SPEC.md section 4), g_proj, o_proj.
-- NVFP4 routed experts `block_sparse_moe.experts.E.w{1,3}` [inter, latent] and `w2` [latent, inter]:
-  `weight` uint8 [N, K/2] (E2M1 pairs, even element low), `weight_scale` float8_e4m3fn [N, K/16],
-  `weight_scale_2` FP32 [] (ModelOpt convention: x = e2m1 * e4m3(scale) * weight_scale_2).
-- BF16: conv taps `{q,k,v}_conv1d.weight` [D, 1, 4], `f_b_proj.weight` [D, 128], norms, router
-  `block_sparse_moe.gate.weight`, the latent projections, shared experts, the dense MLP,
-  embeddings and `lm_head` (outside `model.`). FP32: `A_log` [a_log_pad] (the first H real),
-  `dt_bias` [D], `gate.e_score_correction_bias` [E].
+Facts (tools_tmp/k3_facts.md; its sources: SGLang models/kimi_k3.py, vLLM models/kimi_k3/nvidia/,
+Model-Optimizer qtensor/{nvfp4,fp8}_tensor.py, tokenspeed quantization/modelopt_mixed.py):
+- Names below `language_model.model.` (layer numbers 0-based), `language_model.lm_head.weight`
+  outside it (k3_facts 2.1).
+- FP8_PB_WO attention projections (k3_facts 4): `<name>.weight` float8_e4m3fn [N, K] unpadded and
+  `<name>.weight_scale` FP32 stored 4-D [ceil(N/128), 1, ceil(K/128), 1] (tokenspeed
+  `modelopt_block_scale_to_2d`; a 2-D [ceil(N/128), ceil(K/128)] grid is read too), the
+  dequantization multiplier of each 128x128 tile. KDA: q/k/v/g_proj (D x hidden), f_a_proj
+  (128 x hidden), b_proj (H x hidden), f_b_proj (D x 128), o_proj (hidden x D); the low-rank
+  output gate (Kimi-Linear) g_a_proj (128 x hidden) and g_b_proj (D x 128) instead of g_proj.
+  MLA: q_a_proj, q_b_proj (per head [nope 128 | rope 64] rows), kv_a_proj_with_mqa ([c_kv 512 |
+  k_pe 64] rows), kv_b_proj (per head [k_nope 128 | v 128] rows, SGLang's post_load_weights
+  split), g_proj (only with `mla_use_output_gate`), o_proj.
+- NVFP4 routed experts `block_sparse_moe.experts.E.w{1,3}` [I, W] (gate, up) and `w2` [W, I]
+  (W = the latent width, or hidden without a latent): `weight` uint8 [N, K/2] (E2M1 pairs, even
+  element low), `weight_scale` float8_e4m3fn [N, K/16] (row-major, unswizzled), `weight_scale_2`
+  FP32 [] and `input_scale` FP32 [] (1.0: the card's "converted to NVFP4 using input_scale=1.0");
+  x = e2m1 * e4m3(scale) * weight_scale_2 (k3_facts 4).
+- BF16: norms (input/post_attention_layernorm, the AttnRes `self_attention_res_norm`/`mlp_res_norm`
+  [hidden] and pseudo-queries `*_res_proj` [1, hidden], model-level `output_attn_res_*`), MLA
+  q_a/kv_a_layernorm, the router `block_sparse_moe.gate.weight`, `routed_expert_down_proj`
+  [latent, hidden], `routed_expert_norm` [latent], `routed_expert_up_proj` [hidden, latent],
+  shared experts (one MLP of moe_inter * num_shared_experts), the dense MLP `mlp.*_proj`,
+  embeddings, lm_head (k3_facts 2.1-2.6; whether the NVFP4 repo quantizes the shared experts or
+  the latent projections was not found: the card names only the routed experts, so BF16).
+- FP32: conv taps `{q,k,v}_conv1d.weight` [D, 1, 4], `A_log` [a_log_pad] (K3: [128], the first H
+  real) or [1, 1, H, 1] (Kimi-Linear, transformers 5.23), `dt_bias` [D], `o_norm.weight` [128],
+  `gate.e_score_correction_bias` [E] (k3_facts 2.2, 2.4: "F32 in both header dumps").
 """
 from __future__ import annotations
 
@@ -33,8 +49,10 @@ from model.config import ModelConfig
 PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
 INDEX = "model.safetensors.index.json"
+QUANT_CONFIG = "hf_quant_config.json"
 BLOCK = 128
 NVFP4_BLOCK = 16
+MODELOPT_VERSION = "0.45.0"          # the card of nvidia/Kimi-K3-NVFP4 (k3_facts 4)
 
 
 class CheckpointError(K3genError):
@@ -46,6 +64,13 @@ class MissingTensorError(CheckpointError, KeyError):
         return self.args[0]
 
 
+class UnexpectedTensorError(CheckpointError, KeyError):
+    """Tensors of the language model that the config does not describe (a config/checkpoint mismatch)."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 class TensorShapeError(CheckpointError, ValueError):
     pass
 
@@ -54,12 +79,20 @@ class BadValueError(CheckpointError, ValueError):
     """NaN/Inf values, or a scale that is not positive."""
 
 
+class UnsupportedCheckpointError(CheckpointError, NotImplementedError):
+    """A valid checkpoint feature this runtime does not run yet (names the tensor or field)."""
+
+
 # -- names and shapes ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     kind: str          # "fp8_weight", "fp8_scale", "fp4_weight", "fp4_scale", "fp4_global", "plain"
+    alt: tuple[tuple[int, ...], ...] = ()   # other stored shapes the reader accepts (same values)
+
+    def shape_ok(self, shape) -> bool:
+        return tuple(shape) == self.shape or tuple(shape) in self.alt
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -67,18 +100,85 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _fp8(out: dict, name: str, n: int, k: int) -> None:
+    nb, kb = _cdiv(n, BLOCK), _cdiv(k, BLOCK)
     out[f"{name}.weight"] = TensorInfo((n, k), torch.float8_e4m3fn, "fp8_weight")
-    out[f"{name}.weight_scale"] = TensorInfo((_cdiv(n, BLOCK), _cdiv(k, BLOCK)), torch.float32, "fp8_scale")
+    out[f"{name}.weight_scale"] = TensorInfo((nb, 1, kb, 1), torch.float32, "fp8_scale", alt=((nb, kb),))
 
 
 def _fp4(out: dict, name: str, n: int, k: int) -> None:
     out[f"{name}.weight"] = TensorInfo((n, k // 2), torch.uint8, "fp4_weight")
     out[f"{name}.weight_scale"] = TensorInfo((n, k // NVFP4_BLOCK), torch.float8_e4m3fn, "fp4_scale")
     out[f"{name}.weight_scale_2"] = TensorInfo((), torch.float32, "fp4_global")
+    out[f"{name}.input_scale"] = TensorInfo((), torch.float32, "fp4_global")
 
 
-def _plain(out: dict, name: str, shape, dtype=torch.bfloat16) -> None:
-    out[name] = TensorInfo(tuple(shape), dtype, "plain")
+def _plain(out: dict, name: str, shape, dtype=torch.bfloat16, alt=()) -> None:
+    out[name] = TensorInfo(tuple(shape), dtype, "plain", tuple(alt))
+
+
+def _attn_res(out: dict, p: str, hid: int) -> None:
+    _plain(out, p + "_norm.weight", (hid,))
+    _plain(out, p + "_proj.weight", (1, hid))
+
+
+def _kda(t: dict, a: str, cfg: ModelConfig) -> None:
+    H, hid = cfg.kda_heads, cfg.hidden
+    D = H * cfg.kda_head_dim
+    for n in ("q_proj", "k_proj", "v_proj"):
+        _fp8(t, a + n, D, hid)
+    if cfg.kda_out_gate == "full":
+        _fp8(t, a + "g_proj", D, hid)
+    else:
+        _fp8(t, a + "g_a_proj", cfg.kda_head_dim, hid)
+        _fp8(t, a + "g_b_proj", D, cfg.kda_head_dim)
+    _fp8(t, a + "f_a_proj", cfg.kda_head_dim, hid)
+    _fp8(t, a + "f_b_proj", D, cfg.kda_head_dim)
+    _fp8(t, a + "b_proj", H, hid)
+    _fp8(t, a + "o_proj", hid, D)
+    for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        _plain(t, a + n + ".weight", (D, 1, cfg.conv_size), torch.float32)
+    # Either storage of A_log is read (SGLang's _a_log_weight_loader takes [pad] or 4-D).
+    a_log = [(cfg.a_log_pad,)] if cfg.a_log_pad else []
+    a_log.append((1, 1, H, 1))
+    _plain(t, a + "A_log", a_log[0], torch.float32, alt=a_log[1:])
+    _plain(t, a + "dt_bias", (D,), torch.float32)
+    _plain(t, a + "o_norm.weight", (cfg.kda_head_dim,), torch.float32)
+
+
+def _mla(t: dict, a: str, cfg: ModelConfig) -> None:
+    H, hid = cfg.mla_heads, cfg.hidden
+    if cfg.q_lora is None:
+        _fp8(t, a + "q_proj", H * (cfg.qk_nope + cfg.qk_rope), hid)
+    else:
+        _fp8(t, a + "q_a_proj", cfg.q_lora, hid)
+        _plain(t, a + "q_a_layernorm.weight", (cfg.q_lora,))
+        _fp8(t, a + "q_b_proj", H * (cfg.qk_nope + cfg.qk_rope), cfg.q_lora)
+    _fp8(t, a + "kv_a_proj_with_mqa", cfg.kv_lora + cfg.qk_rope, hid)
+    _plain(t, a + "kv_a_layernorm.weight", (cfg.kv_lora,))
+    _fp8(t, a + "kv_b_proj", H * (cfg.qk_nope + cfg.v_head), cfg.kv_lora)
+    if cfg.mla_out_gate:
+        _fp8(t, a + "g_proj", H * cfg.v_head, hid)
+    _fp8(t, a + "o_proj", hid, H * cfg.v_head)
+
+
+def _moe(t: dict, m: str, cfg: ModelConfig) -> None:
+    hid, W, I = cfg.hidden, cfg.expert_width, cfg.moe_inter
+    _plain(t, m + "gate.weight", (cfg.experts, hid))
+    _plain(t, m + "gate.e_score_correction_bias", (cfg.experts,), torch.float32)
+    if cfg.moe_latent is not None:
+        _plain(t, m + "routed_expert_down_proj.weight", (W, hid))
+        _plain(t, m + "routed_expert_up_proj.weight", (hid, W))
+        if cfg.latent_norm:
+            _plain(t, m + "routed_expert_norm.weight", (W,))
+    for e in range(cfg.experts):
+        _fp4(t, f"{m}experts.{e}.w1", I, W)
+        _fp4(t, f"{m}experts.{e}.w3", I, W)
+        _fp4(t, f"{m}experts.{e}.w2", W, I)
+    if cfg.shared_experts:
+        si = cfg.shared_inter
+        _plain(t, m + "shared_experts.gate_proj.weight", (si, hid))
+        _plain(t, m + "shared_experts.up_proj.weight", (si, hid))
+        _plain(t, m + "shared_experts.down_proj.weight", (hid, si))
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, TensorInfo]:
@@ -87,56 +187,96 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorInfo]:
     hid = cfg.hidden
     _plain(t, PREFIX + "embed_tokens.weight", (cfg.vocab, hid))
     _plain(t, PREFIX + "norm.weight", (hid,))
-    _plain(t, LM_HEAD, (cfg.vocab, hid))
+    if not cfg.tie_embeddings:
+        _plain(t, LM_HEAD, (cfg.vocab, hid))
+    if cfg.attn_res_block is not None:
+        _attn_res(t, PREFIX + "output_attn_res", hid)
     for i in range(cfg.layers):
         p = f"{PREFIX}layers.{i}."
         _plain(t, p + "input_layernorm.weight", (hid,))
         _plain(t, p + "post_attention_layernorm.weight", (hid,))
-        a = p + "self_attn."
-        if cfg.kind(i) == "kda":
-            H = cfg.kda_heads
-            D = H * 128
-            for n in ("q_proj", "k_proj", "v_proj", "g_proj"):
-                _fp8(t, a + n, D, hid)
-            _fp8(t, a + "f_a_proj", 128, hid)
-            _fp8(t, a + "b_proj", H, hid)
-            _fp8(t, a + "o_proj", hid, D)
-            _plain(t, a + "f_b_proj.weight", (D, 128))
-            for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
-                _plain(t, a + n + ".weight", (D, 1, 4))
-            _plain(t, a + "A_log", (cfg.a_log_pad,) if cfg.a_log_pad else (1, 1, H, 1), torch.float32)
-            _plain(t, a + "dt_bias", (D,), torch.float32)
-            _plain(t, a + "o_norm.weight", (128,))
-        else:
-            H = cfg.mla_heads
-            _fp8(t, a + "q_a_proj", cfg.q_lora, hid)
-            _plain(t, a + "q_a_layernorm.weight", (cfg.q_lora,))
-            _fp8(t, a + "q_b_proj", H * (cfg.qk_nope + cfg.qk_rope), cfg.q_lora)
-            _fp8(t, a + "kv_a_proj_with_mqa", cfg.kv_lora + cfg.qk_rope, hid)
-            _plain(t, a + "kv_a_layernorm.weight", (cfg.kv_lora,))
-            _fp8(t, a + "kv_b_proj", H * (cfg.qk_nope + cfg.v_head), cfg.kv_lora)
-            _fp8(t, a + "g_proj", H * cfg.v_head, hid)
-            _fp8(t, a + "o_proj", hid, H * cfg.v_head)
+        if cfg.attn_res_block is not None:
+            _attn_res(t, p + "self_attention_res", hid)
+            _attn_res(t, p + "mlp_res", hid)
+        (_kda if cfg.kind(i) == "kda" else _mla)(t, p + "self_attn.", cfg)
         if cfg.is_dense(i):
             m = p + "mlp."
             _plain(t, m + "gate_proj.weight", (cfg.dense_inter, hid))
             _plain(t, m + "up_proj.weight", (cfg.dense_inter, hid))
             _plain(t, m + "down_proj.weight", (hid, cfg.dense_inter))
+        else:
+            _moe(t, p + "block_sparse_moe.", cfg)
+    return t
+
+
+def quant_config(cfg: ModelConfig) -> dict:
+    """hf_quant_config.json in ModelOpt's nested form (tokenspeed's modelopt_mixed test fixture,
+    k3_facts 4): one FP8_PB_WO entry per attention module, one NVFP4 entry per layer's
+    `block_sparse_moe.experts` (no per-expert entries), the BF16 modules excluded. The exact
+    kv_cache_quant_algo of nvidia/Kimi-K3-NVFP4 was not found: null, as in the fixture."""
+    layers, exclude = {}, ["language_model.lm_head"]
+    for name, info in expected_tensors(cfg).items():
+        if info.kind == "fp8_weight":
+            layers[name[: -len(".weight")]] = {"quant_algo": "FP8_PB_WO"}
+    for i in range(cfg.layers):
+        p = f"{PREFIX}layers.{i}."
+        if cfg.is_dense(i):
+            exclude.append(p + "mlp")
             continue
         m = p + "block_sparse_moe."
-        _plain(t, m + "gate.weight", (cfg.experts, hid))
-        _plain(t, m + "gate.e_score_correction_bias", (cfg.experts,), torch.float32)
-        _plain(t, m + "latent_down.weight", (cfg.moe_latent, hid))
-        _plain(t, m + "latent_up.weight", (hid, cfg.moe_latent))
-        for e in range(cfg.experts):
-            _fp4(t, f"{m}experts.{e}.w1", cfg.moe_inter, cfg.moe_latent)
-            _fp4(t, f"{m}experts.{e}.w3", cfg.moe_inter, cfg.moe_latent)
-            _fp4(t, f"{m}experts.{e}.w2", cfg.moe_latent, cfg.moe_inter)
-        si = cfg.shared_inter * cfg.shared_experts
-        _plain(t, m + "shared_experts.gate_proj.weight", (si, hid))
-        _plain(t, m + "shared_experts.up_proj.weight", (si, hid))
-        _plain(t, m + "shared_experts.down_proj.weight", (hid, si))
-    return t
+        layers[m + "experts"] = {"quant_algo": "NVFP4", "group_size": NVFP4_BLOCK}
+        exclude.append(m + "gate")
+        if cfg.shared_experts:
+            exclude.append(m + "shared_experts")
+        if cfg.moe_latent is not None:
+            exclude += [m + "routed_expert_down_proj", m + "routed_expert_up_proj"]
+    return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION},
+            "quantization": {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
+                             "quantized_layers": layers, "exclude_modules": exclude}}
+
+
+def config_json(cfg: ModelConfig) -> dict:
+    """The HF config.json dict of `cfg` in the published field names (k3_facts 1; what
+    k3gen/hf_config.py reads back into the same ModelConfig): kimi_k3 with the text backbone in
+    `text_config`, or a top-level kimi_linear config."""
+    lac = {"kda_layers": [i + 1 for i in cfg.kda_layer_ids], "full_attn_layers": list(cfg.mla_layers),
+           "head_dim": cfg.kda_head_dim, "num_heads": cfg.kda_heads, "short_conv_kernel_size": cfg.conv_size,
+           "use_full_rank_gate": cfg.kda_out_gate == "full"}
+    if cfg.gate_lower_bound is not None:
+        lac["gate_lower_bound"] = cfg.gate_lower_bound
+    t = {"model_type": "kimi_linear", "_name_or_path": cfg.name, "num_hidden_layers": cfg.layers,
+         "hidden_size": cfg.hidden, "vocab_size": cfg.vocab, "rms_norm_eps": cfg.eps,
+         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": cfg.act, "linear_attn_config": lac,
+         "num_attention_heads": cfg.mla_heads, "num_key_value_heads": cfg.mla_heads, "q_lora_rank": cfg.q_lora,
+         "kv_lora_rank": cfg.kv_lora, "qk_nope_head_dim": cfg.qk_nope, "qk_rope_head_dim": cfg.qk_rope,
+         "v_head_dim": cfg.v_head, "mla_use_nope": True, "mla_use_output_gate": cfg.mla_out_gate,
+         "num_experts": cfg.experts, "num_experts_per_token": cfg.top_k, "num_shared_experts": cfg.shared_experts,
+         "moe_intermediate_size": cfg.moe_inter, "intermediate_size": cfg.dense_inter,
+         "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc", "use_grouped_topk": True,
+         "num_expert_group": cfg.n_group, "topk_group": cfg.topk_group, "moe_renormalize": cfg.renormalize,
+         "routed_scaling_factor": cfg.routed_scale, "dtype": "bfloat16"}
+    dense = [k == "dense" for k in cfg.mlp_kinds]
+    fk = dense.index(False) if False in dense else len(dense)
+    if any(dense[fk:]):
+        t["mlp_layer_types"] = ["dense" if d else "sparse" for d in dense]
+    else:
+        t.update(first_k_dense_replace=fk, moe_layer_freq=1)
+    if cfg.act == "situ":
+        t.update(activation_situ_beta=cfg.situ_beta, activation_situ_linear_beta=cfg.situ_linear_beta)
+    if cfg.moe_latent is not None:
+        t.update(routed_expert_hidden_size=cfg.moe_latent, latent_moe_use_norm=cfg.latent_norm)
+    if cfg.attn_res_block is not None:
+        t["attn_res_block_size"] = cfg.attn_res_block
+    if cfg.family == "kimi_k3":
+        if cfg.a_log_pad != 128:
+            raise UnsupportedCheckpointError(f"a kimi_k3 config.json implies A_log padded to 128, "
+                                             f"not {cfg.a_log_pad} (k3gen/hf_config.py)")
+        return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+                "tie_word_embeddings": cfg.tie_embeddings, "text_config": t}
+    if cfg.a_log_pad is not None:
+        raise UnsupportedCheckpointError(f"a kimi_linear config.json implies A_log [1, 1, H, 1], not padded to "
+                                         f"{cfg.a_log_pad}")
+    return {**t, "architectures": ["KimiLinearForCausalLM"]}
 
 
 # -- quantizers used by the writer (k3gen's bit-level references) ---------------------------------
@@ -180,7 +320,8 @@ def quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 def decode_fp8_pb(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     import ml_dtypes
     v = codes.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    s = np.repeat(np.repeat(scales.numpy(), BLOCK, 0), BLOCK, 1)[: v.shape[0], : v.shape[1]]
+    grid = scales.numpy().reshape(_cdiv(v.shape[0], BLOCK), _cdiv(v.shape[1], BLOCK))   # 4-D or 2-D storage
+    s = np.repeat(np.repeat(grid, BLOCK, 0), BLOCK, 1)[: v.shape[0], : v.shape[1]]
     return torch.from_numpy(v * s)
 
 
@@ -198,7 +339,7 @@ def _random_plain(name: str, info: TensorInfo, cfg: ModelConfig, g: torch.Genera
     shape = info.shape
     if name.endswith("A_log"):
         a = torch.zeros(shape)
-        a[: cfg.kda_heads] = torch.log(torch.rand(cfg.kda_heads, generator=g) * 15 + 1)
+        a.view(-1)[: cfg.kda_heads] = torch.log(torch.rand(cfg.kda_heads, generator=g) * 15 + 1)
         return a
     if name.endswith("dt_bias"):
         return torch.randn(shape, generator=g) * 0.5
@@ -229,10 +370,20 @@ def _random_plain(name: str, info: TensorInfo, cfg: ModelConfig, g: torch.Genera
 RESIDUAL_GAIN = 0.25
 LOGIT_GAIN = 4.0
 BIGRAM = 0.15
-_RESIDUAL_WRITERS = ("o_proj.weight", "down_proj.weight", "latent_up.weight")
+# The latent's input projection `routed_expert_down_proj` reads the stream; it is no writer.
+_RESIDUAL_WRITERS = (".o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
+                     "routed_expert_up_proj.weight")
+# AttnRes pseudo-queries: at unit gain the mix scores have an RMS of ~1, so some tokens' FFN inputs
+# are mostly one small layer output (the embedding's share drops) and the router's top-k flips
+# on KV-quantization noise: measured on tiny, 1% noise on the MLA outputs moved the logits by 9%
+# (0.5% with the plain residual). Half gain keeps distinct, non-uniform mixes per query with about
+# the plain model's sensitivity (0.7%).
+QUERY_GAIN = 0.5
 
 
 def _init_gain(name: str) -> float:
+    if name.endswith("_res_proj.weight"):
+        return QUERY_GAIN
     return RESIDUAL_GAIN if name.endswith(_RESIDUAL_WRITERS) else 1.0
 
 
@@ -275,7 +426,8 @@ def random_tensors(cfg: ModelConfig, seed: int = 0, truth: bool = True, fp4: str
         elif ti.kind == "fp8_weight":
             base = name[: -len(".weight")]
             w = torch.randn(ti.shape, generator=g) * ti.shape[1] ** -0.5 * _init_gain(name)
-            stored[name], stored[base + ".weight_scale"] = quantize_fp8_pb(w)
+            stored[name], sc = quantize_fp8_pb(w)
+            stored[base + ".weight_scale"] = sc.reshape(info[base + ".weight_scale"].shape)
             if truth:
                 truth_d[base] = decode_fp8_pb(stored[name], stored[base + ".weight_scale"])
         elif ti.kind == "fp4_weight":
@@ -286,6 +438,7 @@ def random_tensors(cfg: ModelConfig, seed: int = 0, truth: bool = True, fp4: str
             else:
                 p, s, s2 = quantize_nvfp4_weight(torch.randn(n, k, generator=g) * k ** -0.5)
             stored[name], stored[base + ".weight_scale"], stored[base + ".weight_scale_2"] = p, s, s2
+            stored[base + ".input_scale"] = torch.tensor(1.0)       # the card: input_scale=1.0
             if truth:
                 truth_d[base] = decode_nvfp4(p, s, s2)
     return stored, truth_d
@@ -293,7 +446,8 @@ def random_tensors(cfg: ModelConfig, seed: int = 0, truth: bool = True, fp4: str
 
 def write_checkpoint(tensors: dict[str, torch.Tensor], out: Path, cfg: ModelConfig,
                      shard_bytes: int = 64 << 20) -> Path:
-    """Write `tensors` as safetensors shards of about `shard_bytes` + the index json + config."""
+    """Write `tensors` as safetensors shards of about `shard_bytes` + the index json +
+    config.json (`config_json`) + hf_quant_config.json (`quant_config`)."""
     from safetensors.torch import save_file
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -317,16 +471,8 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], out: Path, cfg: ModelConf
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                         indent=1, sort_keys=True))
     (out / "config.json").write_text(json.dumps(config_json(cfg), indent=1, sort_keys=True))
-    (out / "hf_quant_config.json").write_text(json.dumps({"quantization": {
-        "quant_algo": "MIXED_PRECISION", "attention": "FP8_PB_WO", "experts": "NVFP4",
-        "group_size": NVFP4_BLOCK, "fp8_block": [BLOCK, BLOCK]}}, indent=1, sort_keys=True))
+    (out / QUANT_CONFIG).write_text(json.dumps(quant_config(cfg), indent=1, sort_keys=True))
     return out
-
-
-def config_json(cfg: ModelConfig) -> dict:
-    import dataclasses
-    d = dataclasses.asdict(cfg)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
 def write_random_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, shard_bytes: int = 64 << 20,

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from k3gen.errors import K3genError, SpecError
+from k3gen.errors import SpecError
 
 from model.model import K3Model
 
@@ -182,20 +183,35 @@ class Generator:
 
 
 # -- command line ----------------------------------------------------------------------------------
+def random_checkpoint(cfg, seed: int) -> tuple[str, bool]:
+    """(folder, written) of the random checkpoint of `cfg` and `seed`, made once in the k3gen cache
+    folder's checkpoints/ and reused. Its key covers the config's every field, the seed and the
+    writer's source (model/checkpoint.py), so a changed writer makes a new one."""
+    import dataclasses
+    import hashlib
+    import json
+    import re
+
+    import model.checkpoint as ck
+    from k3gen.pipeline.store import cached_checkpoint
+    h = hashlib.sha256(json.dumps({"config": dataclasses.asdict(cfg), "seed": seed}, sort_keys=True,
+                                  default=str).encode())
+    h.update(Path(ck.__file__).read_bytes())
+    name = re.sub(r"[^A-Za-z0-9_.]", "_", cfg.name)[:40]   # a config.json's name may be a path
+    key = f"{name}-s{seed}-{h.hexdigest()[:16]}"
+    folder, written = cached_checkpoint(key, lambda d: ck.write_random_checkpoint(cfg, d, seed=seed))
+    return str(folder), written
+
+
 def build_model(config: str, arch: str, kv: str, ssm: str, max_drafts: int, path: str, checkpoint: str | None,
                 seed: int, device: str, max_seq_len: int, max_slots: int, budget_gib: float | None = None):
-    import tempfile
-    from pathlib import Path
-
     from model.cache import HybridCache
-    from model.checkpoint import write_random_checkpoint
     from model.config import TargetConfig, get_config
     from model.weights import load_weights
     cfg = get_config(config)
     tcfg = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=max_drafts, path=path)
     if checkpoint is None:
-        checkpoint = str(Path(tempfile.mkdtemp(prefix="k3gen-ckpt-")))
-        write_random_checkpoint(cfg, Path(checkpoint), seed=seed)
+        checkpoint = random_checkpoint(cfg, seed)[0]
     w = load_weights(checkpoint, cfg, tcfg.recipe).to(device)
     if budget_gib:
         cache = HybridCache.from_budget(cfg, tcfg, int(budget_gib * 2**30), max_seq_len, device, max_slots)
@@ -205,36 +221,82 @@ def build_model(config: str, arch: str, kv: str, ssm: str, max_drafts: int, path
     return K3Model(w, tcfg, cache)
 
 
+def check_request(a, cfg) -> None:
+    """What the arguments ask of the model config, checked right after it is read (before weights):
+    every prompt id in [0, vocab), the prompt and the new tokens within --max-seq-len."""
+    for t in a.prompt_ids:
+        if not 0 <= t < cfg.vocab:
+            raise SpecError("--prompt-ids", t, f"token ids in [0, {cfg.vocab})", f"the vocab of {cfg.name}")
+    need = len(a.prompt_ids) + a.max_new
+    if need > a.max_seq_len:
+        raise SpecError("--max-seq-len", a.max_seq_len, f">= {need}",
+                        f"the prompt's {len(a.prompt_ids)} tokens + --max-new {a.max_new}")
+
+
+def check_arguments(a) -> str:
+    """The checks that need no config: flags that do not go together, and a GPU where one is asked
+    for. Returns the path that runs."""
+    if a.spec > 0 and a.temperature > 0:
+        raise SpecError("--spec", a.spec, [0],
+                        f"speculative decoding is greedy: not with --temperature {a.temperature:g}")
+    if a.graphs and a.path == "reference":
+        raise SpecError("--graphs", True, [False], "CUDA graphs need the kernel path (--path kernel or auto on a GPU)")
+    cuda = a.path != "reference" and torch.cuda.is_available()
+    if (a.path == "kernel" or a.graphs) and not cuda:
+        from k3gen.cli import no_gpu_reason
+        why = f"no CUDA GPU: {no_gpu_reason(torch)}"
+        if a.path == "kernel":
+            raise SpecError("--path", "kernel", ["reference"], why)
+        raise SpecError("--graphs", True, [False], why + "; CUDA graphs run the kernel path on a GPU")
+    return "kernel" if cuda else "reference"
+
+
 def run(a) -> int:
+    """`k3gen generate`: every check first (arguments, then against the config and target), then the
+    checkpoint, the model and generation. A typed error propagates to the command line's main."""
+    import os
+    import sys
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    con = Console(highlight=False)
-    cuda = torch.cuda.is_available() if a.path != "reference" else False
-    path = ("kernel" if cuda else "reference") if a.path == "auto" else a.path
-    device = "cuda" if path == "kernel" else "cpu"
-    prompt = [int(x) for x in a.prompt_ids.split(",") if x.strip()]
-    try:
-        t0 = time.perf_counter()
-        m = build_model(a.config, a.arch, a.kv, a.ssm, a.spec, path, a.checkpoint, a.seed, device, a.max_seq_len,
-                        max(a.batch, 1))
-        gen = Generator(m, graphs=a.graphs)
-        con.print(f"{a.config} on {path} path ({device}), kv={a.kv} ssm={a.ssm}, setup {time.perf_counter() - t0:.1f}s")
-        reqs = [Request(prompt=list(prompt), max_new=a.max_new, temperature=a.temperature, seed=a.seed + i)
-                for i in range(a.batch)]
-        with Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.fields[rate]}"), console=con, transient=True) as prog:
-            task = prog.add_task("gen", total=a.max_new * a.batch, rate="")
-            t1 = time.perf_counter()
 
-            def tick(n):
-                prog.advance(task, n)
-                done = prog.tasks[0].completed
-                prog.update(task, rate=f"{done / max(time.perf_counter() - t1, 1e-9):.1f} tok/s")
-            gen.generate(reqs, speculative=a.spec > 0, on_token=tick)
-            dt = time.perf_counter() - t1
-    except K3genError as e:
-        con.print(f"[red]error:[/red] {e}")
-        return 2
+    from k3gen.pipeline.store import folder_bytes
+    from model.config import TargetConfig, get_config
+    # Logs capture output: a wide console keeps a checkpoint's path on one line there.
+    con = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    path = check_arguments(a)
+    device = "cuda" if path == "kernel" else "cpu"
+    cfg = get_config(a.config)
+    check_request(a, cfg)
+    tcfg = TargetConfig(arch=a.arch, kv=a.kv, ssm=a.ssm, max_drafts=a.spec, path=path)
+    if a.graphs and a.batch > tcfg.graph_batch_sizes[-1]:
+        raise SpecError("--batch", a.batch, f"<= {tcfg.graph_batch_sizes[-1]} with --graphs",
+                        "the largest captured decode graph")
+    if a.checkpoint is not None and not os.path.isdir(a.checkpoint):
+        raise SpecError("--checkpoint", a.checkpoint, "a checkpoint folder",
+                        "it is a file" if os.path.exists(a.checkpoint) else "no such folder")
+    t0 = time.perf_counter()
+    ckpt = a.checkpoint
+    if ckpt is None:
+        ckpt, written = random_checkpoint(cfg, a.seed)
+        con.print(f"random checkpoint of {cfg.name} (seed {a.seed}) {'written to' if written else 'reused from'} "
+                  f"{ckpt}: {folder_bytes(Path(ckpt)) / 1e6:.1f} MB (`k3gen cache clear` removes it)")
+    m = build_model(a.config, a.arch, a.kv, a.ssm, a.spec, path, ckpt, a.seed, device, a.max_seq_len, a.batch)
+    gen = Generator(m, graphs=a.graphs)
+    con.print(f"{a.config} on {path} path ({device}), kv={a.kv} ssm={a.ssm}, setup {time.perf_counter() - t0:.1f}s")
+    reqs = [Request(prompt=list(a.prompt_ids), max_new=a.max_new, temperature=a.temperature, seed=a.seed + i)
+            for i in range(a.batch)]
+    with Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[rate]}"), console=Console(stderr=True), transient=True) as prog:
+        task = prog.add_task("gen", total=a.max_new * a.batch, rate="")
+        t1 = time.perf_counter()
+
+        def tick(n):
+            prog.advance(task, n)
+            done = prog.tasks[0].completed
+            prog.update(task, rate=f"{done / max(time.perf_counter() - t1, 1e-9):.1f} tok/s")
+        gen.generate(reqs, speculative=a.spec > 0, on_token=tick)
+        dt = time.perf_counter() - t1
     for i, r in enumerate(reqs):
         con.print(f"[{i}] {r.out}")
     n = sum(len(r.out) for r in reqs)

@@ -1,5 +1,6 @@
 """Kimi K3 layers over `Ops` (model/ops.py): KDA, MLA (absorbed decode/verify; unabsorbed
-prefill writing the same cache rows), MoE, the dense MLP, RMSNorm.
+prefill writing the same cache rows), the latent MoE, the dense MLP, RMSNorm. The activation and
+the router are model/arch.py's formulas.
 
 Shapes: a step carries B sequences of T tokens each (decode T = 1, verify T = 1 + M), rows
 ordered b * T + t; prefill carries N tokens of varlen sequences (cu_seqlens). The residual stream
@@ -10,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from k3gen.ops.mla_q_absorb.reference import rms_norm_bf16
 
+from model import arch
 from model.config import ModelConfig
 from model.mla_attention import prefill_attention
 from model.ops import Ops
@@ -135,35 +136,48 @@ def _ein(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.einsum(eq, a.double(), b.double()).float()
 
 
-def _glu(x, gate_w, up_w, down_w):
-    h = F.silu(_mm(x, gate_w.T)) * _mm(x, up_w.T)
+def _glu(x, gate_w, up_w, down_w, act):
+    """down(act(gate(x), up(x))): the activation in FP32 on FP32 products, BF16 into down."""
+    h = act(_mm(x, gate_w.T), _mm(x, up_w.T))
     return _mm(h.to(BF16), down_w.T)
 
 
 def route(w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig):
-    """Sigmoid scores; top-k on scores + correction bias; weights = the chosen scores renormalized
-    (times routed_scale). Returns (expert ids [M, k], weights [M, k] FP32)."""
-    scores = torch.sigmoid(_mm(xn, w.router.T))
-    sel = torch.topk(scores + w.bias, cfg.top_k, dim=-1).indices
-    wts = scores.gather(1, sel)
-    return sel, wts / wts.sum(-1, keepdim=True) * cfg.routed_scale
+    """arch.route on FP32 router logits (noaux_tc: groups, correction bias for the choice,
+    renormalize, routed_scale). Returns (expert ids [M, k], weights [M, k] FP32)."""
+    return arch.route(_mm(xn, w.router.T), w.bias, cfg)
 
 
 def moe(ops: Ops, w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Experts through PyTorch on dequantized NVFP4 weights (`moe_torch_dequant`): every expert is
-    computed for every token and masked by the routing weights, so the step has static shapes
-    (graph-safe) and no host sync. A grouped NVFP4 GEMM replaces it."""
+    """The (latent) MoE: lat = routed_expert_down_proj(x); y = sum_e w_e expert_e(lat);
+    y = RMSNorm(y) * routed_expert_norm (latent_moe_use_norm); out = routed_expert_up_proj(y) +
+    shared_experts(x) (SGLang kimi_k3 `_forward_unfused`, vLLM KimiMoE.forward; k3_facts 2.4).
+    Without a latent the experts read and write the hidden width.
+
+    Experts through PyTorch on weights dequantized here from their packed form
+    (`moe_torch_dequant`): every expert is computed for every token and masked by the routing
+    weights, so the step has static shapes (graph-safe) and no host sync. A grouped NVFP4 GEMM
+    replaces it. BF16 rounding points: the latent input, the expert hidden (into w2), the summed
+    expert output (into the norm / the up projection)."""
     ops._mark("moe_torch_dequant", "torch" if ops.kind == "kernel" else "ref")
+    act = arch.act_fn(cfg)
     sel, wts = route(w, xn, cfg)
     dense = torch.zeros(xn.shape[0], cfg.experts, dtype=torch.float32, device=xn.device).scatter(1, sel, wts)
-    xl = _mm(xn, w.latent_down.T).to(BF16).float()                                # [M, latent]
-    h = F.silu(_ein("ml,eil->mei", xl, w.w1_dequant)) * _ein("ml,eil->mei", xl, w.w3_dequant)
-    ye = _ein("mei,eli->mel", h.to(BF16), w.w2_dequant)
-    y_lat = _ein("me,mel->ml", dense, ye).to(BF16).float()
-    routed = _mm(y_lat, w.latent_up.T)
-    return routed + _glu(xn.float(), w.shared_gate, w.shared_up, w.shared_down)
+    x = xn.float()
+    xl = x if w.latent_down is None else _mm(x, w.latent_down.T).to(BF16).float()      # [M, W]
+    w13, w2 = w.experts.dequant()                                                     # [E, 2I, W], [E, W, I]
+    I = w13.shape[1] // 2
+    gu = _ein("mw,ejw->mej", xl, w13)
+    h = act(gu[..., :I], gu[..., I:])
+    ye = _ein("mei,ewi->mew", h.to(BF16), w2)
+    y = _ein("me,mew->mw", dense, ye)
+    y = rms_norm(y, w.latent_norm, cfg.eps) if w.latent_norm is not None else y.to(BF16)
+    out = y.float() if w.latent_up is None else _mm(y.float(), w.latent_up.T)
+    if w.shared_gate is not None:
+        out = out + _glu(x, w.shared_gate, w.shared_up, w.shared_down, act)
+    return out
 
 
-def dense_mlp(ops: Ops, w: DenseMlpWeights, xn: torch.Tensor) -> torch.Tensor:
+def dense_mlp(ops: Ops, w: DenseMlpWeights, xn: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     ops._mark("dense_mlp", "torch" if ops.kind == "kernel" else "ref")
-    return _glu(xn.float(), w.gate, w.up, w.down)
+    return _glu(xn.float(), w.gate, w.up, w.down, arch.act_fn(cfg))

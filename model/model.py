@@ -10,6 +10,7 @@ from k3gen.ops.kda_verify.reference import commit as kda_commit
 from k3gen.targets import model_gemm_shapes
 
 from model import layers as L
+from model.arch import AttnResStream
 from model.cache import HybridCache
 from model.config import TargetConfig
 from model.ops import make_ops
@@ -56,23 +57,28 @@ class K3Model:
             self.ops.load_all(self._shapes_arg(), self.tcfg.graph_batch_sizes, self.max_tokens())
 
     def _ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """The FFN's output (not added to the stream) for the FFN input h [M, hidden] FP32."""
         lw = self.w.layers[i]
         xn = L.rms_norm(h, lw.post_norm, self.cfg.eps)
         if isinstance(lw.ffn, DenseMlpWeights):
-            return h + L.dense_mlp(self.ops, lw.ffn, xn)
-        return h + L.moe(self.ops, lw.ffn, xn, self.cfg)
+            return L.dense_mlp(self.ops, lw.ffn, xn, self.cfg)
+        return L.moe(self.ops, lw.ffn, xn, self.cfg)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         x = L.rms_norm(h, self.w.final_norm, self.cfg.eps)
         return x.float() @ self.w.lm_head.float().T
 
     def _run(self, tokens: torch.Tensor, attn) -> torch.Tensor:
-        h = self.w.embed[tokens.long()].float()
+        """The residual stream (arch.AttnResStream: Attention Residuals over blocks of
+        cfg.attn_res_block layers, the plain sum when None): each layer's attention and FFN read
+        a mix of the stream through their own pseudo-query, and write their output back; the
+        output query mixes once more before the final norm."""
+        s = AttnResStream(self.w.embed[tokens.long()].float(), self.cfg.attn_res_block, self.cfg.eps)
         for i, lw in enumerate(self.w.layers):
-            xn = L.rms_norm(h, lw.input_norm, self.cfg.eps)
-            h = h + attn(i, lw, xn).float()
-            h = self._ffn(i, h)
-        return self._logits(h)
+            xn = L.rms_norm(s.inputs(lw.attn_res), lw.input_norm, self.cfg.eps)
+            s.add_attn(i, attn(i, lw, xn))
+            s.add_ffn(self._ffn(i, s.inputs(lw.mlp_res)))
+        return self._logits(s.output(self.w.output_res))
 
     # -- device core (graph-safe on the kernel path) ----------------------------------------------
     def step_core(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, T: int) -> torch.Tensor:

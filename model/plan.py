@@ -4,7 +4,7 @@ model/params.py (the serving form of the layout), cache from the IR's byte expre
 from __future__ import annotations
 
 
-from k3gen.errors import K3genError
+from k3gen.errors import K3genError, SpecError
 
 from model.cache import CacheCapacityError, cache_bytes, plan_capacity
 from model.config import TargetConfig, get_config
@@ -46,20 +46,27 @@ def human_params(n: int) -> str:
     return str(n)
 
 
+def check_plan(a) -> None:
+    """Argument checks argparse cannot make alone (each value's own range it does)."""
+    if a.tp % a.ep:
+        raise SpecError("--ep", a.ep, f"a divisor of --tp {a.tp}", "routed experts split over ep of the tp ranks")
+
+
 def run(a) -> int:
+    """`k3gen plan-memory`: the arguments are checked before the table; a typed error propagates to
+    the command line's main (one line on stderr, exit 2)."""
     from rich.console import Console
     from rich.table import Table
     import sys
     con = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     from model.params import count_params
     ep, layout = a.ep, a.layout
-    try:
-        rows, weights, budget = plan_rows(a.config, a.arch, a.tp, a.gpu_gib, a.util, a.max_drafts,
-                                          ep=ep, layout=layout)
-        n = count_params(get_config(a.config))
-    except K3genError as e:
-        con.print(f"[red]error:[/red] {e}")
-        return 2
+    check_plan(a)
+    rows, weights, budget = plan_rows(a.config, a.arch, a.tp, a.gpu_gib, a.util, a.max_drafts,
+                                      ep=ep, layout=layout)
+    if all("error" in r for r in rows):   # the arguments, not a dtype combination, are at fault
+        raise K3genError(rows[0]["error"])
+    n = count_params(get_config(a.config))
     # Two short lines: rich wraps a title to the table's width, which would split a figure.
     table = Table(title=f"{a.config}: {human_params(n.total)} params, {human_params(n.active)} active per token; "
                         f"{layout} TP{a.tp} EP{ep}: weights {weights / 2**30:.1f} GiB/rank\n"
@@ -75,6 +82,6 @@ def run(a) -> int:
                       *[f"{r['fits'][c]:,}" for c in CONTEXTS])
     con.print(table)
     if budget <= 0:
-        con.print("[red]the weights alone exceed the budget: raise --tp or --gpu-gib[/red]")
+        print(f"{a.config}: the weights alone exceed the budget: raise --tp or --gpu-gib", file=sys.stderr)
         return 1
     return 0

@@ -1,5 +1,6 @@
-"""Loading a K3 NVFP4 checkpoint (model/checkpoint.py's format) into the formats the layers and
-kernels take, with the conversions the target needs:
+"""Loading a K3 NVFP4 checkpoint (model/checkpoint.py's format: nvidia/Kimi-K3-NVFP4's layout
+with the published names) into the formats the layers and kernels take, with the conversions the
+target needs:
 
 - `[q | k | v | g_out]` of a KDA layer fused into one FP8 block weight (each part is D = H*128
   rows, so the 128x128 tile scales concatenate exactly); `[f_a | b]` likewise (zero rows pad N to
@@ -8,8 +9,12 @@ kernels take, with the conversions the target needs:
   rows so that g starts on a tile boundary and every stored tile scale is kept as is.
 - `kv_b` dequantized to BF16 and split per head into W_UK (rows 0..127) and W_UV (128..255).
 - UE8M0 recipe: every FP8 weight re-quantized with power-of-two tile scales (SPEC.md section 6).
-- NVFP4 experts dequantized to BF16 for the PyTorch expert path (`*_dequant` names say so).
-- `A_log` narrowed to the first H entries of its padded storage.
+- FP8 tile scales stored 4-D [N/128, 1, K/128, 1] (ModelOpt) read as the 2-D grid.
+- `f_b_proj` (FP8 in the checkpoint, one K block) dequantized to BF16 for the KDA kernels.
+- NVFP4 routed experts kept packed (`ExpertWeights`, w1|w3 stacked as w13); the PyTorch expert
+  path dequantizes them transiently at run time.
+- `A_log` narrowed to the first H entries of its padded [pad] storage, or read from [1, 1, H, 1].
+- Attention Residuals pseudo-queries and norms in FP32 (`arch.AttnResWeights`).
 
 TP1 only (the small configs and the CPU tests); TP slicing is not written yet.
 """
@@ -22,14 +27,15 @@ from pathlib import Path
 import torch
 
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen import numerics as Q
 from k3gen.ops.fp8_block_gemm.reference import dequantize_weights, quantize_weights
 from k3gen.ops.kda_decode.reference import KdaWeights
 # The fused projections' row layouts are the enumerator's (its GEMM shapes): one source.
 from k3gen.targets import KDA_FAB_ALIGN, MLA_A_PAD as KV_A_PAD
 
-from model.checkpoint import (INDEX, LM_HEAD, PREFIX, BadValueError, CheckpointError, MissingTensorError,
-                         TensorShapeError, expected_tensors)
+from model.arch import AttnResWeights
+from model.checkpoint import (INDEX, LM_HEAD, PREFIX, QUANT_CONFIG, BadValueError, CheckpointError,
+                              MissingTensorError, TensorShapeError, UnexpectedTensorError,
+                              UnsupportedCheckpointError, expected_tensors)
 from model.config import ModelConfig
 
 
@@ -66,12 +72,41 @@ class CheckpointReader:
             raise MissingTensorError(f"tensor {name!r} is not in shard {self.weight_map[name]}")
         t = f.get_tensor(name)
         if info is not None:
-            if tuple(t.shape) != info.shape:
-                raise TensorShapeError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {info.shape}")
+            if not info.shape_ok(t.shape):
+                want = " or ".join(str(x) for x in (info.shape, *info.alt))
+                raise TensorShapeError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {want}")
             if t.dtype != info.dtype:
                 raise TensorShapeError(f"tensor {name!r} has dtype {t.dtype}, expected {info.dtype}")
             _check_values(name, t, info.kind)
         return t
+
+
+    def check_names(self) -> None:
+        """Every language-model tensor of the checkpoint is one `cfg` describes. Names outside
+        `language_model.` (K3's vision_tower, mm_projector) are not this runtime's and are skipped."""
+        extra = sorted(n for n in self.weight_map if n.startswith("language_model.") and n not in self.expected)
+        if extra:
+            more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
+            raise UnexpectedTensorError(f"{len(extra)} tensors the config does not describe: "
+                                        f"{', '.join(map(repr, extra[:5]))}{more}")
+
+    def check_quant_config(self) -> None:
+        """When hf_quant_config.json is present: ModelOpt MIXED_PRECISION with NVFP4 (group 16)
+        experts and FP8_PB_WO attention, the only recipe this reader decodes."""
+        p = self.folder / QUANT_CONFIG
+        if not p.is_file():
+            return
+        try:
+            q = json.loads(p.read_text())["quantization"]
+            algo, layers = q["quant_algo"], q.get("quantized_layers", {})
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{p}: not ModelOpt's nested hf_quant_config ({e})") from e
+        if algo != "MIXED_PRECISION":
+            raise UnsupportedCheckpointError(f"{QUANT_CONFIG}: quant_algo {algo!r}, expected MIXED_PRECISION")
+        for mod, spec in layers.items():
+            want = {"quant_algo": "NVFP4", "group_size": 16} if mod.endswith(".experts") else {"quant_algo": "FP8_PB_WO"}
+            if {k: spec.get(k) for k in want} != want:
+                raise UnsupportedCheckpointError(f"{QUANT_CONFIG}: {mod!r} is {spec}, this reader decodes {want}")
 
 
 def _check_values(name: str, t: torch.Tensor, kind: str) -> None:
@@ -123,6 +158,12 @@ class Fp8Linear:
                          None if self._dequant is None else self._dequant.to(device))
 
 
+def _grid(scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """The [ceil(N/128), ceil(K/128)] tile grid of a scale stored 4-D [nb, 1, kb, 1] (ModelOpt,
+    tokenspeed modelopt_block_scale_to_2d) or 2-D (the reader's shape check admits only these)."""
+    return scale.reshape(-(-codes.shape[0] // 128), -(-codes.shape[1] // 128))
+
+
 def _fp8_parts(r: CheckpointReader, names: list[str], recipe: ScaleRecipe, pad_rows: dict | None = None,
                pad_to: int = 1) -> Fp8Linear:
     """Concatenate FP8 weights along N (each part a whole number of 128-row tiles, or padded to
@@ -131,6 +172,7 @@ def _fp8_parts(r: CheckpointReader, names: list[str], recipe: ScaleRecipe, pad_r
     for i, n in enumerate(names):
         c = r.get(n + ".weight").view(torch.uint8)
         s = r.get(n + ".weight_scale")
+        s = _grid(s, c)
         rows = (pad_rows or {}).get(n, c.shape[0])
         last = i == len(names) - 1
         if rows % 128 and not last:
@@ -155,17 +197,77 @@ def _fp8(r, name, recipe) -> Fp8Linear:
     return _fp8_parts(r, [name], recipe)
 
 
-_E2M1_PAIRS = torch.stack([Q.e2m1_decode(torch.arange(256, dtype=torch.uint8) & 0xF),
-                           Q.e2m1_decode(torch.arange(256, dtype=torch.uint8) >> 4)], dim=-1)   # [256, 2]
+def _e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """FP32 [..., 2K] from uint8 [..., K] E2M1 pairs (even element in the low nibble). Pure
+    elementwise arithmetic on the codes' own device (no lookup table to move): graph-safe.
+    Magnitude of code m (bits 0-2): m/2 for m < 2, else 2^(m//2 - 1) * (1 + (m & 1)/2); bit 3 the sign."""
+    c = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).to(torch.int32)
+    m = c & 7
+    e, frac = (m >> 1).float(), (m & 1).float()
+    mag = torch.where(m < 2, frac * 0.5, torch.exp2(e - 1.0) * (1.0 + 0.5 * frac))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
-def _nvfp4_dequant(r: CheckpointReader, name: str) -> torch.Tensor:
-    """FP32 values of an NVFP4 weight: e2m1 * e4m3(scale) * weight_scale_2 (a byte -> pair table
-    and torch's float8 decode: the expert tensors are the bulk of a checkpoint)."""
-    p, s, s2 = r.get(name + ".weight"), r.get(name + ".weight_scale"), r.get(name + ".weight_scale_2")
-    v = _E2M1_PAIRS[p.int()].reshape(p.shape[0], -1)
-    d = s.float()
-    return (v.reshape(*d.shape, -1) * d[..., None]).flatten(-2) * s2.float()
+def _block_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] * scale [..., K/g] broadcast over groups of g."""
+    g = x.shape[-1] // scale.shape[-1]
+    return (x.unflatten(-1, (scale.shape[-1], g)) * scale.unsqueeze(-1)).flatten(-2)
+
+
+@dataclass
+class ExpertWeights:
+    """The routed experts of one MoE layer, kept in their stored format (no BF16 stacks at load).
+
+    fmt "nvfp4" (ModelOpt, nvidia/Kimi-K3-NVFP4): w13 uint8 [E, 2I, W/2] E2M1 pairs (even element
+    in the low nibble), rows [w1 gate | w3 up]; w13_scale float8_e4m3fn [E, 2I, W/16];
+    w13_global FP32 [E, 2] (weight_scale_2 of w1, of w3); w2 uint8 [E, W, I/2]; w2_scale
+    float8_e4m3fn [E, W, I/16]; w2_global FP32 [E, 1]. Value = e2m1 * e4m3(scale) * global.
+    fmt "mxfp4" (compressed-tensors, moonshotai/Kimi-K3): the same packing, scales uint8 UE8M0
+    [E, 2I, W/32] / [E, W, I/32] (value = e2m1 * 2^(byte - 127)), globals None.
+    fmt "bf16": w13 [E, 2I, W], w2 [E, W, I] BF16 values, scales and globals None.
+    W = cfg.expert_width, I = cfg.moe_inter. (k3_facts.md sections 3 and 4.)"""
+    fmt: str
+    w13: torch.Tensor
+    w13_scale: torch.Tensor | None
+    w13_global: torch.Tensor | None
+    w2: torch.Tensor
+    w2_scale: torch.Tensor | None
+    w2_global: torch.Tensor | None
+
+    FORMATS = ("nvfp4", "mxfp4", "bf16")
+
+    def __post_init__(self):
+        if self.fmt not in self.FORMATS:
+            raise ValueError(f"ExpertWeights.fmt={self.fmt!r}: one of {self.FORMATS}")
+
+    @property
+    def experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def inter(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def width(self) -> int:
+        return self.w2.shape[1]
+
+    def dequant(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, W], w2 [E, W, I]) BF16 values, computed on the tensors' device with static
+        shapes and no host sync (the torch expert path calls it inside a captured step; the
+        result is transient)."""
+        if self.fmt == "bf16":
+            return self.w13.to(torch.bfloat16), self.w2.to(torch.bfloat16)
+        if self.fmt == "nvfp4":
+            I = self.inter
+            # expand, not repeat_interleave: no output-size computation that could sync in capture
+            g13 = self.w13_global.float()[:, :, None].expand(-1, 2, I).reshape(-1, 2 * I)   # [E, 2I]
+            w13 = _block_scale(_e2m1_values(self.w13), self.w13_scale.float()) * g13[..., None]
+            w2 = _block_scale(_e2m1_values(self.w2), self.w2_scale.float()) * self.w2_global.float()[..., None]
+        else:
+            w13 = _block_scale(_e2m1_values(self.w13), torch.exp2(self.w13_scale.float() - 127.0))
+            w2 = _block_scale(_e2m1_values(self.w2), torch.exp2(self.w2_scale.float() - 127.0))
+        return w13.to(torch.bfloat16), w2.to(torch.bfloat16)
 
 
 @dataclass
@@ -189,16 +291,15 @@ class MlaLayerWeights:
 
 @dataclass
 class MoeWeights:
-    router: torch.Tensor      # [E, hidden] FP32 (BF16 values)
-    bias: torch.Tensor        # [E] FP32 correction bias (selection only)
-    latent_down: torch.Tensor  # [latent, hidden] BF16
-    latent_up: torch.Tensor    # [hidden, latent] BF16
-    w1_dequant: torch.Tensor   # [E, inter, latent] BF16, dequantized from NVFP4
-    w3_dequant: torch.Tensor
-    w2_dequant: torch.Tensor   # [E, latent, inter]
-    shared_gate: torch.Tensor  # [S*inter, hidden] BF16
-    shared_up: torch.Tensor
-    shared_down: torch.Tensor
+    router: torch.Tensor                    # [E, hidden] FP32 (BF16 values)
+    bias: torch.Tensor                      # [E] FP32 correction bias (selection only)
+    experts: ExpertWeights                  # packed, [w1 | w3] stacked as w13
+    latent_down: torch.Tensor | None        # [latent, hidden] BF16 (routed_expert_down_proj); None: no latent
+    latent_up: torch.Tensor | None          # [hidden, latent] BF16 (routed_expert_up_proj)
+    latent_norm: torch.Tensor | None        # [latent] BF16 (routed_expert_norm), None without latent_moe_use_norm
+    shared_gate: torch.Tensor | None        # [shared_inter, hidden] BF16; None: no shared experts
+    shared_up: torch.Tensor | None
+    shared_down: torch.Tensor | None        # [hidden, shared_inter]
 
 
 @dataclass
@@ -214,6 +315,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     attn: KdaLayerWeights | MlaLayerWeights
     ffn: MoeWeights | DenseMlpWeights
+    attn_res: AttnResWeights | None = None  # pseudo-query of the attention input (None: plain residual)
+    mlp_res: AttnResWeights | None = None   # of the FFN input
 
 
 @dataclass
@@ -224,6 +327,7 @@ class ModelWeights:
     final_norm: torch.Tensor
     lm_head: torch.Tensor
     layers: list[LayerWeights]
+    output_res: AttnResWeights | None = None  # the output query before the final norm
 
     def to(self, device) -> "ModelWeights":
         return _map_tensors(self, lambda t: t.to(device))
@@ -245,54 +349,102 @@ def _map_tensors(obj, fn):
     return obj
 
 
+def _attn_res(r: CheckpointReader, p: str) -> AttnResWeights:
+    return AttnResWeights(proj=r.get(p + "_proj.weight").float().reshape(-1).contiguous(),
+                          norm=r.get(p + "_norm.weight").float().contiguous())
+
+
+def _a_log(r: CheckpointReader, name: str, H: int) -> torch.Tensor:
+    """[H] FP32 from [pad] (K3: the first H real, SGLang's _a_log_weight_loader narrows) or [1, 1, H, 1]."""
+    t = r.get(name).float()
+    return (t.reshape(-1)[:H] if t.dim() == 1 else t.reshape(H)).contiguous()
+
+
+def _experts(r: CheckpointReader, m: str, cfg: ModelConfig) -> ExpertWeights:
+    """The routed experts stacked in their stored NVFP4 form (no dequantization at load)."""
+    ex = [f"{m}experts.{e}." for e in range(cfg.experts)]
+    get = lambda e, w, part: r.get(f"{e}{w}.{part}")        # noqa: E731
+    for e in ex:                                             # validated, then unused by the math
+        for w in ("w1", "w3", "w2"):
+            get(e, w, "input_scale")
+    return ExpertWeights(
+        fmt="nvfp4",
+        w13=torch.stack([torch.cat([get(e, "w1", "weight"), get(e, "w3", "weight")]) for e in ex]),
+        w13_scale=torch.stack([torch.cat([get(e, "w1", "weight_scale"), get(e, "w3", "weight_scale")]) for e in ex]),
+        w13_global=torch.stack([torch.stack([get(e, "w1", "weight_scale_2"), get(e, "w3", "weight_scale_2")])
+                                for e in ex]).float(),
+        w2=torch.stack([get(e, "w2", "weight") for e in ex]),
+        w2_scale=torch.stack([get(e, "w2", "weight_scale") for e in ex]),
+        w2_global=torch.stack([get(e, "w2", "weight_scale_2").reshape(1) for e in ex]).float())
+
+
+def _kda_layer(r: CheckpointReader, a: str, cfg: ModelConfig, recipe: ScaleRecipe) -> KdaLayerWeights:
+    H = cfg.kda_heads
+    D = H * 128
+    if cfg.kda_out_gate != "full":
+        # g_b(g_a(x)) would need a second GEMM in the fused [q|k|v|g] projection; folding it into
+        # one D x hidden FP8 weight re-rounds it, so it is refused rather than approximated.
+        raise UnsupportedCheckpointError(f"{a}g_a_proj/g_b_proj: the low-rank KDA output gate is not run yet")
+    conv = torch.cat([r.get(a + n + ".weight").reshape(D, 4) for n in ("q_conv1d", "k_conv1d", "v_conv1d")])
+    fb = _fp8(r, a + "f_b_proj", ScaleRecipe.FP32).dequant().to(torch.bfloat16)
+    kda = KdaWeights(conv_w=conv.to(torch.bfloat16).contiguous(), fb_w=fb.contiguous(),
+                     dt_bias=r.get(a + "dt_bias").float().contiguous(), a_log=_a_log(r, a + "A_log", H),
+                     norm_w=r.get(a + "o_norm.weight").float().contiguous())
+    return KdaLayerWeights(qkvg=_fp8_parts(r, [a + n for n in ("q_proj", "k_proj", "v_proj", "g_proj")], recipe),
+                           fab=_fp8_parts(r, [a + "f_a_proj", a + "b_proj"], recipe, pad_to=KDA_FAB_ALIGN),
+                           o_proj=_fp8(r, a + "o_proj", recipe), kda=kda)
+
+
+def _mla_layer(r: CheckpointReader, a: str, cfg: ModelConfig, recipe: ScaleRecipe) -> MlaLayerWeights:
+    H, bf = cfg.mla_heads, torch.bfloat16
+    if cfg.q_lora is None:
+        raise UnsupportedCheckpointError(f"{a}q_proj: MLA without a q LoRA (q_lora_rank null) is not run yet")
+    if not cfg.mla_out_gate:
+        raise UnsupportedCheckpointError(f"{a}g_proj: MLA without the output gate is not run yet "
+                                         "(the V-B kernel applies the gate)")
+    c = r.get(a + "kv_b_proj.weight").view(torch.uint8)
+    kvb = dequantize_weights(c, _grid(r.get(a + "kv_b_proj.weight_scale"), c), ScaleRecipe.FP32).to(bf)
+    kvb = kvb.view(H, cfg.qk_nope + cfg.v_head, cfg.kv_lora)
+    return MlaLayerWeights(
+        a_proj=_fp8_parts(r, [a + "q_a_proj", a + "kv_a_proj_with_mqa", a + "g_proj"], recipe,
+                          pad_rows={a + "kv_a_proj_with_mqa": KV_A_PAD}),
+        q_a_norm=r.get(a + "q_a_layernorm.weight").to(bf), q_b=_fp8(r, a + "q_b_proj", recipe),
+        kv_a_norm=r.get(a + "kv_a_layernorm.weight").to(bf),
+        w_uk=kvb[:, :cfg.qk_nope].contiguous(), w_uv=kvb[:, cfg.qk_nope:].contiguous(),
+        o_proj=_fp8(r, a + "o_proj", recipe))
+
+
+def _moe_layer(r: CheckpointReader, m: str, cfg: ModelConfig) -> MoeWeights:
+    lat = cfg.moe_latent is not None
+    opt = lambda n, on: r.get(m + n + ".weight") if on else None     # noqa: E731
+    sh = cfg.shared_experts > 0
+    return MoeWeights(router=r.get(m + "gate.weight").float(), bias=r.get(m + "gate.e_score_correction_bias").float(),
+                      experts=_experts(r, m, cfg),
+                      latent_down=opt("routed_expert_down_proj", lat), latent_up=opt("routed_expert_up_proj", lat),
+                      latent_norm=opt("routed_expert_norm", cfg.latent_norm),
+                      shared_gate=opt("shared_experts.gate_proj", sh), shared_up=opt("shared_experts.up_proj", sh),
+                      shared_down=opt("shared_experts.down_proj", sh))
+
+
 def load_weights(folder, cfg: ModelConfig, recipe: ScaleRecipe = ScaleRecipe.FP32) -> ModelWeights:
     """Read and convert every tensor of `cfg` (CPU tensors; `.to(device)` moves them)."""
     r = CheckpointReader(Path(folder), cfg)
-    bf = torch.bfloat16
+    r.check_names()
+    r.check_quant_config()
+    res = cfg.attn_res_block is not None
     layers = []
     for i in range(cfg.layers):
         p = f"{PREFIX}layers.{i}."
-        a = p + "self_attn."
-        if cfg.kind(i) == "kda":
-            H = cfg.kda_heads
-            D = H * 128
-            conv = torch.cat([r.get(a + n + ".weight").reshape(D, 4) for n in ("q_conv1d", "k_conv1d", "v_conv1d")])
-            kda = KdaWeights(conv_w=conv.to(bf).contiguous(), fb_w=r.get(a + "f_b_proj.weight").to(bf).contiguous(),
-                             dt_bias=r.get(a + "dt_bias").float().contiguous(),
-                             a_log=r.get(a + "A_log").float()[:H].contiguous(),
-                             norm_w=r.get(a + "o_norm.weight").float().contiguous())
-            attn = KdaLayerWeights(
-                qkvg=_fp8_parts(r, [a + n for n in ("q_proj", "k_proj", "v_proj", "g_proj")], recipe),
-                fab=_fp8_parts(r, [a + "f_a_proj", a + "b_proj"], recipe, pad_to=KDA_FAB_ALIGN),
-                o_proj=_fp8(r, a + "o_proj", recipe), kda=kda)
-        else:
-            H = cfg.mla_heads
-            kvb = dequantize_weights(r.get(a + "kv_b_proj.weight").view(torch.uint8),
-                                     r.get(a + "kv_b_proj.weight_scale"), ScaleRecipe.FP32).to(bf)
-            kvb = kvb.view(H, cfg.qk_nope + cfg.v_head, cfg.kv_lora)
-            attn = MlaLayerWeights(
-                a_proj=_fp8_parts(r, [a + "q_a_proj", a + "kv_a_proj_with_mqa", a + "g_proj"], recipe,
-                                  pad_rows={a + "kv_a_proj_with_mqa": KV_A_PAD}),
-                q_a_norm=r.get(a + "q_a_layernorm.weight").to(bf), q_b=_fp8(r, a + "q_b_proj", recipe),
-                kv_a_norm=r.get(a + "kv_a_layernorm.weight").to(bf),
-                w_uk=kvb[:, :cfg.qk_nope].contiguous(), w_uv=kvb[:, cfg.qk_nope:].contiguous(),
-                o_proj=_fp8(r, a + "o_proj", recipe))
+        attn = (_kda_layer if cfg.kind(i) == "kda" else _mla_layer)(r, p + "self_attn.", cfg, recipe)
         if cfg.is_dense(i):
-            m = p + "mlp."
-            ffn = DenseMlpWeights(*(r.get(m + n + ".weight") for n in ("gate_proj", "up_proj", "down_proj")))
+            ffn = DenseMlpWeights(*(r.get(p + "mlp." + n + ".weight") for n in ("gate_proj", "up_proj", "down_proj")))
         else:
-            m = p + "block_sparse_moe."
-            ex = [f"{m}experts.{e}." for e in range(cfg.experts)]
-            ffn = MoeWeights(
-                router=r.get(m + "gate.weight").float(), bias=r.get(m + "gate.e_score_correction_bias").float(),
-                latent_down=r.get(m + "latent_down.weight"), latent_up=r.get(m + "latent_up.weight"),
-                w1_dequant=torch.stack([_nvfp4_dequant(r, e + "w1").to(bf) for e in ex]),
-                w3_dequant=torch.stack([_nvfp4_dequant(r, e + "w3").to(bf) for e in ex]),
-                w2_dequant=torch.stack([_nvfp4_dequant(r, e + "w2").to(bf) for e in ex]),
-                shared_gate=r.get(m + "shared_experts.gate_proj.weight"),
-                shared_up=r.get(m + "shared_experts.up_proj.weight"),
-                shared_down=r.get(m + "shared_experts.down_proj.weight"))
+            ffn = _moe_layer(r, p + "block_sparse_moe.", cfg)
         layers.append(LayerWeights(input_norm=r.get(p + "input_layernorm.weight"),
-                                   post_norm=r.get(p + "post_attention_layernorm.weight"), attn=attn, ffn=ffn))
-    return ModelWeights(cfg=cfg, recipe=recipe, embed=r.get(PREFIX + "embed_tokens.weight"),
-                        final_norm=r.get(PREFIX + "norm.weight"), lm_head=r.get(LM_HEAD), layers=layers)
+                                   post_norm=r.get(p + "post_attention_layernorm.weight"), attn=attn, ffn=ffn,
+                                   attn_res=_attn_res(r, p + "self_attention_res") if res else None,
+                                   mlp_res=_attn_res(r, p + "mlp_res") if res else None))
+    embed = r.get(PREFIX + "embed_tokens.weight")
+    return ModelWeights(cfg=cfg, recipe=recipe, embed=embed, final_norm=r.get(PREFIX + "norm.weight"),
+                        lm_head=embed if cfg.tie_embeddings else r.get(LM_HEAD), layers=layers,
+                        output_res=_attn_res(r, PREFIX + "output_attn_res") if res else None)

@@ -266,3 +266,72 @@ class KernelCache:
         shutil.rmtree(self.root / "kernels", ignore_errors=True)
         shutil.rmtree(self.root / "locks", ignore_errors=True)
         return n
+
+
+# -- random checkpoints ---------------------------------------------------------------------------
+# `k3gen generate` without --checkpoint runs a random checkpoint; it is made once per key (the
+# model side derives it from the config, seed and writer) under <cache dir>/checkpoints/<key>/ and
+# reused. k3gen owns only the folder and its life cycle (it never imports model/): the writer is
+# passed in. A folder is complete once it has its final name: it is written under a temp name and
+# renamed under the key's lock, so concurrent runs write it once and a killed run leaves only a
+# `.tmp-*` folder, which the next writer of any key and `cache clear` remove.
+
+def checkpoints_root(root: Path | None = None) -> Path:
+    return (Path(root) if root is not None else settings().cache_dir) / "checkpoints"
+
+
+def cached_checkpoint(key: str, write: Callable[[Path], object], root: Path | None = None) -> tuple[Path, bool]:
+    """(folder, written): the folder of `key`, made by `write(temp folder)` if absent."""
+    base = checkpoints_root(root)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CacheError(f"checkpoint cache {base} is unusable: {e.strerror or e}") from e
+    final = base / key
+    if final.is_dir():
+        return final, False
+    with FileLock(str(base / f".{key}.lock")):
+        if final.is_dir():
+            return final, False
+        for old in base.glob(".tmp-*"):
+            _remove_stale(base, old, key)
+        tmp = Path(tempfile.mkdtemp(dir=base, prefix=f".tmp-{key}-"))
+        try:
+            write(tmp)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final, True
+
+
+def _remove_stale(base: Path, old: Path, held: str) -> None:
+    """Remove a temp folder of a killed writer. Its key's lock tells: a live writer holds it (the
+    caller holds `held`'s, so a temp folder of that key is stale)."""
+    k = old.name[len(".tmp-"):].rsplit("-", 1)[0]   # mkdtemp's random suffix has no dash
+    if k == held:
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    lk = FileLock(str(base / f".{k}.lock"))
+    try:
+        lk.acquire(timeout=0)
+    except Timeout:
+        return
+    try:
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        lk.release()
+
+
+def folder_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file())
+
+
+def clear_checkpoints(root: Path | None = None) -> int:
+    """Remove every cached random checkpoint (and the leftovers of killed writes); returns how many."""
+    base = checkpoints_root(root)
+    if not base.is_dir():
+        return 0
+    n = sum(1 for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
+    shutil.rmtree(base, ignore_errors=True)
+    return n

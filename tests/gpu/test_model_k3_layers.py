@@ -1,7 +1,11 @@
 """One KDA and one MLA layer at the real K3 TP8 dimensions (hidden 7168, H = 12) through the
 generated kernels on the H200: decode time per layer (CUDA graph replay, median) for B = 1, 8, 32
-at a 4K context, printed. Weights are random FP8 block weights (no checkpoint at this size); MLA
-attention is the generated mla_decode (its split plan made by the eager warm-up, before capture)."""
+at a 4K context, printed, and each layer's decode step against the reference path (RefOps on the
+same GPU, same weights, same cache contents) at tests/numerics.py's BF16 bound: the layer output,
+the KDA state it leaves and the MLA attention over a 4K context of random cache rows. Weights are
+random FP8 block weights (no checkpoint at this size); MLA attention is the generated mla_decode
+(its split plan made by the eager warm-up, before capture). No MoE layer: its only implementation
+is the PyTorch stand-in that both paths share (model/layers.py moe), so there is nothing to compare."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +20,8 @@ from model import layers as L
 from model.cache import HybridCache
 from model.config import TargetConfig, k3_config
 from model.model import gemm_shapes_for
-from model.ops import KernelOps
+from model.ops import KernelOps, RefOps
+from numerics import assert_close
 from model.weights import KV_A_PAD, Fp8Linear, KdaLayerWeights, MlaLayerWeights
 
 pytestmark = pytest.mark.gpu
@@ -57,6 +62,39 @@ def _time(fn, reps=50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _fill_context(cache, t, slots, g) -> None:
+    """Random state in every KDA pool row of the batch and random rows (post-RMSNorm magnitudes)
+    at positions 0 .. CONTEXT-2 of the MLA cache, written by the reference kv_cache_write: both
+    paths then read the same non-trivial context."""
+    sl = slots.long()
+    pools = cache.state[0]
+    pools["ssm"][sl] = (torch.randn(pools["ssm"][sl].shape, generator=g) * 0.05).to(pools["ssm"].dtype).cuda()
+    pools["conv"][sl] = torch.randn(pools["conv"][sl].shape, generator=g).to(pools["conv"].dtype).cuda()
+    B, n = slots.shape[0], CONTEXT - 1
+    rows = torch.randn(B * n, 576, generator=g).to(torch.bfloat16).cuda()
+    cu = torch.arange(0, B * n + 1, n, dtype=torch.int32, device="cuda")
+    RefOps(t.recipe).kv_write(cache.layout, cache.kv[1], rows, cu, torch.zeros(B, dtype=torch.int32, device="cuda"),
+                              cache.block_table[sl], slots, cache.kv_scale[1], n)
+
+
+def _compare_with_reference(ops, ref, kda, mla, cache, st, xn, what) -> None:
+    """One decode step of each layer through the kernels and through RefOps, each on its own copy
+    of the pools / cache: outputs and the KDA state within numerics' BF16 bound (the projections'
+    FP8 GEMMs accumulate in another order, so BF16 activations may round differently: the state
+    inherits that, hence BF16 and not the FP32 state bound of the op tests, which share inputs)."""
+    sl = st.slots.long()
+    pk, pr = ({k: v.clone() for k, v in cache.state[0].items()} for _ in range(2))
+    out_k = L.kda_step(ops, kda, xn, pk, st)
+    out_r = L.kda_step(ref, kda, xn, pr, st)
+    assert_close(out_k, out_r, torch.bfloat16, what=f"{what} KDA layer output")
+    assert_close(pk["ssm"][sl].float(), pr["ssm"][sl].float(), torch.bfloat16, what=f"{what} KDA state")
+    ck, cr = ({k: v.clone() for k, v in cache.kv[1].items()} for _ in range(2))
+    out_k = L.mla_step(ops, mla, xn, ck, cache.layout, cache.kv_scale[1], st, 1e-5)
+    out_r = L.mla_step(ref, mla, xn, cr, cache.layout, cache.kv_scale[1], st, 1e-5)
+    assert_close(out_k, out_r, torch.bfloat16, what=f"{what} MLA layer output")
+    assert ref.ran["ref:kda_decode"] >= 1 and ref.ran["ref:mla_attention"] >= 1
+
+
 @pytest.mark.parametrize("kv,ssm", COMBOS)
 def test_k3_tp8_layer_decode_time(kv, ssm):
     g = torch.Generator().manual_seed(0)
@@ -83,6 +121,8 @@ def test_k3_tp8_layer_decode_time(kv, ssm):
                     block_table=cache.block_table[slots.long()], T=1,
                     cu_rows=torch.arange(B + 1, dtype=torch.int32, device="cuda"))
         xn = torch.randn(B, hid, generator=g).to(torch.bfloat16).cuda()
+        _fill_context(cache, t, slots, g)
+        _compare_with_reference(ops, RefOps(t.recipe), kda, mla, cache, st, xn, f"B={B}")
         t_kda = _time(lambda: L.kda_step(ops, kda, xn, cache.state[0], st))
         t_mla = _time(lambda: L.mla_step(ops, mla, xn, cache.kv[1], cache.layout, cache.kv_scale[1], st, 1e-5))
         out = L.kda_step(ops, kda, xn, cache.state[0], st)

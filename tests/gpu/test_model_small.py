@@ -5,10 +5,13 @@ reference path: NVFP4 KV (128-token pages) + BF16 SSM, and BF16 KV + FP32 SSM.
   graph replay gives the eager tokens, the pools have the target's dtypes, and the record of what
   ran holds kernels only (mla_decode for decode and verify attention; besides the named PyTorch
   stand-ins: the dequantized-expert MoE, the dense MLP and the prefill attention), eager and captured;
-- teacher-forced logits vs the reference path: top-1 agreement and mean KL per KV dtype printed;
-  BF16 KV top-1 >= 99%;
-- speculative decoding == greedy decoding, a divergence allowed only where the top-2 logit margin
-  is below BF16 noise (reported);
+- teacher-forced logits vs the reference path: top-1 agreement, mean KL and relative RMS per KV
+  dtype printed; BF16 KV top-1 >= 99%; a relative-RMS bound that a decoder dropping the KDA state
+  every step fails (run as a test that asserts the failure);
+- speculative decoding == greedy decoding on tokens and on the logits of every emitted position,
+  over prompts on which the n-gram drafter is right (acceptance asserted), a divergence allowed only
+  where the step's own logit difference can swap the top two; a commit that never records accepted
+  drafts fails it (run as a test that asserts the failure);
 - typed errors on bad input;
 - layerwise diagnosis (one prefill + one decode step, identical inputs): per-layer residual and
   per-op relative RMS between the paths, and each kernel op's own error against RefOps on the
@@ -21,15 +24,17 @@ import functools
 import pytest
 import torch
 
+import model.generate as G
+import model.model as MM
 from k3gen.errors import SpecError
 from model.cache import CacheCapacityError, HybridCache, check_dtypes
 from model.checkpoint import write_random_checkpoint
 from model.config import TargetConfig, small_config
-from model.generate import Generator, Request
+from model.generate import Generator, Request, ngram_drafts
 from model.model import K3Model, gemm_shapes_for
 from model.ops import KernelOps
 from model.weights import load_weights
-from numerics import rel_rms
+from numerics import assert_close, rel_rms
 
 pytestmark = pytest.mark.gpu
 CFG = small_config()
@@ -96,49 +101,165 @@ def test_groups_with_graphs_deterministic_and_equal_to_eager(kv, ssm):
     assert m.cache.mgr.free_slots == 8 and m.cache.mgr.free_pages == 32
 
 
-@pytest.mark.parametrize("kv,ssm", COMBOS, ids=lambda x: x)
-def test_teacher_forced_logits_vs_reference(kv, ssm):
+# Teacher-forced relative RMS of the kernel path's logits against the reference path's (same KV
+# format on both, so KV quantization is common and the difference is accumulation order plus the
+# BF16 / FP4 rounding flips it causes). On the tiny CPU model (tests/nogpu/modeling/
+# test_model_honest.py) a decoder that zeroes the KDA state every step moves the logits by 0.23 rel
+# RMS while the path-to-path noise of BF16 KV is < 1e-2; NVFP4 KV flips FP4 codes on top. The
+# bounds leave that noise room and stay several times under the mutation, which
+# test_teacher_forced_bound_fails_without_kda_state checks on this model. The old top-1 / KL checks
+# let the mutation through on the CPU model at NVFP4 (issue 20).
+TF_REL_RMS = {"bf16": 0.03, "nvfp4": 0.06}
+
+
+def _teacher_forced(kv, ssm, monkeypatch=None, drop=()):
     ps = prompts(8, seed=100, length=20)
     g = torch.Generator().manual_seed(101)
     targets = [torch.randint(0, CFG.vocab, (32,), generator=g).tolist() for _ in ps]
-    mk, gk = make(kv, ssm, graphs=True)
-    got = gk.teacher_forced(ps, targets)
     _, gr = make(kv, ssm, path="reference", device="cuda")
-    want = gr.teacher_forced(ps, targets)
-    got, want = torch.cat(got), torch.cat(want)
+    want = torch.cat(gr.teacher_forced(ps, targets))
+    if drop:
+        real = KernelOps.kda_decode
+
+        def stateless(self, qkvg, fa, beta, pools, slots, w):
+            for name in drop:
+                pools[name][slots.long()] = 0
+            return real(self, qkvg, fa, beta, pools, slots, w)
+        monkeypatch.setattr(KernelOps, "kda_decode", stateless)
+    mk, gk = make(kv, ssm, graphs=not drop)    # the mutation runs eager: a graph would bake it in anyway
+    got = torch.cat(gk.teacher_forced(ps, targets))
+    return mk, got, want
+
+
+def _check_teacher_forced(kv, got, want) -> None:
+    err = rel_rms(got, want)
+    if not err <= TF_REL_RMS[kv]:
+        raise AssertionError(f"teacher-forced logits relative RMS {err:.3g} > {TF_REL_RMS[kv]:g} ({kv} KV)")
+
+
+@pytest.mark.parametrize("kv,ssm", COMBOS, ids=lambda x: x)
+def test_teacher_forced_logits_vs_reference(kv, ssm):
+    mk, got, want = _teacher_forced(kv, ssm)
     assert torch.isfinite(got).all()
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     kl = torch.nn.functional.kl_div(torch.log_softmax(got, -1), torch.log_softmax(want, -1), log_target=True,
                                     reduction="batchmean").item()
-    print(f"\n[{kv} KV, {ssm} SSM] teacher-forced top-1 agreement {top1:.4f}, mean KL {kl:.3e} over {len(got)} tokens")
+    print(f"\n[{kv} KV, {ssm} SSM] teacher-forced top-1 agreement {top1:.4f}, mean KL {kl:.3e}, rel RMS "
+          f"{rel_rms(got, want):.3e} over {len(got)} tokens")
     assert top1 >= (0.99 if kv == "bf16" else 0.97)
     assert kl < (1e-2 if kv == "bf16" else 5e-2)
+    _check_teacher_forced(kv, got, want)
     check_ran(mk.ops.ran)
 
 
-def _first_divergences(greedy, spec):
-    """First differing token of each request; a divergence is allowed only at a BF16 tie."""
-    diverged = []
-    for i, (a, b) in enumerate(zip(greedy, spec)):
-        for t, (x, y) in enumerate(zip(a.out, b.out)):
-            if x != y:
-                noise = 2.0 ** -7 * 16          # BF16 ulp at logit magnitude ~16
-                assert min(a.margins[t], b.margins[t]) < noise, f"request {i} token {t}: margin {a.margins[t]}"
-                diverged.append((i, t, a.margins[t]))
-                break
-    return diverged
-
-
+@pytest.mark.parametrize("drop", [("ssm",), ("ssm", "conv")], ids=["ssm", "ssm+conv"])
 @pytest.mark.parametrize("kv,ssm", COMBOS, ids=lambda x: x)
-def test_speculative_equals_greedy(kv, ssm):
-    """The n-gram drafter (rarely right on a random model), then an oracle drafter that proposes
-    greedy's own continuation with its first wrong draft at a rotating position, so every accepted
-    count 0..M occurs and accepted drafts' states are committed."""
+def test_teacher_forced_bound_fails_without_kda_state(kv, ssm, drop, monkeypatch):
+    _, got, want = _teacher_forced(kv, ssm, monkeypatch, drop)
+    print(f"\n[{kv} KV, KDA {'+'.join(drop)} dropped] teacher-forced rel RMS {rel_rms(got, want):.3e}")
+    with pytest.raises(AssertionError, match="relative RMS"):
+        _check_teacher_forced(kv, got, want)
+
+
+class LogitSpy:
+    """The logits row of every emitted token, per request (model.generate.sample sees each one:
+    a speculative request's accepted positions and bonus token included)."""
+
+    def __init__(self, monkeypatch):
+        self.rows: dict[int, list[torch.Tensor]] = {}
+        real = G.sample
+
+        def spy(logits, req, gen):
+            self.rows.setdefault(id(req), []).append(logits.detach().float().cpu().clone())
+            return real(logits, req, gen)
+        monkeypatch.setattr(G, "sample", spy)
+
+
+# Per-step logits bound of speculative vs greedy: numerics' BF16 bound for BF16 KV; NVFP4 KV 3e-2 rel
+# RMS (verify's T = 1 + M launches and decode's T = 1 launches reduce in other orders and an FP4 code
+# may flip: on the CPU model NVFP4 measured <= 1.3e-2 where BF16 KV measured <= 6e-3). An isolated
+# step up to SPIKE_CAP is allowed (a router top-k flip), at most MAX_SPIKES per request; a wrong
+# committed state persists into every later step instead.
+NVFP4_LOGITS_REL_RMS, SPIKE_CAP, MAX_SPIKES = 3e-2, 0.15, 2
+
+
+def _step_error(kv, got, want, what):
+    if kv == "bf16":
+        try:
+            assert_close(got, want, torch.bfloat16, what=f"{what} logits")
+        except AssertionError as e:
+            return str(e)
+        return None
+    err = rel_rms(got, want)
+    return None if err <= NVFP4_LOGITS_REL_RMS else f"{what} logits: relative RMS {err:.3g} > {NVFP4_LOGITS_REL_RMS:g}"
+
+
+def check_spec_logits(kv, greedy, spec, spy) -> tuple[int, list]:
+    """Logits of each step while the tokens so far agree, then the token: a divergence only where
+    the step's own logit difference can swap the top two. Returns (steps compared, divergences)."""
+    steps, diverged = 0, []
+    for i, (a, b) in enumerate(zip(greedy, spec)):
+        la, lb = spy.rows[id(a)], spy.rows[id(b)]
+        bad, n = {}, 0
+        for t, (x, y) in enumerate(zip(a.out, b.out)):
+            msg = _step_error(kv, lb[t], la[t], f"request {i} step {t}")
+            if msg:
+                bad[t] = msg
+            n += 1
+            if x != y:
+                break
+        steps += n
+        spikes = [t for t in bad if t - 1 not in bad and t + 1 not in bad and 0 < t < n - 1
+                  and rel_rms(lb[t], la[t]) <= SPIKE_CAP]
+        rest = [bad[t] for t in bad if t not in spikes]
+        if rest or len(spikes) > MAX_SPIKES:
+            raise AssertionError(f"{len(bad)} of {n} steps off ({len(spikes)} isolated): "
+                                 + "; ".join(rest or [bad[t] for t in spikes]))
+        t = n - 1
+        if a.out[t] != b.out[t]:
+            moved = 2 * float((lb[t] - la[t]).abs().max())
+            assert min(a.margins[t], b.margins[t]) <= moved, \
+                f"request {i} token {t}: {b.out[t]} != {a.out[t]}, margin {a.margins[t]:.3g} > {moved:.3g}"
+            diverged.append((i, t, a.margins[t]))
+    return steps, diverged
+
+
+def cycling_prompts(g, n=4) -> list[list[int]]:
+    """Prompts on which the n-gram drafter is right: of 8 seeds, the n whose greedy continuation
+    (tokens 24..56) ngram_drafts would predict best (simulated, no model call), as seed + its first
+    24 tokens. A random model's greedy walk tends to settle into short cycles."""
+    seeds = [p[:8] * 2 for p in prompts(8, seed=7)]
+    outs = [r.out for r in g.generate([Request(p, 56) for p in seeds])]
+
+    def hits(seed, out):
+        c = 0
+        for k in range(24, len(out) - DRAFTS):
+            d = ngram_drafts(seed + out[:k], DRAFTS)
+            while d and d[0] == out[k]:
+                c, d, k = c + 1, d[1:], k + 1
+        return c
+    best = sorted(range(len(seeds)), key=lambda i: -hits(seeds[i], outs[i]))[:n]
+    return [seeds[i] + outs[i][:24] for i in best]
+
+
+@pytest.mark.parametrize("mutate", [False, True], ids=["honest", "commit-drops-drafts"])
+@pytest.mark.parametrize("kv,ssm", COMBOS, ids=lambda x: x)
+def test_speculative_equals_greedy(kv, ssm, mutate, monkeypatch):
+    """The n-gram drafter over prompts it predicts (acceptance asserted), then an oracle drafter
+    that proposes greedy's own continuation with its first wrong draft at a rotating position, so
+    every accepted count 0..M occurs and accepted drafts' states are committed; tokens and logits
+    judged. With `mutate`, commit never records the accepted drafts and the logits check must fail."""
+    spy = LogitSpy(monkeypatch)
     _, g = make(kv, ssm, graphs=True)
-    ps = [p[:8] * 3 for p in prompts(4, seed=7)]            # repetitive prompts: the n-gram drafter hits
+    ps = cycling_prompts(g)
     greedy = g.generate([Request(p, 24) for p in ps])
+    if mutate:
+        monkeypatch.setattr(MM, "kda_commit", lambda pending, slots, accepted: None)
+    g.accepted.clear()
     spec = g.generate([Request(p, 24) for p in ps], speculative=True)
-    diverged = _first_divergences(greedy, spec)
+    acc_ngram = list(g.accepted)
+    assert sum(acc_ngram) >= (1 if mutate else 6) and (mutate or max(acc_ngram) == DRAFTS), \
+        f"n-gram drafter accepted {acc_ngram}"
 
     def oracle(i, history, m):
         n = len(history) - len(ps[i])                       # tokens generated so far
@@ -150,11 +271,19 @@ def test_speculative_equals_greedy(kv, ssm):
 
     g.accepted.clear()
     spec_o = g.generate([Request(p, 24) for p in ps], speculative=True, drafter=oracle)
-    diverged_o = _first_divergences(greedy, spec_o)
     acc = list(g.accepted)
-    print(f"\n[{kv}] n-gram drafter divergences at BF16 ties: {diverged}; oracle drafter: accepted counts "
-          f"{sorted(set(acc))}, divergences at BF16 ties: {diverged_o}")
     assert set(range(DRAFTS + 1)) <= set(acc), acc
+    if mutate:
+        for s in (spec, spec_o):
+            with pytest.raises(AssertionError, match="logits"):
+                check_spec_logits(kv, greedy, s, spy)
+        return
+    steps, diverged = check_spec_logits(kv, greedy, spec, spy)
+    steps_o, diverged_o = check_spec_logits(kv, greedy, spec_o, spy)
+    print(f"\n[{kv}] n-gram drafter: {sum(acc_ngram)} drafts accepted, {steps} steps compared, divergences at "
+          f"ties {diverged}; oracle drafter: accepted counts {sorted(set(acc))}, {steps_o} steps, divergences "
+          f"{diverged_o}")
+    assert steps >= 24 and steps_o >= 24
 
 
 def test_bad_input_is_typed():
@@ -247,10 +376,20 @@ class Trace:
 
         def traced_ffn(i, h):
             out = ffn(i, h)
-            self.h.append(out.clone())
             self.layer = i + 1
             return out
         monkeypatch.setattr(model, "_ffn", traced_ffn)
+        # The stream after each layer: with Attention Residuals the running partial sum of the
+        # current block (model/arch.py AttnResStream), recorded when the FFN output is added.
+        import model.model as MM
+        trace, base = self, MM.AttnResStream
+
+        class TracedStream(base):
+            def add_ffn(s, out):
+                super().add_ffn(out)
+                if Trace.active is trace:
+                    trace.h.append(s.partial.clone())
+        monkeypatch.setattr(MM, "AttnResStream", TracedStream)
         route = L.route
 
         def traced_route(w, xn, cfg):

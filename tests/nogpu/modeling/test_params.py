@@ -143,9 +143,9 @@ def test_plan_memory_shows_parameters_and_weights_per_rank():
     assert 190 < gib < 200
     assert "2.78 T params" in p.stdout and "104.2 B active" in p.stdout, p.stdout
     assert f"nvfp4 TP8 EP1: weights {gib:.1f} GiB/rank" in p.stdout, p.stdout
-    assert p.returncode == 1 and "the weights alone exceed the budget" in p.stdout
+    assert p.returncode == 1 and "the weights alone exceed the budget" in p.stderr
     p = _plan("--config", "k3", "--tp", "8", "--ep", "8", "--layout", "mxfp4")
     gib = weight_bytes_per_rank(K3, 8, 8, "mxfp4") / 2**30
     assert f"mxfp4 TP8 EP8: weights {gib:.1f} GiB/rank" in p.stdout, p.stdout
     p = _plan("--config", "k3", "--tp", "8", "--ep", "3")
-    assert p.returncode == 2 and "ep=3" in p.stdout, p.stdout
+    assert p.returncode == 2 and "ep=3" in p.stderr and not p.stdout, (p.stdout, p.stderr)
