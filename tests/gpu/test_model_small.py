@@ -109,7 +109,12 @@ def test_groups_with_graphs_deterministic_and_equal_to_eager(kv, ssm):
 # bounds leave that noise room and stay several times under the mutation, which
 # test_teacher_forced_bound_fails_without_kda_state checks on this model. The old top-1 / KL checks
 # let the mutation through on the CPU model at NVFP4 (issue 20).
-TF_REL_RMS = {"bf16": 0.03, "nvfp4": 0.06}
+# Measured on the H200 (2026-12-02) with the K3 architecture (Attention Residuals, SiTU, latent MoE)
+# on the random small model (model/checkpoint.py QUERY_GAIN 0.5): honest rel RMS 0.149 (BF16 KV) and
+# 0.157 (NVFP4 KV); KDA state dropped every step 0.443 / 0.446, state and conv window 0.561 / 0.562.
+# The bound sits between: ~1.6x the honest error, ~1.8x under the mutation (the mutation variants
+# below assert that they fail). The top-1 and KL floors are the ones the model met before AttnRes.
+TF_REL_RMS = {"bf16": 0.25, "nvfp4": 0.25}
 
 
 def _teacher_forced(kv, ssm, monkeypatch=None, drop=()):
@@ -167,9 +172,12 @@ class LogitSpy:
 
     def __init__(self, monkeypatch):
         self.rows: dict[int, list[torch.Tensor]] = {}
+        self.seen: list = []            # keeps every request alive, so no id() is reused
         real = G.sample
 
         def spy(logits, req, gen):
+            if id(req) not in self.rows:
+                self.seen.append(req)
             self.rows.setdefault(id(req), []).append(logits.detach().float().cpu().clone())
             return real(logits, req, gen)
         monkeypatch.setattr(G, "sample", spy)
@@ -180,7 +188,9 @@ class LogitSpy:
 # may flip: on the CPU model NVFP4 measured <= 1.3e-2 where BF16 KV measured <= 6e-3). An isolated
 # step up to SPIKE_CAP is allowed (a router top-k flip), at most MAX_SPIKES per request; a wrong
 # committed state persists into every later step instead.
-NVFP4_LOGITS_REL_RMS, SPIKE_CAP, MAX_SPIKES = 3e-2, 0.15, 2
+# H200 2026-12-02: 3 isolated steps of 24 (0.036-0.094) on NVFP4 KV; a wrong commit is off at every
+# later step (not isolated), so it fails whatever MAX_SPIKES is.
+NVFP4_LOGITS_REL_RMS, SPIKE_CAP, MAX_SPIKES = 3e-2, 0.15, 4
 
 
 def _step_error(kv, got, want, what):
@@ -258,7 +268,9 @@ def test_speculative_equals_greedy(kv, ssm, mutate, monkeypatch):
     g.accepted.clear()
     spec = g.generate([Request(p, 24) for p in ps], speculative=True)
     acc_ngram = list(g.accepted)
-    assert sum(acc_ngram) >= (1 if mutate else 6) and (mutate or max(acc_ngram) == DRAFTS), \
+    # The n-gram drafter must have been right at least once (measured 3 on this random model, which
+    # rarely cycles); the oracle drafter below covers every accepted count 0..M.
+    assert sum(acc_ngram) >= 1, \
         f"n-gram drafter accepted {acc_ngram}"
 
     def oracle(i, history, m):
@@ -379,16 +391,22 @@ class Trace:
             self.layer = i + 1
             return out
         monkeypatch.setattr(model, "_ffn", traced_ffn)
-        # The stream after each layer: with Attention Residuals the running partial sum of the
-        # current block (model/arch.py AttnResStream), recorded when the FFN output is added.
+        # The stream after each layer as the next layer reads it: with Attention Residuals the
+        # mix of the sources through layer i + 1's attention query (model/arch.py AttnResStream;
+        # a block's raw partial sum would carry no embedding and is no residual). inputs() runs
+        # twice per layer (attention, FFN) and once more for the output query (calls 1, 3, .., 2L+1
+        # are attention-side mixes): calls 3, 5, .., 2L+1 are the stream after layers 1..L.
         import model.model as MM
         trace, base = self, MM.AttnResStream
 
         class TracedStream(base):
-            def add_ffn(s, out):
-                super().add_ffn(out)
-                if Trace.active is trace:
-                    trace.h.append(s.partial.clone())
+            def inputs(s, w):
+                out = super().inputs(w)
+                if Trace.active is trace:     # the other Trace's subclass runs in super() too
+                    s.calls = getattr(s, "calls", 0) + 1
+                    if s.calls % 2 == 1 and s.calls > 1:
+                        trace.h.append(out.clone())
+                return out
         monkeypatch.setattr(MM, "AttnResStream", TracedStream)
         route = L.route
 
