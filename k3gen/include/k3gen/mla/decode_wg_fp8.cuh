@@ -43,8 +43,8 @@ constexpr int kScaleBytes = kTok * 5 * 4;       // the page's [64][5] FP32 scale
 constexpr int kPGroups = 4;                     // latent scale groups (PV)
 constexpr int kPBytes = kN * 128;               // one group's P tile: [16 cols][hi 64 | lo 64]
 constexpr int kRedStride = kN + 4;              // red row: column maxima, then the warp's scale max
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;
-static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+using wg::kConsumerRegs;                        // the warp-specialized split of decode_wg.cuh
+using wg::kProducerRegs;
 
 template <class C>
 struct Geo8 {

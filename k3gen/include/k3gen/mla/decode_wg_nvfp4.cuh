@@ -49,8 +49,8 @@ constexpr int kRingRows = 16;                     // the live tile (< 16 rows pa
 constexpr int kVBytes = 8 * wg::kBlk;             // a consumer's decoded [64][512] f16 tile
 constexpr int kQBytes = 9 * kN * 128;             // Q: 9 SW128 blocks of [16 rows][64 dims]
 constexpr int kPBytes = kN * 128;                 // P^T: [16 cols][64 tok] f16
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;
-static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+using wg::kConsumerRegs;                        // the warp-specialized split of decode_wg.cuh
+using wg::kProducerRegs;
 
 template <class C>
 struct Geo4 {
