@@ -83,6 +83,17 @@ class UnsupportedCheckpointError(CheckpointError, NotImplementedError):
     """A valid checkpoint feature this runtime does not run yet (names the tensor or field)."""
 
 
+def open_shard(folder, shard: str, files: dict, opener):
+    """The open safetensors handle of `shard` (opened once into `files`, by `opener` such as
+    safetensors.safe_open), or a CheckpointError when the index names a shard that is not there."""
+    if shard not in files:
+        p = Path(folder) / shard
+        if not p.is_file():
+            raise CheckpointError(f"shard {shard} named by {INDEX} is missing")
+        files[shard] = opener(str(p), framework="pt")
+    return files[shard]
+
+
 # -- names and shapes ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TensorInfo:

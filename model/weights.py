@@ -33,7 +33,7 @@ from k3gen.ops.kda_decode.reference import KdaWeights
 from k3gen.targets import KDA_FAB_ALIGN, MLA_A_PAD as KV_A_PAD
 
 from model.arch import AttnResWeights
-from model.checkpoint import (INDEX, LM_HEAD, PREFIX, QUANT_CONFIG, BadValueError, CheckpointError,
+from model.checkpoint import (open_shard, INDEX, LM_HEAD, PREFIX, QUANT_CONFIG, BadValueError, CheckpointError,
                               MissingTensorError, TensorShapeError, UnexpectedTensorError,
                               UnsupportedCheckpointError, expected_tensors)
 from model.config import ModelConfig
@@ -56,12 +56,7 @@ class CheckpointReader:
         self._open = safe_open
 
     def _file(self, shard: str):
-        if shard not in self._files:
-            p = self.folder / shard
-            if not p.is_file():
-                raise CheckpointError(f"shard {shard} named by {INDEX} is missing")
-            self._files[shard] = self._open(str(p), framework="pt")
-        return self._files[shard]
+        return open_shard(self.folder, shard, self._files, self._open)
 
     def get(self, name: str) -> torch.Tensor:
         info = self.expected.get(name)

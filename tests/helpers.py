@@ -84,3 +84,38 @@ def fp8_gemm_graph_replay(run, out, xc, xs, fresh, check) -> None:
     graph.replay()
     torch.cuda.synchronize()
     check(out)
+
+
+def check_spec_equals_greedy(greedy, spec, rows_of, step_error, spike_cap: float, max_spikes: int):
+    """Speculative vs greedy requests, per request and step while the tokens so far agree: the
+    step's logits agree (`step_error(got, want, what)` -> message or None), but for at most
+    `max_spikes` isolated steps within `spike_cap` rel RMS (a router top-k flip; a wrong committed
+    state is off at every later step instead); then the token, which may differ only where the
+    top-2 gap is within what the two runs' logits moved at that step, ending that request's
+    comparison. `rows_of(req)` gives a request's logits rows. Returns (steps compared,
+    divergences [(request, step, margin)])."""
+    steps, diverged = 0, []
+    for i, (a, b) in enumerate(zip(greedy, spec)):
+        la, lb = rows_of(a), rows_of(b)
+        bad, n = {}, 0
+        for t, (x, y) in enumerate(zip(a.out, b.out)):
+            msg = step_error(lb[t], la[t], f"request {i} step {t}")
+            if msg:
+                bad[t] = msg
+            n += 1
+            if x != y:
+                break
+        steps += n
+        spikes = [t for t in bad if t - 1 not in bad and t + 1 not in bad and 0 < t < n - 1
+                  and rel_rms(lb[t], la[t]) <= spike_cap]
+        rest = [bad[t] for t in bad if t not in spikes]
+        if rest or len(spikes) > max_spikes:
+            raise AssertionError(f"{len(bad)} of {n} steps off ({len(spikes)} isolated): "
+                                 + "; ".join(rest or [bad[t] for t in spikes]))
+        t = n - 1
+        if a.out[t] != b.out[t]:
+            moved = 2 * float((lb[t] - la[t]).abs().max())
+            assert min(a.margins[t], b.margins[t]) <= moved, \
+                f"request {i} token {t}: {b.out[t]} != {a.out[t]}, margin {a.margins[t]:.3g} > {moved:.3g}"
+            diverged.append((i, t, a.margins[t]))
+    return steps, diverged

@@ -40,8 +40,8 @@ from k3gen import numerics as Q
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ops.fp8_block_gemm.reference import quantize_weights
-from model.checkpoint import (INDEX, LM_HEAD, PREFIX, BadValueError, CheckpointError, MissingTensorError,
-                              TensorShapeError)
+from model.checkpoint import (open_shard, INDEX, LM_HEAD, PREFIX, BadValueError, CheckpointError, MissingTensorError,
+                              TensorShapeError, UnexpectedTensorError)
 from model.config import ModelConfig
 from model.weights import ExpertWeights, Fp8Linear
 
@@ -57,10 +57,6 @@ _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 class QuantConfigError(CheckpointError):
     """config.json's quantization_config is not the one this reader decodes."""
-
-
-class UnexpectedTensorError(CheckpointError):
-    """A tensor the model does not have (a misnamed or foreign tensor must not be dropped silently)."""
 
 
 def quantization_config() -> dict:
@@ -404,12 +400,7 @@ class CtMxfp4Checkpoint:
         self._check_headers()
 
     def _file(self, shard: str):
-        if shard not in self._files:
-            p = self.folder / shard
-            if not p.is_file():
-                raise CheckpointError(f"shard {shard} named by {INDEX} is missing")
-            self._files[shard] = self._open(str(p), framework="pt")
-        return self._files[shard]
+        return open_shard(self.folder, shard, self._files, self._open)
 
     def close(self, shard: str | None = None) -> None:
         for s in [shard] if shard else list(self._files):

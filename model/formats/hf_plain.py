@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import BadValueError, CheckpointError, MissingTensorError, TensorShapeError
+from model.checkpoint import (BadValueError, CheckpointError, MissingTensorError, TensorShapeError,
+                              UnexpectedTensorError)
 from model.config import ModelConfig, config_from_json
 from model.reference import canonical_shapes, check_shape
 
@@ -38,13 +39,6 @@ SINGLE = "model.safetensors"
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _SKIP = ("vision_tower.", "mm_projector.", "language_model.vision_tower.", "language_model.mm_projector.")
 _DENSE_QUIRK = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
-
-
-class UnexpectedTensorError(CheckpointError, KeyError):
-    """A tensor the config has no place for (another model's checkpoint, or a wrong config)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return self.args[0]
 
 
 def canonical_name(name: str, cfg: ModelConfig) -> str | None:

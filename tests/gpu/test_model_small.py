@@ -35,6 +35,7 @@ from model.model import K3Model, gemm_shapes_for
 from model.ops import KernelOps
 from model.weights import load_weights
 from numerics import assert_close, rel_rms
+from helpers import check_spec_equals_greedy
 
 pytestmark = pytest.mark.gpu
 CFG = small_config()
@@ -205,33 +206,9 @@ def _step_error(kv, got, want, what):
 
 
 def check_spec_logits(kv, greedy, spec, spy) -> tuple[int, list]:
-    """Logits of each step while the tokens so far agree, then the token: a divergence only where
-    the step's own logit difference can swap the top two. Returns (steps compared, divergences)."""
-    steps, diverged = 0, []
-    for i, (a, b) in enumerate(zip(greedy, spec)):
-        la, lb = spy.rows[id(a)], spy.rows[id(b)]
-        bad, n = {}, 0
-        for t, (x, y) in enumerate(zip(a.out, b.out)):
-            msg = _step_error(kv, lb[t], la[t], f"request {i} step {t}")
-            if msg:
-                bad[t] = msg
-            n += 1
-            if x != y:
-                break
-        steps += n
-        spikes = [t for t in bad if t - 1 not in bad and t + 1 not in bad and 0 < t < n - 1
-                  and rel_rms(lb[t], la[t]) <= SPIKE_CAP]
-        rest = [bad[t] for t in bad if t not in spikes]
-        if rest or len(spikes) > MAX_SPIKES:
-            raise AssertionError(f"{len(bad)} of {n} steps off ({len(spikes)} isolated): "
-                                 + "; ".join(rest or [bad[t] for t in spikes]))
-        t = n - 1
-        if a.out[t] != b.out[t]:
-            moved = 2 * float((lb[t] - la[t]).abs().max())
-            assert min(a.margins[t], b.margins[t]) <= moved, \
-                f"request {i} token {t}: {b.out[t]} != {a.out[t]}, margin {a.margins[t]:.3g} > {moved:.3g}"
-            diverged.append((i, t, a.margins[t]))
-    return steps, diverged
+    """tests/helpers.py check_spec_equals_greedy with this test's per-step bounds."""
+    return check_spec_equals_greedy(greedy, spec, lambda r: spy.rows[id(r)],
+                                    lambda got, want, what: _step_error(kv, got, want, what), SPIKE_CAP, MAX_SPIKES)
 
 
 def cycling_prompts(g, n=4) -> list[list[int]]:
