@@ -119,3 +119,15 @@ def check_spec_equals_greedy(greedy, spec, rows_of, step_error, spike_cap: float
                 f"request {i} token {t}: {b.out[t]} != {a.out[t]}, margin {a.margins[t]:.3g} > {moved:.3g}"
             diverged.append((i, t, a.margins[t]))
     return steps, diverged
+
+
+def drop_kda_state(monkeypatch, ops_cls, pools: tuple[str, ...]) -> None:
+    """The mutation issue 20 names: `ops_cls.kda_decode` zeroes the named state pools ("ssm",
+    "conv") of its slots before every step, so a test must fail when the KDA state is lost."""
+    real = ops_cls.kda_decode
+
+    def stateless(self, qkvg, fa, beta, pool, slots, w):
+        for name in pools:
+            pool[name][slots.long()] = 0
+        return real(self, qkvg, fa, beta, pool, slots, w)
+    monkeypatch.setattr(ops_cls, "kda_decode", stateless)

@@ -35,7 +35,7 @@ from model.model import K3Model, gemm_shapes_for
 from model.ops import KernelOps
 from model.weights import load_weights
 from numerics import assert_close, rel_rms
-from helpers import check_spec_equals_greedy
+from helpers import check_spec_equals_greedy, drop_kda_state
 
 pytestmark = pytest.mark.gpu
 CFG = small_config()
@@ -125,13 +125,7 @@ def _teacher_forced(kv, ssm, monkeypatch=None, drop=()):
     _, gr = make(kv, ssm, path="reference", device="cuda")
     want = torch.cat(gr.teacher_forced(ps, targets))
     if drop:
-        real = KernelOps.kda_decode
-
-        def stateless(self, qkvg, fa, beta, pools, slots, w):
-            for name in drop:
-                pools[name][slots.long()] = 0
-            return real(self, qkvg, fa, beta, pools, slots, w)
-        monkeypatch.setattr(KernelOps, "kda_decode", stateless)
+        drop_kda_state(monkeypatch, KernelOps, drop)
     mk, gk = make(kv, ssm, graphs=not drop)    # the mutation runs eager: a graph would bake it in anyway
     got = torch.cat(gk.teacher_forced(ps, targets))
     return mk, got, want

@@ -36,7 +36,7 @@ from model.model import K3Model
 from model.ops import RefOps
 from model.weights import load_weights
 from numerics import assert_close, rel_rms
-from helpers import check_spec_equals_greedy as check_spec
+from helpers import check_spec_equals_greedy as check_spec, drop_kda_state
 
 DRAFTS = 3
 NEW = 24
@@ -325,13 +325,7 @@ def teacher_forced_error(w, kv, monkeypatch=None, drop=None) -> tuple[float, flo
     full = m.prefill([0], [seq], all_logits=True)[19:39]
     m.release([0])
     if drop is not None:
-        real = RefOps.kda_decode
-
-        def stateless(self, qkvg, fa, beta, pools, slots, kw):
-            for name in drop:
-                pools[name][slots.long()] = 0
-            return real(self, qkvg, fa, beta, pools, slots, kw)
-        monkeypatch.setattr(RefOps, "kda_decode", stateless)
+        drop_kda_state(monkeypatch, RefOps, drop)
     got = Generator(m).teacher_forced([seq[:20]], [seq[20:]])[0]
     assert m.ops.ran["ref:kda_decode"] == 19 * len(m.cfg.kda_layer_ids)
     return rel_rms(got, full), float((got.argmax(-1) == full.argmax(-1)).float().mean())
