@@ -131,3 +131,38 @@ def drop_kda_state(monkeypatch, ops_cls, pools: tuple[str, ...]) -> None:
             pool[name][slots.long()] = 0
         return real(self, qkvg, fa, beta, pool, slots, w)
     monkeypatch.setattr(ops_cls, "kda_decode", stateless)
+
+
+class LogitSpy:
+    """The logits row of every emitted token, per request (model.generate.sample sees each one:
+    a speculative request's accepted positions and bonus token included)."""
+
+    def __init__(self, monkeypatch):
+        import model.generate as G
+        self.rows: dict[int, list[torch.Tensor]] = {}
+        self.seen: list = []            # keeps every request alive, so no id() is reused
+        real = G.sample
+
+        def spy(logits, req, gen):
+            if id(req) not in self.rows:
+                self.seen.append(req)
+            self.rows.setdefault(id(req), []).append(logits.detach().float().cpu().clone())
+            return real(logits, req, gen)
+        monkeypatch.setattr(G, "sample", spy)
+
+    def of(self, req) -> list[torch.Tensor]:
+        return self.rows[id(req)]
+
+
+def logits_step_error(kv: str, got: torch.Tensor, want: torch.Tensor, what: str, nvfp4_rel_rms: float) -> str | None:
+    """None when one step's logits agree (numerics' BF16 bound for BF16 KV, `nvfp4_rel_rms` for
+    NVFP4 KV), else the failure message."""
+    if kv == "bf16":
+        from numerics import assert_close
+        try:
+            assert_close(got, want, torch.bfloat16, what=f"{what} logits")
+        except AssertionError as e:
+            return str(e)
+        return None
+    err = rel_rms(got, want)
+    return None if err <= nvfp4_rel_rms else f"{what} logits: relative RMS {err:.3g} > {nvfp4_rel_rms:g}"

@@ -24,7 +24,6 @@ import functools
 import pytest
 import torch
 
-import model.generate as G
 import model.model as MM
 from k3gen.errors import SpecError
 from model.cache import CacheCapacityError, HybridCache, check_dtypes
@@ -34,8 +33,8 @@ from model.generate import Generator, Request, ngram_drafts
 from model.model import K3Model, gemm_shapes_for
 from model.ops import KernelOps
 from model.weights import load_weights
-from numerics import assert_close, rel_rms
-from helpers import check_spec_equals_greedy, drop_kda_state
+from numerics import rel_rms
+from helpers import LogitSpy, check_spec_equals_greedy, drop_kda_state, logits_step_error
 
 pytestmark = pytest.mark.gpu
 CFG = small_config()
@@ -161,23 +160,6 @@ def test_teacher_forced_bound_fails_without_kda_state(kv, ssm, drop, monkeypatch
         _check_teacher_forced(kv, got, want)
 
 
-class LogitSpy:
-    """The logits row of every emitted token, per request (model.generate.sample sees each one:
-    a speculative request's accepted positions and bonus token included)."""
-
-    def __init__(self, monkeypatch):
-        self.rows: dict[int, list[torch.Tensor]] = {}
-        self.seen: list = []            # keeps every request alive, so no id() is reused
-        real = G.sample
-
-        def spy(logits, req, gen):
-            if id(req) not in self.rows:
-                self.seen.append(req)
-            self.rows.setdefault(id(req), []).append(logits.detach().float().cpu().clone())
-            return real(logits, req, gen)
-        monkeypatch.setattr(G, "sample", spy)
-
-
 # Per-step logits bound of speculative vs greedy: numerics' BF16 bound for BF16 KV; NVFP4 KV 3e-2 rel
 # RMS (verify's T = 1 + M launches and decode's T = 1 launches reduce in other orders and an FP4 code
 # may flip: on the CPU model NVFP4 measured <= 1.3e-2 where BF16 KV measured <= 6e-3). An isolated
@@ -188,21 +170,11 @@ class LogitSpy:
 NVFP4_LOGITS_REL_RMS, SPIKE_CAP, MAX_SPIKES = 3e-2, 0.15, 4
 
 
-def _step_error(kv, got, want, what):
-    if kv == "bf16":
-        try:
-            assert_close(got, want, torch.bfloat16, what=f"{what} logits")
-        except AssertionError as e:
-            return str(e)
-        return None
-    err = rel_rms(got, want)
-    return None if err <= NVFP4_LOGITS_REL_RMS else f"{what} logits: relative RMS {err:.3g} > {NVFP4_LOGITS_REL_RMS:g}"
-
-
 def check_spec_logits(kv, greedy, spec, spy) -> tuple[int, list]:
     """tests/helpers.py check_spec_equals_greedy with this test's per-step bounds."""
-    return check_spec_equals_greedy(greedy, spec, lambda r: spy.rows[id(r)],
-                                    lambda got, want, what: _step_error(kv, got, want, what), SPIKE_CAP, MAX_SPIKES)
+    return check_spec_equals_greedy(greedy, spec, spy.of,
+                                    lambda got, want, what: logits_step_error(kv, got, want, what, NVFP4_LOGITS_REL_RMS),
+                                    SPIKE_CAP, MAX_SPIKES)
 
 
 def cycling_prompts(g, n=4) -> list[list[int]]:

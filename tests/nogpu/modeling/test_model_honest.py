@@ -24,7 +24,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import model.generate as G
 import model.model as MM
 from k3gen.ops.kda_decode.reference import kda_decode as ref_kda_decode
 from k3gen.ops.kda_verify.reference import start_of
@@ -36,7 +35,7 @@ from model.model import K3Model
 from model.ops import RefOps
 from model.weights import load_weights
 from numerics import assert_close, rel_rms
-from helpers import check_spec_equals_greedy as check_spec, drop_kda_state
+from helpers import LogitSpy, check_spec_equals_greedy as check_spec, drop_kda_state, logits_step_error
 
 DRAFTS = 3
 NEW = 24
@@ -63,36 +62,6 @@ def _noop_commit(pending, slots, accepted):
 
 
 # -- (a) speculative == greedy, tokens and logits ---------------------------------------------------
-class LogitSpy:
-    """Every logits row `model.generate.sample` sees, per request: one per emitted token, so a
-    speculative request records the logits of each accepted position and of the bonus token."""
-
-    def __init__(self, monkeypatch):
-        self.rows: dict[int, list[torch.Tensor]] = {}
-        real = G.sample
-
-        def spy(logits, req, gen):
-            self.rows.setdefault(id(req), []).append(logits.detach().float().cpu().clone())
-            return real(logits, req, gen)
-        monkeypatch.setattr(G, "sample", spy)
-
-    def of(self, req) -> list[torch.Tensor]:
-        return self.rows[id(req)]
-
-
-def logits_step_error(kv: str, got: torch.Tensor, want: torch.Tensor, what: str) -> str | None:
-    """None when one step's logits agree (numerics' BF16 bound for BF16 KV), else the failure."""
-    if kv == "bf16":
-        try:
-            assert_close(got, want, torch.bfloat16, what=f"{what} logits")
-        except AssertionError as e:
-            return str(e)
-        return None
-    err = rel_rms(got, want)
-    return None if err <= NVFP4_LOGITS_REL_RMS else \
-        f"{what} logits: relative RMS {err:.3g} > {NVFP4_LOGITS_REL_RMS:g}"
-
-
 # An isolated step may miss the bound: a BF16 flip can move a token's router score across the top-k
 # edge, and one MoE expert swap moves that step's logits (measured: 8.6e-2 at one step of 24, the
 # steps before and after at 4e-3, the same in greedy batched vs greedy alone). A wrong state is not
@@ -105,7 +74,7 @@ def check_spec_equals_greedy(kv, greedy, spec, spy) -> int:
     """tests/helpers.py's check with this file's per-step bounds; every request's rows complete."""
     for a, b in zip(greedy, spec):
         assert len(spy.of(a)) == len(spy.of(b)) == len(a.out) == len(b.out)
-    steps, _ = check_spec(greedy, spec, spy.of, lambda got, want, what: logits_step_error(kv, got, want, what),
+    steps, _ = check_spec(greedy, spec, spy.of, lambda got, want, what: logits_step_error(kv, got, want, what, NVFP4_LOGITS_REL_RMS),
                           SPIKE_CAP, MAX_SPIKES)
     return steps
 
