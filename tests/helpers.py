@@ -166,3 +166,15 @@ def logits_step_error(kv: str, got: torch.Tensor, want: torch.Tensor, what: str,
         return None
     err = rel_rms(got, want)
     return None if err <= nvfp4_rel_rms else f"{what} logits: relative RMS {err:.3g} > {nvfp4_rel_rms:g}"
+
+
+def ngram_hits(seed: list[int], out: list[int], drafts: int, start: int = 24) -> int:
+    """How many tokens of a greedy continuation `out` (from position `start`) the n-gram drafter
+    would have proposed right: how prompts on which speculative decoding accepts drafts are chosen."""
+    from model.generate import ngram_drafts
+    n = 0
+    for k in range(start, len(out) - drafts):
+        d = ngram_drafts(seed + out[:k], drafts)
+        while d and d[0] == out[k]:
+            n, d, k = n + 1, d[1:], k + 1
+    return n

@@ -29,12 +29,12 @@ from k3gen.errors import SpecError
 from model.cache import CacheCapacityError, HybridCache, check_dtypes
 from model.checkpoint import write_random_checkpoint
 from model.config import TargetConfig, small_config
-from model.generate import Generator, Request, ngram_drafts
+from model.generate import Generator, Request
 from model.model import K3Model, gemm_shapes_for
 from model.ops import KernelOps
 from model.weights import load_weights
 from numerics import rel_rms
-from helpers import LogitSpy, check_spec_equals_greedy, drop_kda_state, logits_step_error
+from helpers import LogitSpy, check_spec_equals_greedy, drop_kda_state, logits_step_error, ngram_hits
 
 pytestmark = pytest.mark.gpu
 CFG = small_config()
@@ -184,14 +184,7 @@ def cycling_prompts(g, n=4) -> list[list[int]]:
     seeds = [p[:8] * 2 for p in prompts(8, seed=7)]
     outs = [r.out for r in g.generate([Request(p, 56) for p in seeds])]
 
-    def hits(seed, out):
-        c = 0
-        for k in range(24, len(out) - DRAFTS):
-            d = ngram_drafts(seed + out[:k], DRAFTS)
-            while d and d[0] == out[k]:
-                c, d, k = c + 1, d[1:], k + 1
-        return c
-    best = sorted(range(len(seeds)), key=lambda i: -hits(seeds[i], outs[i]))[:n]
+    best = sorted(range(len(seeds)), key=lambda i: -ngram_hits(seeds[i], outs[i], DRAFTS))[:n]
     return [seeds[i] + outs[i][:24] for i in best]
 
 

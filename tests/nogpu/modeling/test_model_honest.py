@@ -30,12 +30,12 @@ from k3gen.ops.kda_verify.reference import start_of
 from model.cache import HybridCache
 from model.checkpoint import write_random_checkpoint
 from model.config import TargetConfig, tiny_config
-from model.generate import Generator, Request, ngram_drafts
+from model.generate import Generator, Request
 from model.model import K3Model
 from model.ops import RefOps
 from model.weights import load_weights
 from numerics import assert_close, rel_rms
-from helpers import LogitSpy, check_spec_equals_greedy as check_spec, drop_kda_state, logits_step_error
+from helpers import LogitSpy, check_spec_equals_greedy as check_spec, drop_kda_state, logits_step_error, ngram_hits
 
 DRAFTS = 3
 NEW = 24
@@ -95,14 +95,7 @@ def cycling_prompts(w) -> list[list[int]]:
                  [42, 42, 7], [128, 256, 384, 128, 256]]
         outs = [r.out for j in (0, 3) for r in g.generate([Request(s, 56) for s in seeds[j:j + 3]])]   # 4 slots
 
-        def hits(seed, out):
-            n = 0
-            for k in range(24, len(out) - DRAFTS):
-                d = ngram_drafts(seed + out[:k], DRAFTS)
-                while d and d[0] == out[k]:
-                    n, d, k = n + 1, d[1:], k + 1
-            return n
-        best = sorted(range(len(seeds)), key=lambda i: -hits(seeds[i], outs[i]))[:2]
+        best = sorted(range(len(seeds)), key=lambda i: -ngram_hits(seeds[i], outs[i], DRAFTS))[:2]
         _PROMPTS[key] = [seeds[i] + outs[i][:24] for i in best]
     return _PROMPTS[key]
 
