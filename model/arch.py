@@ -73,8 +73,8 @@ class AttnResWeights:
 def attn_res_mix(sources: list[torch.Tensor], w: AttnResWeights, eps: float) -> torch.Tensor:
     """sum_i softmax_i(q . RMSNorm(V_i)) V_i over the sources (each [M, hidden] FP32)."""
     V = torch.stack([s.float() for s in sources])                       # [N, M, hidden]
-    score = torch.einsum("nmh,h->nm", rms_norm_fp32(V, None, eps), w.query())
-    return torch.einsum("nm,nmh->mh", torch.softmax(score, dim=0), V)
+    score = (rms_norm_fp32(V, None, eps) * w.query()).sum(-1)
+    return (torch.softmax(score, dim=0)[..., None] * V).sum(0)
 
 
 class AttnResStream:

@@ -57,7 +57,10 @@ class RefOps(Ops):
         self._mark("fp8_linear")
         codes, scales = ref_act_quant(x, self.recipe)
         xd = ref_act_dequant(codes, scales, self.recipe)
-        return (xd @ w.dequant().to(xd.device).T).to(BF16)
+        # FP64 products rounded to FP32: row-invariant (an FP32 GEMM's reduction order depends on
+        # the row count), so a verify row equals the decode row and speculative == greedy holds
+        # on this path to the last bit but for the FP32 LM head.
+        return (xd.double() @ w.dequant().to(xd.device).double().T).float().to(BF16)
 
     def kda_decode(self, qkvg, fa, beta, pools, slots, w: KdaWeights):
         self._mark("kda_decode")
@@ -85,7 +88,7 @@ class RefOps(Ops):
         H = w_uk.shape[0]
         q = RefOps.linear(self, rms_norm_bf16(q_a[:, :Q_LORA], norm_w), q_b).float().view(-1, H, QK_HEAD)
         self.ran["ref:fp8_linear"] -= 1
-        lat = torch.einsum("bhd,hdc->bhc", q[..., :NOPE], w_uk.float()).to(BF16)
+        lat = torch.einsum("bhd,hdc->bhc", q[..., :NOPE].double(), w_uk.double()).float().to(BF16)
         return torch.cat([lat, q[..., NOPE:].to(BF16)], dim=-1)
 
     def vb_gate(self, o_lat, w_uv, gate):

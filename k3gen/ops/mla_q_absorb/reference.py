@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ops.fp8_block_gemm.reference import fp8_block_gemm, quantize_activations
+from k3gen.ops.fp8_block_gemm.reference import dequantize_activations, dequantize_weights, quantize_activations
 
 Q_LORA, NOPE, ROPE, LATENT = 1536, 128, 64, 512
 
@@ -28,8 +28,13 @@ def mla_q_absorb(q_a, norm_w, wqb_codes, wqb_scales, w_uk, recipe: ScaleRecipe, 
     h = w_uk.shape[0]
     qn = rms_norm_bf16(q_a[:, :Q_LORA], norm_w, eps)
     codes, scales = quantize_activations(qn, recipe)
-    q = fp8_block_gemm(codes, scales, wqb_codes, wqb_scales, recipe).to(torch.bfloat16).float()
+    # Products in FP64 rounded to FP32: an FP32 GEMM's reduction order depends on the row count, so
+    # a row's result would depend on its batch; the model's reference path (model/ops.py RefOps)
+    # needs verify rows to equal decode rows, and the kernel is row-invariant too.
+    xd = dequantize_activations(codes, scales, recipe).double()
+    wd = dequantize_weights(wqb_codes, wqb_scales, recipe).double()
+    q = (xd @ wd.T).float().to(torch.bfloat16).float()
     q = q.view(b, h, NOPE + ROPE)
-    lat = torch.einsum("bhd,hdc->bhc", q[..., :NOPE], w_uk.float()).to(torch.bfloat16).float()
+    lat = torch.einsum("bhd,hdc->bhc", q[..., :NOPE].double(), w_uk.double()).float().to(torch.bfloat16).float()
     out = torch.cat([lat, q[..., NOPE:]], dim=-1)
     return (out, q) if return_q else out
