@@ -23,7 +23,8 @@ from model.weights import DenseMlpWeights, KdaLayerWeights, MlaLayerWeights, Moe
 BF16 = torch.bfloat16
 Q_LORA, KV_LORA, ROPE = 1536, 512, 64
 KV_A_OFF = Q_LORA                 # [q_a 1536 | c_kv 512 | k_pe 64 | pad 64 | g H*128]
-G_OFF = Q_LORA + 640
+G_OFF = Q_LORA + 640              # without a q LoRA (a separate q_proj) the A-projection starts at c_kv
+NOPE, QK_HEAD = 128, 192
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,11 +84,33 @@ def kda_prefill(ops: Ops, w: KdaLayerWeights, xn, pools: dict, pf: Prefill):
 
 
 # -- MLA -------------------------------------------------------------------------------------------
+def _mla_offsets(w: MlaLayerWeights) -> tuple[int, int]:
+    """(c_kv, gate) column offsets in the A-projection output: behind q_a, or at 0 when the layer
+    has a plain q_proj (q_lora_rank null) of its own."""
+    kv = KV_A_OFF if w.q_proj is None else 0
+    return kv, kv + (G_OFF - KV_A_OFF)
+
+
 def _mla_rows(w: MlaLayerWeights, a, eps):
     """Cache rows [RMSNorm(c_kv) * w_kv | k_pe] BF16 [M, 576] from the A-projection output."""
-    ckv = a[:, KV_A_OFF:KV_A_OFF + KV_LORA]
-    kpe = a[:, KV_A_OFF + KV_LORA:KV_A_OFF + KV_LORA + ROPE]
+    kv, _ = _mla_offsets(w)
+    ckv = a[:, kv:kv + KV_LORA]
+    kpe = a[:, kv + KV_LORA:kv + KV_LORA + ROPE]
     return torch.cat([rms_norm(ckv, w.kv_a_norm, eps), kpe], dim=1)
+
+
+def _mla_q_latent(ops: Ops, w: MlaLayerWeights, xn, a):
+    """q [M, H, 576] BF16 (absorbed latent 512 | rope 64). With a q LoRA: the fused mla_q_absorb.
+    With a plain q_proj (no q_a norm, which mla_q_absorb always applies): q = the FP8 GEMM of xn,
+    then W_UK absorbed in PyTorch at mla_q_absorb's rounding points (FP64 products rounded to FP32,
+    then BF16: row-invariant, so verify rows equal decode rows), marked as a stand-in."""
+    H = w.w_uk.shape[0]
+    if w.q_proj is None:
+        return ops.q_absorb(a[:, :Q_LORA], w.q_a_norm, w.q_b, w.w_uk)
+    q = ops.linear(xn, w.q_proj).view(-1, H, QK_HEAD)
+    ops._mark("mla_q_proj_absorb", "torch" if ops.kind == "kernel" else "ref")
+    lat = torch.einsum("mhd,hdc->mhc", q[..., :NOPE].double(), w.w_uk.double()).float().to(BF16)
+    return torch.cat([lat, q[..., NOPE:]], dim=-1)
 
 
 def mla_step(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float, st: Step, eps: float):
@@ -95,9 +118,9 @@ def mla_step(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float, s
     a = ops.linear(xn, w.a_proj)
     rows = _mla_rows(w, a, eps)
     ops.kv_write(layout, kv, rows, st.cu_rows, st.start, st.block_table, st.slots, scale, st.T)
-    q = ops.q_absorb(a[:, :Q_LORA], w.q_a_norm, w.q_b, w.w_uk)                   # [BT, H, 576]
+    q = _mla_q_latent(ops, w, xn, a)                                              # [BT, H, 576]
     o_lat = ops.mla_attention(layout, q.view(st.B, st.T, H, -1), kv, st.block_table, st.start, st.slots, scale)
-    y = ops.vb_gate(o_lat.reshape(st.B * st.T, H, KV_LORA), w.w_uv, a[:, G_OFF:])
+    y = ops.vb_gate(o_lat.reshape(st.B * st.T, H, KV_LORA), w.w_uv, a[:, _mla_offsets(w)[1]:])
     return ops.linear(y.reshape(xn.shape[0], H * 128), w.o_proj)
 
 
@@ -110,13 +133,17 @@ def mla_prefill(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float
     rows = _mla_rows(w, a, eps)
     start = torch.zeros_like(pf.slots)
     ops.kv_write(layout, kv, rows, pf.cu_seqlens, start, pf.block_table, pf.slots, scale, pf.max_len)
-    q = ops.linear(rms_norm(a[:, :Q_LORA], w.q_a_norm, eps), w.q_b).view(N, H, 192)
+    if w.q_proj is None:
+        q = ops.linear(rms_norm(a[:, :Q_LORA], w.q_a_norm, eps), w.q_b).view(N, H, QK_HEAD)
+    else:
+        q = ops.linear(xn, w.q_proj).view(N, H, QK_HEAD)
     c = rows[:, :KV_LORA].float()
     k_nope = torch.einsum("nc,hdc->nhd", c, w.w_uk.float()).to(BF16)
     v = torch.einsum("nc,hdc->nhd", c, w.w_uv.float()).to(BF16)
     ops._mark("mla_prefill_attention", "torch" if ops.kind == "kernel" else "ref")
-    o = prefill_attention(q[..., :128], q[..., 128:], k_nope, rows[:, KV_LORA:], v, pf.cu_host)
-    g = a[:, G_OFF:G_OFF + H * 128].float().view(N, H, 128)
+    o = prefill_attention(q[..., :NOPE], q[..., NOPE:], k_nope, rows[:, KV_LORA:], v, pf.cu_host)
+    g_off = _mla_offsets(w)[1]
+    g = a[:, g_off:g_off + H * 128].float().view(N, H, 128)
     y = (o * torch.sigmoid(g)).to(BF16)
     return ops.linear(y.reshape(N, H * 128), w.o_proj)
 

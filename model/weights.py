@@ -275,13 +275,14 @@ class KdaLayerWeights:
 
 @dataclass
 class MlaLayerWeights:
-    a_proj: Fp8Linear         # [q_a 1536 | kv_a 576 + 64 zero | g H*128]
-    q_a_norm: torch.Tensor    # [1536] BF16
-    q_b: Fp8Linear
-    kv_a_norm: torch.Tensor   # [512] BF16
-    w_uk: torch.Tensor        # [H, 128, 512] BF16
-    w_uv: torch.Tensor        # [H, 128, 512] BF16
+    a_proj: Fp8Linear              # [q_a 1536 | kv_a 576 + 64 zero | g H*128]; no q LoRA: [kv_a 576 + 64 | g]
+    q_a_norm: torch.Tensor | None  # [1536] BF16 (None with q_proj)
+    q_b: Fp8Linear | None
+    kv_a_norm: torch.Tensor        # [512] BF16
+    w_uk: torch.Tensor             # [H, 128, 512] BF16
+    w_uv: torch.Tensor             # [H, 128, 512] BF16
     o_proj: Fp8Linear
+    q_proj: Fp8Linear | None = None  # [H * 192, hidden]: MLA without a q LoRA (q_lora_rank null)
 
 
 @dataclass
