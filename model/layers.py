@@ -175,7 +175,7 @@ def route(w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig):
     return arch.route(_mm(xn, w.router.T), w.bias, cfg)
 
 
-def moe(ops: Ops, w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def moe(ops: Ops, w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig, part=None) -> torch.Tensor:
     """The (latent) MoE: lat = routed_expert_down_proj(x); y = sum_e w_e expert_e(lat);
     y = RMSNorm(y) * routed_expert_norm (latent_moe_use_norm); out = routed_expert_up_proj(y) +
     shared_experts(x) (SGLang kimi_k3 `_forward_unfused`, vLLM KimiMoE.forward; k3_facts 2.4).
@@ -185,7 +185,11 @@ def moe(ops: Ops, w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig) -> torch.Te
     (`moe_torch_dequant`): every expert is computed for every token and masked by the routing
     weights, so the step has static shapes (graph-safe) and no host sync. A grouped NVFP4 GEMM
     replaces it. BF16 rounding points: the latent input, the expert hidden (into w2), the summed
-    expert output (into the norm / the up projection)."""
+    expert output (into the norm / the up projection).
+
+    `part` (model/model.py MoePart; None: the whole model): this rank holds experts `part.experts`,
+    each with a slice of its intermediate, and a slice of the shared experts' intermediate; its
+    partial sums go through `part.reduce` (over the ranks) before routed_expert_norm and the add."""
     ops._mark("moe_torch_dequant", "torch" if ops.kind == "kernel" else "ref")
     act = arch.act_fn(cfg)
     sel, wts = route(w, xn, cfg)
@@ -197,11 +201,14 @@ def moe(ops: Ops, w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig) -> torch.Te
     gu = _ein("mw,ejw->mej", xl, w13)
     h = act(gu[..., :I], gu[..., I:])
     ye = _ein("mei,ewi->mew", h.to(BF16), w2)
-    y = _ein("me,mew->mw", dense, ye)
+    y = _ein("me,mew->mw", dense if part is None else dense[:, part.experts], ye)
+    if part is not None:
+        y = part.reduce(y)
     y = rms_norm(y, w.latent_norm, cfg.eps) if w.latent_norm is not None else y.to(BF16)
     out = y.float() if w.latent_up is None else _mm(y.float(), w.latent_up.T)
     if w.shared_gate is not None:
-        out = out + _glu(x, w.shared_gate, w.shared_up, w.shared_down, act)
+        sh = _glu(x, w.shared_gate, w.shared_up, w.shared_down, act)
+        out = out + (sh if part is None else part.reduce(sh))
     return out
 
 
