@@ -41,7 +41,7 @@ PRESETS: dict[str, dict] = {
     "small": _k3(_k3_text(8, [4, 8], 1024, 2048, 12, 32, 4, 1, 256, 2048, 512, 3)),
     "tiny": _k3(_k3_text(4, [2, 4], 256, 512, 2, 8, 2, 1, 128, 512, 128, 2)),
     # moonshotai/Kimi-Linear-48B-A3B-Instruct: softplus gate, SiLU, no latent, no AttnRes, low-rank
-    # KDA output gate, no MLA output gate, q_lora_rank null (no kernel yet: model_specs rejects it).
+    # KDA output gate, no MLA output gate, q_lora_rank null (a plain q_proj: model_specs lists its GEMM, no mla_q_absorb).
     "kimi_linear_48b": {
         "model_type": "kimi_linear", "num_hidden_layers": 27, "hidden_size": 2304, "vocab_size": 163840,
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",

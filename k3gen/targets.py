@@ -181,7 +181,11 @@ def model_gemm_shapes(model, tp: int = 1) -> list[tuple[int, int]]:
     if m.kda:
         d = hk * 128
         out |= {(4 * d, m.hidden), (-(-(128 + hk) // KDA_FAB_ALIGN) * KDA_FAB_ALIGN, m.hidden), (m.hidden, d)}
-    if m.mla:
+    if m.mla and m.q_lora is None:
+        # No q LoRA (Kimi-Linear): A-projection [c_kv 512 | k_pe 64 | pad 64 | gate H * 128] and a plain
+        # q_proj (H * 192, hidden) of its own; W_UK is absorbed in PyTorch (model/layers.py).
+        out |= {(MLA_A_PAD + hm * 128, m.hidden), (hm * 192, m.hidden), (m.hidden, hm * 128)}
+    elif m.mla:
         _need_q_lora(m)
         # Q-B (H * 192, q_lora) runs as its own GEMM in the unabsorbed prefill (decode fuses it into
         # mla_q_absorb, whose gemm_spec is the same kernel).
@@ -221,9 +225,10 @@ def mla_decode_spec(target: Target, heads: int, layout: KvLayout, tokens: int) -
 
 
 def rank_specs(target: Target, *, kda_heads: int | None, mla_heads: int | None, gemm_shapes,
-               serving: ServingOptions, gate: GateKind = GateKind.BOUNDED) -> list[OpSpec]:
+               serving: ServingOptions, gate: GateKind = GateKind.BOUNDED, q_absorb: bool = True) -> list[OpSpec]:
     """The specs one rank launches, from its per-rank head counts (None: no such layers) and the
-    (N, K) of its FP8 linears: model_specs' core, also what KernelOps built from heads reads."""
+    (N, K) of its FP8 linears: model_specs' core, also what KernelOps built from heads reads.
+    q_absorb=False: an MLA without a q LoRA, which never launches mla_q_absorb."""
     from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
     from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
     from k3gen.ops.kda_decode.spec import KdaDecodeSpec
@@ -242,9 +247,9 @@ def rank_specs(target: Target, *, kda_heads: int | None, mla_heads: int | None, 
             out.append(KdaVerifySpec(target=t, heads=kda_heads, drafts=m, ssm=s.ssm, gate=gate))
     if mla_heads:
         lay = serving_kv_layout(t, s)
-        q_absorb = MlaQAbsorbSpec(target=t, heads=mla_heads, recipe=r)
+        qa = MlaQAbsorbSpec(target=t, heads=mla_heads, recipe=r)
         out += [KvCacheWriteSpec(target=t, kv=lay.kv, fp8_scales=lay.fp8_scales, max_drafts=lay.max_drafts),
-                q_absorb, q_absorb.gemm_spec, MlaVbGateSpec(target=t, heads=mla_heads)]
+                *([qa, qa.gemm_spec] if q_absorb else []), MlaVbGateSpec(target=t, heads=mla_heads)]
         out += [mla_decode_spec(t, mla_heads, lay, T) for T in attention_tokens(lay.kv, m)]
     shapes = sorted(set(gemm_shapes))
     out += [Fp8BlockGemmSpec(target=t, n=n, k=k, recipe=r) for n, k in shapes]
@@ -264,7 +269,7 @@ def model_specs(target: Target, model, tp: int = 1, ep: int = 1,
     hk, hm = m.heads_at(tp)
     shapes = model_gemm_shapes(m, tp)
     return rank_specs(target, kda_heads=hk if m.kda else None, mla_heads=hm if m.mla else None,
-                      gemm_shapes=shapes, serving=serving, gate=m.gate)
+                      gemm_shapes=shapes, serving=serving, gate=m.gate, q_absorb=m.q_lora is not None)
 
 
 def serving_sweep(target: Target, kv: KvDtype | None = None, ssm: SsmDtype | None = None,

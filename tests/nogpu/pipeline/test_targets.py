@@ -1,5 +1,7 @@
 """Every validation error of the targets and specs: its type and a message naming field, value
 and allowed set."""
+import dataclasses
+
 import pytest
 
 from k3gen.hf_config import ConfigError
@@ -183,8 +185,12 @@ def test_model_specs_tp_and_presets():
     assert (4 * 96 * 128, 7168) in tp1 and (7168, 96 * 128) in tp1 and (-(-(128 + 96) // 16) * 16, 7168) in tp1
     with _raises(SpecError, "tp=5", "kda_heads=96"):
         model_specs(SM90, "k3", 5)
-    with _raises(SpecError, "q_lora=None", "1536"):
-        model_specs(SM90, "kimi_linear_48b", 1)
+    # No q LoRA (Kimi-Linear-48B): a plain q_proj GEMM, no mla_q_absorb; another LoRA width has no kernel.
+    kl = model_specs(SM90, "kimi_linear_48b", 1)
+    assert not any(s.op == "mla_q_absorb" for s in kl)
+    assert {(32 * 192, 2304), (640 + 32 * 128, 2304)} <= {(s.n, s.k) for s in kl if s.op == "fp8_block_gemm"}
+    with _raises(SpecError, "q_lora=1024", "1536"):
+        model_specs(SM90, dataclasses.replace(get_model("k3"), q_lora=1024), 1)
     with _raises(SpecError, "model='nope'", "k3", "small"):
         model_specs(SM90, "nope")
     with _raises(ConfigError, "/some/where/config.json", "no such file"):
