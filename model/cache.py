@@ -11,6 +11,12 @@ sequence crosses a page boundary), `rewind` (rejected drafts: the length goes ba
 past the new end are freed; no partial page reuse), `free`. Capacity comes from a memory budget
 through the IR's byte expressions (k3gen/ir/layouts.py); a request that cannot fit raises
 `CacheCapacityError` naming what is short.
+
+Under tensor parallelism (model/dist.py) each rank holds its own HybridCache of `TargetConfig(tp=world)`:
+the KDA pools of its heads (H / world per slot), and the full MLA latent rows (576 per token, shared by every
+head, so not split by heads: each rank's MLA heads read all of them), i.e. the same pages as TP1. Every rank
+runs the same host bookkeeping on the same requests, so slots, pages and block tables agree across ranks
+without communication. `cache_bytes` / `plan_capacity` (plan-memory) count exactly these per-rank pools.
 """
 from __future__ import annotations
 

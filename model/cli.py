@@ -90,6 +90,15 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA graphs per decode batch size (kernel path on a GPU; default: off)")
     p.add_argument("--max-seq-len", type=int_in(1, None, "the sequence length is >= 1"), default=512,
                    metavar="N", help="longest sequence the cache holds; must hold the prompt + --max-new")
+    p.add_argument("--tp", type=int_in(1, None, "the tensor-parallel degree is >= 1"), default=1, metavar="N",
+                   help="ranks: attention heads, vocabulary, dense and shared MLPs split over N; launch with "
+                   "`torchrun --nproc-per-node N -m model generate ... --tp N` (default 1: no torch.distributed)")
+    p.add_argument("--ep", type=int_in(1, None, "the expert-parallel degree is >= 1"), default=1, metavar="M",
+                   help="routed experts split by id over M ranks (a divisor of --tp), each expert's "
+                   "intermediate over tp/M (default 1: MoE TP over all ranks)")
+    p.add_argument("--dist-timeout", type=float_in(0.0, None, "the timeout is > 0 seconds", lo_open=True),
+                   default=600.0, metavar="S", help="seconds a collective waits for the other ranks before every "
+                   "rank fails (a rank that died or hung; default 600)")
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:

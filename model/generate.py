@@ -203,22 +203,44 @@ def random_checkpoint(cfg, seed: int) -> tuple[str, bool]:
     return str(folder), written
 
 
-def build_model(config: str, arch: str, kv: str, ssm: str, max_drafts: int, path: str, checkpoint: str | None,
-                seed: int, device: str, max_seq_len: int, max_slots: int, budget_gib: float | None = None):
-    from model.cache import HybridCache
-    from model.config import TargetConfig, get_config
+def load_rank_weights(checkpoint, cfg, recipe, par=None):
+    """The weights this rank holds (CPU tensors): the whole model without `par` (or at world size 1),
+    else the rank's slice (model/shard.py) of the loaded checkpoint. Every rank reports whether it
+    loaded (`Parallel.agree`): a rank that failed raises its own error, every other rank
+    RankFailedError, none waits for it."""
     from model.weights import load_weights
-    cfg = get_config(config)
-    tcfg = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=max_drafts, path=path)
+    if par is None or par.world == 1:
+        return load_weights(checkpoint, cfg, recipe)
+    from model.shard import check_shardable, shard_weights
+    w, err = None, None
+    try:
+        check_shardable(cfg, par.layout)         # the layout's own errors before reading anything
+        w = shard_weights(load_weights(checkpoint, cfg, recipe), par.place)
+    except Exception as e:                        # noqa: BLE001 - reported to every rank, then raised here
+        err = e
+    par.agree("loading the weights", err)
+    return w
+
+
+def build_model(config, arch: str, kv: str, ssm: str, max_drafts: int, path: str, checkpoint: str | None,
+                seed: int, device: str, max_seq_len: int, max_slots: int, budget_gib: float | None = None,
+                par=None):
+    """`config`: a preset name, config.json path or ModelConfig. With `par` (model/dist.py) the model of
+    its rank: the rank's weights, kernels and cache at the per-rank head counts (TargetConfig.tp = world)."""
+    from model.cache import HybridCache
+    from model.config import ModelConfig, TargetConfig, get_config
+    cfg = config if isinstance(config, ModelConfig) else get_config(config)
+    tp = 1 if par is None else par.world
+    tcfg = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=max_drafts, path=path, tp=tp)
     if checkpoint is None:
         checkpoint = random_checkpoint(cfg, seed)[0]
-    w = load_weights(checkpoint, cfg, tcfg.recipe).to(device)
+    w = load_rank_weights(checkpoint, cfg, tcfg.recipe, par).to(device)
     if budget_gib:
         cache = HybridCache.from_budget(cfg, tcfg, int(budget_gib * 2**30), max_seq_len, device, max_slots)
     else:
         pages = max_slots * -(-(max_seq_len + max_drafts + 1) // tcfg.kv_layout().page)
         cache = HybridCache(cfg, tcfg, max_slots, pages, max_seq_len, device)
-    return K3Model(w, tcfg, cache)
+    return K3Model(w, tcfg, cache, par=par)
 
 
 def check_request(a, cfg) -> None:
@@ -251,9 +273,39 @@ def check_arguments(a) -> str:
     return "kernel" if cuda else "reference"
 
 
+def parallel_for(a, cfg, device: str):
+    """The Parallel of `--tp/--ep` (model/dist.py), checked against the config before any work; under
+    torchrun the process group (the world size must be --tp). None for one rank launched without torchrun."""
+    from model import dist
+    from model.shard import check_shardable
+    tp, ep = getattr(a, "tp", 1), getattr(a, "ep", 1)
+    world = dist.env_world()[1]
+    if tp == 1 and ep == 1 and world == 1:
+        return None
+    layout = dist.Layout(tp, ep)
+    check_shardable(cfg, layout)
+    return dist.init(layout, device, getattr(a, "dist_timeout", dist.DEFAULT_TIMEOUT_S))
+
+
 def run(a) -> int:
     """`k3gen generate`: every check first (arguments, then against the config and target), then the
-    checkpoint, the model and generation. A typed error propagates to the command line's main."""
+    checkpoint, the model and generation. A typed error propagates to the command line's main.
+    Under torchrun (--tp N on N ranks) rank 0 prints and every rank checks that all generated the
+    same tokens (RankMismatchError otherwise)."""
+    from model.config import get_config
+    path = check_arguments(a)
+    device = "cuda" if path == "kernel" else "cpu"
+    cfg = get_config(a.config)
+    check_request(a, cfg)
+    par = parallel_for(a, cfg, device)
+    try:
+        return _run(a, cfg, path, par)
+    finally:
+        if par is not None:
+            par.close()
+
+
+def _run(a, cfg, path: str, par) -> int:
     import os
     import sys
 
@@ -261,14 +313,13 @@ def run(a) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from k3gen.pipeline.store import folder_bytes
-    from model.config import TargetConfig, get_config
+    from model.config import TargetConfig
+    rank0 = par is None or par.rank == 0
+    device = "cpu" if path == "reference" else str(par.device) if par is not None else "cuda"
     # Logs capture output: a wide console keeps a checkpoint's path on one line there.
-    con = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-    path = check_arguments(a)
-    device = "cuda" if path == "kernel" else "cpu"
-    cfg = get_config(a.config)
-    check_request(a, cfg)
-    tcfg = TargetConfig(arch=a.arch, kv=a.kv, ssm=a.ssm, max_drafts=a.spec, path=path)
+    con = Console(highlight=False, width=None if sys.stdout.isatty() else 200, quiet=not rank0)
+    tcfg = TargetConfig(arch=a.arch, kv=a.kv, ssm=a.ssm, max_drafts=a.spec, path=path,
+                        tp=1 if par is None else par.world)
     if a.graphs and a.batch > tcfg.graph_batch_sizes[-1]:
         raise SpecError("--batch", a.batch, f"<= {tcfg.graph_batch_sizes[-1]} with --graphs",
                         "the largest captured decode graph")
@@ -281,13 +332,16 @@ def run(a) -> int:
         ckpt, written = random_checkpoint(cfg, a.seed)
         con.print(f"random checkpoint of {cfg.name} (seed {a.seed}) {'written to' if written else 'reused from'} "
                   f"{ckpt}: {folder_bytes(Path(ckpt)) / 1e6:.1f} MB (`k3gen cache clear` removes it)")
-    m = build_model(a.config, a.arch, a.kv, a.ssm, a.spec, path, ckpt, a.seed, device, a.max_seq_len, a.batch)
+    m = build_model(cfg, a.arch, a.kv, a.ssm, a.spec, path, ckpt, a.seed, device, a.max_seq_len, a.batch, par=par)
     gen = Generator(m, graphs=a.graphs)
-    con.print(f"{a.config} on {path} path ({device}), kv={a.kv} ssm={a.ssm}, setup {time.perf_counter() - t0:.1f}s")
+    where = "" if par is None else f", {par.layout} on {par.world} ranks"
+    con.print(f"{a.config} on {path} path ({device}{where}), kv={a.kv} ssm={a.ssm}, "
+              f"setup {time.perf_counter() - t0:.1f}s")
     reqs = [Request(prompt=list(a.prompt_ids), max_new=a.max_new, temperature=a.temperature, seed=a.seed + i)
             for i in range(a.batch)]
     with Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[rate]}"), console=Console(stderr=True), transient=True) as prog:
+                  TextColumn("{task.fields[rate]}"), console=Console(stderr=True, quiet=not rank0),
+                  transient=True, disable=not rank0) as prog:
         task = prog.add_task("gen", total=a.max_new * a.batch, rate="")
         t1 = time.perf_counter()
 
@@ -297,8 +351,10 @@ def run(a) -> int:
             prog.update(task, rate=f"{done / max(time.perf_counter() - t1, 1e-9):.1f} tok/s")
         gen.generate(reqs, speculative=a.spec > 0, on_token=tick)
         dt = time.perf_counter() - t1
+    if par is not None:
+        par.check_equal([t for r in reqs for t in r.out])
     for i, r in enumerate(reqs):
         con.print(f"[{i}] {r.out}")
     n = sum(len(r.out) for r in reqs)
-    con.print(f"{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s")
+    con.print(f"{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s" + ("" if par is None else ", the same on every rank"))
     return 0

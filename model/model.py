@@ -1,7 +1,16 @@
 """K3Model: the layers of a ModelConfig over one HybridCache, with host-side step preparation
 (`prefill`, `decode`, `verify`, `commit`) around a device-only core (`step_core`) that CUDA graphs
-capture per batch size."""
+capture per batch size.
+
+Under tensor/expert parallelism (`par`, model/dist.py, with the rank's weights from model/shard.py) the
+model is one rank: `RankOps` sums the row-parallel o_proj's partial products over the ranks, the dense MLP's
+and the MoE's partial sums are reduced likewise (`MoePart`: before routed_expert_norm), the embedding is
+looked up in the rank's vocabulary rows and summed, and the LM head's logits are gathered, so every rank
+holds the whole model's logits. Without `par` (or at world size 1) nothing of that runs."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -14,7 +23,10 @@ from model.arch import AttnResStream
 from model.cache import HybridCache
 from model.config import TargetConfig
 from model.ops import make_ops
+from model.shard import RowParallel, check_rank_weights
 from model.weights import DenseMlpWeights, KdaLayerWeights, ModelWeights
+
+BF16 = torch.bfloat16
 
 
 def gemm_shapes_for(cfg, tp: int = 1) -> list[tuple[int, int]]:
@@ -23,12 +35,56 @@ def gemm_shapes_for(cfg, tp: int = 1) -> list[tuple[int, int]]:
     return model_gemm_shapes(cfg, tp)
 
 
+@dataclass(frozen=True)
+class MoePart:
+    """What layers.moe needs of a rank: its experts' columns of the routing weights, the reduction."""
+    experts: slice
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
+class RankOps:
+    """A rank's Ops: everything is `ops`'s, but `linear` on a `RowParallel` weight (o_proj, the input
+    columns of the rank's heads) sums the ranks' partial products in rank order, then rounds to BF16
+    where the unsplit projection rounds. On the reference path the partials are FP32 (the sum differs
+    from TP1 by FP32 reassociation only); the generated GEMM writes BF16, so there they are BF16, as a
+    BF16 all-reduce after vLLM's RowParallelLinear."""
+
+    def __init__(self, ops, par):
+        self._ops, self._par = ops, par
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def linear(self, x: torch.Tensor, w):
+        if not isinstance(w, RowParallel):
+            return self._ops.linear(x, w)
+        if self._ops.kind == "ref":
+            from k3gen.ops.act_quant_fp8.reference import act_quant_fp8, dequantize
+            self._ops._mark("fp8_linear")
+            xd = dequantize(*act_quant_fp8(x, self._ops.recipe), self._ops.recipe)
+            part = xd @ w.dequant().to(xd.device).T
+        else:
+            part = self._ops.linear(x, w).float()
+        return self._par.reduce_sum(part).to(BF16)
+
+
 class K3Model:
-    def __init__(self, weights: ModelWeights, tcfg: TargetConfig, cache: HybridCache, ops=None):
+    def __init__(self, weights: ModelWeights, tcfg: TargetConfig, cache: HybridCache, ops=None, par=None):
         self.w, self.cfg, self.tcfg, self.cache = weights, weights.cfg, tcfg, cache
         self.ops = ops or make_ops(tcfg, self.cfg)
         self.device = cache.device
         self.layout = cache.layout
+        # World size 1 is the unsplit model: no collective, today's path exactly.
+        self.par = par if par is not None and par.world > 1 else None
+        if self.par is not None:
+            p = self.par.place
+            if tcfg.tp != p.world:
+                raise SpecError("TargetConfig.tp", tcfg.tp, [p.world], f"rank {p.rank} of {p.layout}: kernels and "
+                                "cache at the per-rank head counts")
+            check_rank_weights(weights, p)
+            self.ops = RankOps(self.ops, self.par)
+            self._moe_part = MoePart(p.part(self.cfg.experts, p.ep), self.par.reduce_sum)
+            self._vocab = p.part(self.cfg.vocab, p.tp)
 
     # -- pieces -----------------------------------------------------------------------------------
     def gemm_shapes(self) -> list[tuple[int, int]]:
@@ -61,19 +117,32 @@ class K3Model:
         lw = self.w.layers[i]
         xn = L.rms_norm(h, lw.post_norm, self.cfg.eps)
         if isinstance(lw.ffn, DenseMlpWeights):
-            return L.dense_mlp(self.ops, lw.ffn, xn, self.cfg)
-        return L.moe(self.ops, lw.ffn, xn, self.cfg)
+            out = L.dense_mlp(self.ops, lw.ffn, xn, self.cfg)
+            return out if self.par is None else self.par.reduce_sum(out)
+        if self.par is None:
+            return L.moe(self.ops, lw.ffn, xn, self.cfg)
+        return L.moe(self.ops, lw.ffn, xn, self.cfg, part=self._moe_part)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.par is None:
+            return self.w.embed[tokens.long()].float()
+        # Vocabulary-parallel: the rank's rows, zeros elsewhere; one rank holds each token, so the sum is exact.
+        t = tokens.long() - self._vocab.start
+        mine = (t >= 0) & (t < self.w.embed.shape[0])
+        e = self.w.embed[t.clamp(0, self.w.embed.shape[0] - 1)].float()
+        return self.par.reduce_sum(torch.where(mine[:, None], e, torch.zeros_like(e)))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         x = L.rms_norm(h, self.w.final_norm, self.cfg.eps)
-        return x.float() @ self.w.lm_head.float().T
+        logits = x.float() @ self.w.lm_head.float().T
+        return logits if self.par is None else self.par.gather_cat(logits, dim=-1)
 
     def _run(self, tokens: torch.Tensor, attn) -> torch.Tensor:
         """The residual stream (arch.AttnResStream: Attention Residuals over blocks of
         cfg.attn_res_block layers, the plain sum when None): each layer's attention and FFN read
         a mix of the stream through their own pseudo-query, and write their output back; the
         output query mixes once more before the final norm."""
-        s = AttnResStream(self.w.embed[tokens.long()].float(), self.cfg.attn_res_block, self.cfg.eps)
+        s = AttnResStream(self._embed(tokens), self.cfg.attn_res_block, self.cfg.eps)
         for i, lw in enumerate(self.w.layers):
             xn = L.rms_norm(s.inputs(lw.attn_res), lw.input_norm, self.cfg.eps)
             s.add_attn(i, attn(i, lw, xn))
