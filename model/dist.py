@@ -235,27 +235,31 @@ def env_world() -> tuple[int, int, int]:
     return get("RANK", "0"), get("WORLD_SIZE", "1"), get("LOCAL_RANK", "0")
 
 
-def init(layout: Layout, device_type: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> Parallel:
-    """This process's Parallel for `layout`, launched by torchrun (env://): NCCL on CUDA, gloo on the CPU.
-    The world size must be the layout's; world size 1 creates no process group. Every collective of the
-    group fails after `timeout_s` instead of waiting for a rank that will never come."""
+def init(layout: Layout, device_type: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
+         device: torch.device | None = None) -> Parallel:
+    """This process's Parallel for `layout`, launched by torchrun (env://): NCCL on CUDA, gloo on the CPU
+    (`backend` overrides: gloo with CUDA tensors runs several ranks on one GPU); the device is cuda:LOCAL_RANK
+    (`device` overrides). The world size must be the layout's; world size 1 creates no process group.
+    Every collective of the group fails after `timeout_s` instead of waiting for a rank that will never come."""
+    if backend not in (None, "gloo", "nccl"):
+        raise SpecError("backend", backend, ["gloo", "nccl"])
     rank, world, local = env_world()
     if world != layout.world:
         raise SpecError("WORLD_SIZE", world, [layout.world],
                         f"{layout} runs on {layout.world} ranks: torchrun --nproc-per-node {layout.world}")
     if not 0 <= rank < world:
         raise SpecError("RANK", rank, f"0..{world - 1}")
-    if device_type == "cuda":
-        device = torch.device("cuda", local)
+    if device is None:
+        device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if world == 1:
         return Parallel(layout, 0, device)
     import torch.distributed as dist
     if not timeout_s > 0:
         raise SpecError("timeout_s", timeout_s, "> 0")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
         kw = {"device_id": device} if backend == "nccl" else {}
         try:

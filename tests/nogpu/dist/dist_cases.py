@@ -3,6 +3,8 @@ whose head counts split four ways, and one fixed scenario over prefill, decode, 
 commit and greedy / speculative generation."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from k3gen.presets import preset_dict
@@ -11,6 +13,7 @@ from model.config import ModelConfig, config_from_dict
 DRAFTS = 3
 PROMPTS = [[4, 8, 15, 16, 23, 42, 4, 8, 15, 16, 101, 7], [1, 2, 3, 1, 2, 3, 1]]
 NEW = 8
+LOGITS = ("prefill", "decode1", "decode2", "verify", "after_commit")
 
 
 def tiny4_dict() -> dict:
@@ -58,18 +61,22 @@ def scenario(m) -> dict:
     return out
 
 
-def build(cfg, checkpoint, par=None):
+def build(cfg, checkpoint, par=None, device="cpu", path="reference"):
     from model.generate import build_model
-    return build_model(cfg, "sm90", "bf16", "fp32", DRAFTS, "reference", checkpoint, 0, "cpu", 64, 2, par=par)
+    return build_model(cfg, "sm90", "bf16", "fp32", DRAFTS, path, checkpoint, 0, device, 64, 2, par=par)
 
 
-def rank_scenario(rank: int, world: int, checkpoint: str, ep: int) -> dict:
+def rank_scenario(rank: int, world: int, checkpoint: str, ep: int, device: str = "cpu", backend=None,
+                  cfg=None, path: str = "reference") -> dict:
     """One rank of Layout(world, ep): builds its model through model/dist.py + model/shard.py, runs the
-    scenario, checks that every rank generated the same tokens. Rank 0 returns the logits."""
+    scenario, checks that every rank generated the same tokens. Rank 0 returns the logits. `device`
+    "cuda:0" with backend "gloo" puts every rank on one GPU (the GPU test)."""
     from model import dist
-    par = dist.init(dist.Layout(world, ep), "cpu", timeout_s=60)
+    dev = torch.device(device)
+    par = dist.init(dist.Layout(world, ep), dev.type, timeout_s=60, backend=backend,
+                    device=dev if dev.type == "cuda" else None)
     try:
-        m = build(tiny4(), checkpoint, par)
+        m = build(cfg or tiny4(), checkpoint, par, str(dev), path)
         res = scenario(m)
         par.check_equal([t for r in res["greedy"] + res["spec"] for t in r])
     finally:
@@ -118,3 +125,70 @@ def hanging_load(rank: int, world: int, checkpoint: str, timeout_s: float, how: 
         return "slept"
     build(tiny4(), checkpoint, par)
     return "loaded"
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The ranks run one thread each; TP1 runs so too (the same GEMM blocking)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _blocks(n: int, parts: int, reverse: bool) -> list[slice]:
+    k = n // parts
+    b = [slice(i * k, (i + 1) * k) for i in range(parts)]
+    return b[::-1] if reverse else b
+
+
+@contextlib.contextmanager
+def order_variant(m, parts: int, reverse: bool):
+    """TP1 with the sums a layout splits computed as `parts` block sums added in order (or reversed):
+    o_proj over its input columns (FP32 partials, as RankOps), the GLU down projection over the
+    intermediate and the routed experts' weighted sum over the experts (FP64 partials rounded to FP32)."""
+    import model.layers as L
+    from k3gen.ops.act_quant_fp8.reference import act_quant_fp8, dequantize
+    ops, glu, ein = m.ops, L._glu, L._ein
+    o_projs = {id(lw.attn.o_proj) for lw in m.w.layers}
+
+    class Ops:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def linear(self, x, w):
+            if id(w) not in o_projs:
+                return ops.linear(x, w)
+            xd, W = dequantize(*act_quant_fp8(x, ops.recipe), ops.recipe), w.dequant()
+            return sum(xd[:, b] @ W[:, b].T for b in _blocks(w.k, parts, reverse)).to(torch.bfloat16)
+
+    def glu_blocks(x, gate_w, up_w, down_w, act):
+        h = act(L._mm(x, gate_w.T), L._mm(x, up_w.T)).to(torch.bfloat16)
+        return sum(L._mm(h[:, b], down_w[:, b].T) for b in _blocks(h.shape[1], parts, reverse))
+
+    def ein_blocks(eq, a, b):
+        if eq != "me,mew->mw":
+            return ein(eq, a, b)
+        return sum(ein(eq, a[:, s], b[:, s]) for s in _blocks(a.shape[1], parts, reverse))
+    m.ops, L._glu, L._ein = Ops(), glu_blocks, ein_blocks
+    try:
+        yield m
+    finally:
+        m.ops, L._glu, L._ein = ops, glu, ein
+
+
+def order_bound(make, tp1: dict) -> float:
+    """The bound on a layout's logits vs TP1 (test_dist_layouts.py says why): twice the most that the
+    order variants (2 and 4 blocks, forward and reversed) move TP1's logits, at least FP32's 1e-5.
+    `make()` builds a fresh TP1 model."""
+    from numerics import rel_rms, tolerance
+    worst = 0.0
+    for parts in (2, 4):
+        for rev in (False, True):
+            m = make()
+            with order_variant(m, parts, rev):
+                v = scenario(m)
+            worst = max([worst] + [rel_rms(v[k], tp1[k]) for k in LOGITS])
+    return max(tolerance(torch.float32).rel_rms, 2 * worst)

@@ -9,7 +9,7 @@ the routed experts' sum as partials over expert / intermediate slices. In FP32 a
 rounding edge of an activation (o_proj's output, routed_expert_norm's, the next RMSNorm's), that element
 rounds one BF16 ulp the other way, and a random model amplifies the change, through routing decisions above
 all. The test measures exactly that on TP1 itself: TP1 rerun with each of those sums split into n blocks
-(n = 2, 4, the layouts' rank counts) added in block order and in reverse (`_order_variant`) moves its logits
+(n = 2, 4, the layouts' rank counts) added in block order and in reverse (dist_cases.order_variant) moves its logits
 by at most E (measured: 2.7e-3 rel RMS, the one o_proj element at a rounding edge that TP4 also rounds the
 other way). A layout may differ from TP1 by 2 E: the variants sample four orders of the same sums, a layout
 is one more, and which of the elements near an edge cross differs between orders. Never below 1e-5, the
@@ -18,20 +18,16 @@ slice, a missing partial or a rank summing twice moves the logits by O(1).
 """
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
-import model.layers as L
-from k3gen.ops.act_quant_fp8.reference import act_quant_fp8, dequantize
 from model.checkpoint import write_random_checkpoint
 from numerics import rel_rms, tolerance
 
 import dist_cases as C
 import dist_harness as H
+from dist_cases import LOGITS, one_thread
 
-LOGITS = ("prefill", "decode1", "decode2", "verify", "after_commit")
 LAYOUTS = {"TP2": (2, 1), "TP4": (4, 1), "EP2": (2, 2), "EP4": (4, 4), "TP2xEP2": (4, 2)}
 
 
@@ -41,73 +37,16 @@ def checkpoint(tmp_path_factory):
     return str(d)
 
 
-@contextlib.contextmanager
-def one_thread():
-    """The ranks run one thread each; TP1 runs so too (the same GEMM blocking)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tp1(checkpoint):
     with one_thread():
         return C.scenario(C.build(C.tiny4(), checkpoint))
 
 
-def _blocks(n: int, parts: int, reverse: bool) -> list[slice]:
-    k = n // parts
-    b = [slice(i * k, (i + 1) * k) for i in range(parts)]
-    return b[::-1] if reverse else b
-
-
-@contextlib.contextmanager
-def _order_variant(m, parts: int, reverse: bool):
-    """TP1 with the sums a layout splits computed as `parts` block sums added in order (or reversed):
-    o_proj over its input columns (FP32 partials, as RankOps), the GLU down projection over the
-    intermediate and the routed experts' weighted sum over the experts (FP64 partials rounded to FP32)."""
-    ops, glu, ein = m.ops, L._glu, L._ein
-    o_projs = {id(lw.attn.o_proj) for lw in m.w.layers}
-
-    class Ops:
-        def __getattr__(self, name):
-            return getattr(ops, name)
-
-        def linear(self, x, w):
-            if id(w) not in o_projs:
-                return ops.linear(x, w)
-            xd, W = dequantize(*act_quant_fp8(x, ops.recipe), ops.recipe), w.dequant()
-            return sum(xd[:, b] @ W[:, b].T for b in _blocks(w.k, parts, reverse)).to(torch.bfloat16)
-
-    def glu_blocks(x, gate_w, up_w, down_w, act):
-        h = act(L._mm(x, gate_w.T), L._mm(x, up_w.T)).to(torch.bfloat16)
-        return sum(L._mm(h[:, b], down_w[:, b].T) for b in _blocks(h.shape[1], parts, reverse))
-
-    def ein_blocks(eq, a, b):
-        if eq != "me,mew->mw":
-            return ein(eq, a, b)
-        return sum(ein(eq, a[:, s], b[:, s]) for s in _blocks(a.shape[1], parts, reverse))
-    m.ops, L._glu, L._ein = Ops(), glu_blocks, ein_blocks
-    try:
-        yield m
-    finally:
-        m.ops, L._glu, L._ein = ops, glu, ein
-
-
 @pytest.fixture(scope="module")
 def bound(checkpoint, tp1):
-    worst = 0.0
     with one_thread():
-        for parts in (2, 4):
-            for rev in (False, True):
-                m = C.build(C.tiny4(), checkpoint)
-                with _order_variant(m, parts, rev):
-                    v = C.scenario(m)
-                worst = max([worst] + [rel_rms(v[k], tp1[k]) for k in LOGITS])
-    return max(tolerance(torch.float32).rel_rms, 2 * worst)
+        return C.order_bound(lambda: C.build(C.tiny4(), checkpoint), tp1)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
