@@ -83,6 +83,10 @@ class UnsupportedCheckpointError(CheckpointError, NotImplementedError):
     """A valid checkpoint feature this runtime does not run yet (names the tensor or field)."""
 
 
+class CheckpointFormatError(CheckpointError):
+    """A folder that holds none of the layouts this runtime reads (names what it found)."""
+
+
 def open_shard(folder, shard: str, files: dict, opener):
     """The open safetensors handle of `shard` (opened once into `files`, by `opener` such as
     safetensors.safe_open), or a CheckpointError when the index names a shard that is not there."""
@@ -400,10 +404,26 @@ def _init_gain(name: str) -> float:
     return RESIDUAL_GAIN if name.endswith(_RESIDUAL_WRITERS) else 1.0
 
 
+def _short_cycles(v: int, g: torch.Generator) -> torch.Tensor:
+    """A random permutation of range(v) made of cycles of 3 to 8 tokens."""
+    order = torch.randperm(v, generator=g).tolist()
+    perm, i = list(range(v)), 0
+    while i < v:
+        n = min(int(torch.randint(3, 9, (1,), generator=g)), v - i)
+        cyc = order[i:i + n]
+        for a, b in zip(cyc, cyc[1:] + cyc[:1]):
+            perm[a] = b
+        i += n
+    return torch.tensor(perm)
+
+
 def _random_lm_head(embed: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """[vocab, hidden] BF16: LOGIT_GAIN * (BIGRAM * embed[pi^-1] + N(0, 1)) / sqrt(hidden)."""
+    """[vocab, hidden] BF16: LOGIT_GAIN * (BIGRAM * embed[pi^-1] + N(0, 1)) / sqrt(hidden), so that
+    the bigram favours next(t) = pi(t). pi is made of short cycles (3 to 8 tokens): greedy walks of
+    a trained LM on repetitive text fall into loops that the n-gram drafter predicts, and the
+    speculative tests need drafts accepted; a uniform random pi has cycles of ~vocab/2 tokens."""
     v, hid = embed.shape
-    perm = torch.randperm(v, generator=g)
+    perm = _short_cycles(v, g)
     w = torch.empty(v, hid)
     w[perm] = embed.float() * BIGRAM
     w += torch.randn(v, hid, generator=g)

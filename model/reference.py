@@ -307,4 +307,81 @@ class Fp32Reference:
         return y
 
 
-__all__ = ["Fp32Reference", "canonical_shapes", "check_tensors", "check_shape", "a_log_shapes"]
+# -- the reference of loaded weights --------------------------------------------------------------
+def canonical_from_weights(w) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, canonical FP32 tensors) computing exactly what a TP1 `ModelWeights` (model/weights.py,
+    as model/formats/assemble.py builds it) holds: the FP8 and packed weights dequantized, the fused
+    projections split back, W_UK / W_UV as kv_b. Kimi-Linear's low-rank KDA gate comes back as the
+    full-rank g_proj it was folded into (the config says so), and an MLA layer without the output
+    gate loses its zero gate rows and the doubling of o_proj (exact). Fp32Reference over them is the
+    loaded model in FP32 math, without the activation roundings of K3Model's paths."""
+    import dataclasses
+    cfg = dataclasses.replace(w.cfg, kda_out_gate="full")
+    t: dict[str, torch.Tensor] = {}
+    f = torch.float32
+    t["model.embed_tokens.weight"] = w.embed.to(f)
+    t["model.norm.weight"] = w.final_norm.to(f)
+    if not cfg.tie_embeddings:
+        t["lm_head.weight"] = w.lm_head.to(f)
+    if w.output_res is not None:
+        t["model.output_attn_res_proj.weight"] = w.output_res.proj.to(f).reshape(1, -1)
+        t["model.output_attn_res_norm.weight"] = w.output_res.norm.to(f)
+    for i, lw in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"] = lw.input_norm.to(f), lw.post_norm.to(f)
+        for side, r in (("self_attention", lw.attn_res), ("mlp", lw.mlp_res)):
+            if r is not None:
+                t[f"{p}{side}_res_proj.weight"], t[f"{p}{side}_res_norm.weight"] = r.proj.to(f).reshape(1, -1), r.norm.to(f)
+        a, x = p + "self_attn.", lw.attn
+        if cfg.kind(i) == "kda":
+            H = x.kda.heads
+            D = H * cfg.kda_head_dim
+            qkvg, fab = x.qkvg.dequant(), x.fab.dequant()
+            for j, n in enumerate(("q_proj", "k_proj", "v_proj", "g_proj")):
+                t[a + n + ".weight"] = qkvg[j * D:(j + 1) * D]
+            for j, n in enumerate("qkv"):
+                t[f"{a}{n}_conv1d.weight"] = x.kda.conv_w[j * D:(j + 1) * D].to(f).reshape(D, 1, -1)
+            t[a + "f_a_proj.weight"], t[a + "b_proj.weight"] = fab[:cfg.kda_head_dim], fab[cfg.kda_head_dim:][:H]
+            t[a + "f_b_proj.weight"], t[a + "dt_bias"] = x.kda.fb_w.to(f), x.kda.dt_bias.to(f)
+            t[a + "A_log"], t[a + "o_norm.weight"] = x.kda.a_log.to(f).reshape(1, 1, H, 1), x.kda.norm_w.to(f)
+            t[a + "o_proj.weight"] = x.o_proj.dequant()
+        else:
+            H = x.w_uk.shape[0]
+            ap = x.a_proj.dequant()
+            kv = 0 if x.q_proj is not None else cfg.q_lora
+            if x.q_proj is None:
+                t[a + "q_a_proj.weight"], t[a + "q_a_layernorm.weight"] = ap[:kv], x.q_a_norm.to(f)
+                t[a + "q_b_proj.weight"] = x.q_b.dequant()
+            else:
+                t[a + "q_proj.weight"] = x.q_proj.dequant()
+            t[a + "kv_a_proj_with_mqa.weight"] = ap[kv:kv + cfg.kv_lora + cfg.qk_rope]
+            t[a + "kv_a_layernorm.weight"] = x.kv_a_norm.to(f)
+            t[a + "kv_b_proj.weight"] = torch.cat([x.w_uk, x.w_uv], dim=1).to(f).reshape(-1, cfg.kv_lora)
+            o = x.o_proj.dequant()
+            if cfg.mla_out_gate:
+                t[a + "g_proj.weight"] = ap[kv + 640:kv + 640 + H * cfg.v_head]
+            else:
+                o = o / 2          # the ungated layer's o_proj (assemble._ungated_o_proj doubled it)
+            t[a + "o_proj.weight"] = o
+        m = p + ("mlp." if cfg.is_dense(i) else "block_sparse_moe.")
+        ffn = lw.ffn
+        if cfg.is_dense(i):
+            for n in ("gate", "up", "down"):
+                t[f"{m}{n}_proj.weight"] = getattr(ffn, n).to(f)
+            continue
+        t[m + "gate.weight"], t[m + "gate.e_score_correction_bias"] = ffn.router.to(f), ffn.bias.to(f)
+        w13, w2 = ffn.experts.dequant()
+        I = ffn.experts.inter
+        for e in range(ffn.experts.experts):
+            t[f"{m}experts.{e}.w1.weight"], t[f"{m}experts.{e}.w3.weight"] = w13[e, :I].to(f), w13[e, I:].to(f)
+            t[f"{m}experts.{e}.w2.weight"] = w2[e].to(f)
+        for n, v in (("routed_expert_down_proj", ffn.latent_down), ("routed_expert_up_proj", ffn.latent_up),
+                     ("routed_expert_norm", ffn.latent_norm), ("shared_experts.gate_proj", ffn.shared_gate),
+                     ("shared_experts.up_proj", ffn.shared_up), ("shared_experts.down_proj", ffn.shared_down)):
+            if v is not None:
+                t[m + n + ".weight"] = v.to(f)
+    return cfg, t
+
+
+__all__ = ["Fp32Reference", "canonical_shapes", "check_tensors", "check_shape", "a_log_shapes",
+           "canonical_from_weights"]

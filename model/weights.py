@@ -1,22 +1,11 @@
-"""Loading a K3 NVFP4 checkpoint (model/checkpoint.py's format: nvidia/Kimi-K3-NVFP4's layout
-with the published names) into the formats the layers and kernels take, with the conversions the
-target needs:
+"""K3Model's weights in the formats the layers and kernels take (`ModelWeights`: fused FP8 block
+projections, packed routed experts, FP32 Attention Residuals), and the checked reader of the
+ModelOpt NVFP4 layout (model/checkpoint.py's format: nvidia/Kimi-K3-NVFP4 with the published names).
 
-- `[q | k | v | g_out]` of a KDA layer fused into one FP8 block weight (each part is D = H*128
-  rows, so the 128x128 tile scales concatenate exactly); `[f_a | b]` likewise (zero rows pad N to
-  a multiple of 16 for the GEMM's 16-byte output rows).
-- The MLA A-projection `[q_a 1536 | kv_a 576 (+64 zero rows) | g H*128]`: kv_a is padded to 640
-  rows so that g starts on a tile boundary and every stored tile scale is kept as is.
-- `kv_b` dequantized to BF16 and split per head into W_UK (rows 0..127) and W_UV (128..255).
-- UE8M0 recipe: every FP8 weight re-quantized with power-of-two tile scales (SPEC.md section 6).
-- FP8 tile scales stored 4-D [N/128, 1, K/128, 1] (ModelOpt) read as the 2-D grid.
-- `f_b_proj` (FP8 in the checkpoint, one K block) dequantized to BF16 for the KDA kernels.
-- NVFP4 routed experts kept packed (`ExpertWeights`, w1|w3 stacked as w13); the PyTorch expert
-  path dequantizes them transiently at run time.
-- `A_log` narrowed to the first H entries of its padded [pad] storage, or read from [1, 1, H, 1].
-- Attention Residuals pseudo-queries and norms in FP32 (`arch.AttnResWeights`).
-
-TP1 only (the small configs and the CPU tests); TP slicing is not written yet.
+Every layout is converted by one assembly, model/formats/assemble.py (fusions, paddings, the
+recipe's FP8 re-quantization, Kimi-Linear's variants, TP slices, streaming to the device);
+model/formats/detect.py `load_model_weights` picks the layout of a folder. `load_weights` below is
+the ModelOpt entry point that the older callers use (TP1, CPU).
 """
 from __future__ import annotations
 
@@ -27,21 +16,20 @@ from pathlib import Path
 import torch
 
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ops.fp8_block_gemm.reference import dequantize_weights, quantize_weights
+from k3gen.ops.fp8_block_gemm.reference import dequantize_weights
 from k3gen.ops.kda_decode.reference import KdaWeights
 # The fused projections' row layouts are the enumerator's (its GEMM shapes): one source.
-from k3gen.targets import KDA_FAB_ALIGN, MLA_A_PAD as KV_A_PAD
+from k3gen.targets import MLA_A_PAD as KV_A_PAD  # noqa: F401  (the MLA A-projection's kv_a rows)
 
 from model.arch import AttnResWeights
-from model.checkpoint import (open_shard, INDEX, LM_HEAD, PREFIX, QUANT_CONFIG, BadValueError, CheckpointError,
-                              MissingTensorError, TensorShapeError, UnexpectedTensorError,
-                              UnsupportedCheckpointError, expected_tensors)
+from model.checkpoint import (open_shard, INDEX, QUANT_CONFIG, BadValueError, CheckpointError, MissingTensorError,
+                              TensorShapeError, UnexpectedTensorError, UnsupportedCheckpointError, expected_tensors)
 from model.config import ModelConfig
 
 
 # -- reading with checks ---------------------------------------------------------------------------
 class CheckpointReader:
-    def __init__(self, folder: Path, cfg: ModelConfig):
+    def __init__(self, folder: Path, cfg: ModelConfig, opener=None):
         from safetensors import safe_open
         self.folder, self.cfg = Path(folder), cfg
         idx = self.folder / INDEX
@@ -53,10 +41,15 @@ class CheckpointReader:
             raise CheckpointError(f"{idx}: not a safetensors index ({e})") from e
         self.expected = expected_tensors(cfg)
         self._files: dict[str, object] = {}
-        self._open = safe_open
+        self._open = opener or safe_open
 
     def _file(self, shard: str):
         return open_shard(self.folder, shard, self._files, self._open)
+
+    def close(self, shard: str) -> None:
+        f = self._files.pop(shard, None)
+        if f is not None and hasattr(f, "__exit__"):
+            f.__exit__(None, None, None)
 
     def get(self, name: str) -> torch.Tensor:
         info = self.expected.get(name)
@@ -157,39 +150,6 @@ def _grid(scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """The [ceil(N/128), ceil(K/128)] tile grid of a scale stored 4-D [nb, 1, kb, 1] (ModelOpt,
     tokenspeed modelopt_block_scale_to_2d) or 2-D (the reader's shape check admits only these)."""
     return scale.reshape(-(-codes.shape[0] // 128), -(-codes.shape[1] // 128))
-
-
-def _fp8_parts(r: CheckpointReader, names: list[str], recipe: ScaleRecipe, pad_rows: dict | None = None,
-               pad_to: int = 1) -> Fp8Linear:
-    """Concatenate FP8 weights along N (each part a whole number of 128-row tiles, or padded to
-    `pad_rows[name]` rows with zeros); UE8M0 re-quantizes each part with power-of-two scales."""
-    codes, scales = [], []
-    for i, n in enumerate(names):
-        c = r.get(n + ".weight").view(torch.uint8)
-        s = r.get(n + ".weight_scale")
-        s = _grid(s, c)
-        rows = (pad_rows or {}).get(n, c.shape[0])
-        last = i == len(names) - 1
-        if rows % 128 and not last:
-            raise CheckpointError(f"{n}: {rows} rows cannot be fused before another part (tile scales)")
-        if recipe is ScaleRecipe.UE8M0:
-            c, s = quantize_weights(dequantize_weights(c, s, ScaleRecipe.FP32), ScaleRecipe.UE8M0)
-        if rows > c.shape[0]:
-            c = torch.cat([c, torch.zeros(rows - c.shape[0], c.shape[1], dtype=c.dtype)])
-        codes.append(c)
-        scales.append(s)
-    c, s = torch.cat(codes), torch.cat(scales)
-    n = c.shape[0]
-    if n % pad_to:
-        c = torch.cat([c, torch.zeros(pad_to - n % pad_to, c.shape[1], dtype=c.dtype)])
-        need = -(-c.shape[0] // 128)
-        if need > s.shape[0]:  # the padding opened a new row tile: any finite scale serves zeros
-            s = torch.cat([s, s[-1:].clone()])
-    return Fp8Linear(c.contiguous(), s.contiguous(), recipe)
-
-
-def _fp8(r, name, recipe) -> Fp8Linear:
-    return _fp8_parts(r, [name], recipe)
 
 
 def _e2m1_values(packed: torch.Tensor) -> torch.Tensor:
@@ -296,6 +256,7 @@ class MoeWeights:
     shared_gate: torch.Tensor | None        # [shared_inter, hidden] BF16; None: no shared experts
     shared_up: torch.Tensor | None
     shared_down: torch.Tensor | None        # [hidden, shared_inter]
+    expert_ids: range | None = None         # the experts stacked here (EP rank); None: all cfg.experts
 
 
 @dataclass
@@ -345,102 +306,9 @@ def _map_tensors(obj, fn):
     return obj
 
 
-def _attn_res(r: CheckpointReader, p: str) -> AttnResWeights:
-    return AttnResWeights(proj=r.get(p + "_proj.weight").float().reshape(-1).contiguous(),
-                          norm=r.get(p + "_norm.weight").float().contiguous())
-
-
-def _a_log(r: CheckpointReader, name: str, H: int) -> torch.Tensor:
-    """[H] FP32 from [pad] (K3: the first H real, SGLang's _a_log_weight_loader narrows) or [1, 1, H, 1]."""
-    t = r.get(name).float()
-    return (t.reshape(-1)[:H] if t.dim() == 1 else t.reshape(H)).contiguous()
-
-
-def _experts(r: CheckpointReader, m: str, cfg: ModelConfig) -> ExpertWeights:
-    """The routed experts stacked in their stored NVFP4 form (no dequantization at load)."""
-    ex = [f"{m}experts.{e}." for e in range(cfg.experts)]
-    get = lambda e, w, part: r.get(f"{e}{w}.{part}")        # noqa: E731
-    for e in ex:                                             # validated, then unused by the math
-        for w in ("w1", "w3", "w2"):
-            get(e, w, "input_scale")
-    return ExpertWeights(
-        fmt="nvfp4",
-        w13=torch.stack([torch.cat([get(e, "w1", "weight"), get(e, "w3", "weight")]) for e in ex]),
-        w13_scale=torch.stack([torch.cat([get(e, "w1", "weight_scale"), get(e, "w3", "weight_scale")]) for e in ex]),
-        w13_global=torch.stack([torch.stack([get(e, "w1", "weight_scale_2"), get(e, "w3", "weight_scale_2")])
-                                for e in ex]).float(),
-        w2=torch.stack([get(e, "w2", "weight") for e in ex]),
-        w2_scale=torch.stack([get(e, "w2", "weight_scale") for e in ex]),
-        w2_global=torch.stack([get(e, "w2", "weight_scale_2").reshape(1) for e in ex]).float())
-
-
-def _kda_layer(r: CheckpointReader, a: str, cfg: ModelConfig, recipe: ScaleRecipe) -> KdaLayerWeights:
-    H = cfg.kda_heads
-    D = H * 128
-    if cfg.kda_out_gate != "full":
-        # g_b(g_a(x)) would need a second GEMM in the fused [q|k|v|g] projection; folding it into
-        # one D x hidden FP8 weight re-rounds it, so it is refused rather than approximated.
-        raise UnsupportedCheckpointError(f"{a}g_a_proj/g_b_proj: the low-rank KDA output gate is not run yet")
-    conv = torch.cat([r.get(a + n + ".weight").reshape(D, 4) for n in ("q_conv1d", "k_conv1d", "v_conv1d")])
-    fb = _fp8(r, a + "f_b_proj", ScaleRecipe.FP32).dequant().to(torch.bfloat16)
-    kda = KdaWeights(conv_w=conv.to(torch.bfloat16).contiguous(), fb_w=fb.contiguous(),
-                     dt_bias=r.get(a + "dt_bias").float().contiguous(), a_log=_a_log(r, a + "A_log", H),
-                     norm_w=r.get(a + "o_norm.weight").float().contiguous())
-    return KdaLayerWeights(qkvg=_fp8_parts(r, [a + n for n in ("q_proj", "k_proj", "v_proj", "g_proj")], recipe),
-                           fab=_fp8_parts(r, [a + "f_a_proj", a + "b_proj"], recipe, pad_to=KDA_FAB_ALIGN),
-                           o_proj=_fp8(r, a + "o_proj", recipe), kda=kda)
-
-
-def _mla_layer(r: CheckpointReader, a: str, cfg: ModelConfig, recipe: ScaleRecipe) -> MlaLayerWeights:
-    H, bf = cfg.mla_heads, torch.bfloat16
-    if cfg.q_lora is None:
-        raise UnsupportedCheckpointError(f"{a}q_proj: MLA without a q LoRA (q_lora_rank null) is not run yet")
-    if not cfg.mla_out_gate:
-        raise UnsupportedCheckpointError(f"{a}g_proj: MLA without the output gate is not run yet "
-                                         "(the V-B kernel applies the gate)")
-    c = r.get(a + "kv_b_proj.weight").view(torch.uint8)
-    kvb = dequantize_weights(c, _grid(r.get(a + "kv_b_proj.weight_scale"), c), ScaleRecipe.FP32).to(bf)
-    kvb = kvb.view(H, cfg.qk_nope + cfg.v_head, cfg.kv_lora)
-    return MlaLayerWeights(
-        a_proj=_fp8_parts(r, [a + "q_a_proj", a + "kv_a_proj_with_mqa", a + "g_proj"], recipe,
-                          pad_rows={a + "kv_a_proj_with_mqa": KV_A_PAD}),
-        q_a_norm=r.get(a + "q_a_layernorm.weight").to(bf), q_b=_fp8(r, a + "q_b_proj", recipe),
-        kv_a_norm=r.get(a + "kv_a_layernorm.weight").to(bf),
-        w_uk=kvb[:, :cfg.qk_nope].contiguous(), w_uv=kvb[:, cfg.qk_nope:].contiguous(),
-        o_proj=_fp8(r, a + "o_proj", recipe))
-
-
-def _moe_layer(r: CheckpointReader, m: str, cfg: ModelConfig) -> MoeWeights:
-    lat = cfg.moe_latent is not None
-    opt = lambda n, on: r.get(m + n + ".weight") if on else None     # noqa: E731
-    sh = cfg.shared_experts > 0
-    return MoeWeights(router=r.get(m + "gate.weight").float(), bias=r.get(m + "gate.e_score_correction_bias").float(),
-                      experts=_experts(r, m, cfg),
-                      latent_down=opt("routed_expert_down_proj", lat), latent_up=opt("routed_expert_up_proj", lat),
-                      latent_norm=opt("routed_expert_norm", cfg.latent_norm),
-                      shared_gate=opt("shared_experts.gate_proj", sh), shared_up=opt("shared_experts.up_proj", sh),
-                      shared_down=opt("shared_experts.down_proj", sh))
-
-
 def load_weights(folder, cfg: ModelConfig, recipe: ScaleRecipe = ScaleRecipe.FP32) -> ModelWeights:
-    """Read and convert every tensor of `cfg` (CPU tensors; `.to(device)` moves them)."""
-    r = CheckpointReader(Path(folder), cfg)
-    r.check_names()
-    r.check_quant_config()
-    res = cfg.attn_res_block is not None
-    layers = []
-    for i in range(cfg.layers):
-        p = f"{PREFIX}layers.{i}."
-        attn = (_kda_layer if cfg.kind(i) == "kda" else _mla_layer)(r, p + "self_attn.", cfg, recipe)
-        if cfg.is_dense(i):
-            ffn = DenseMlpWeights(*(r.get(p + "mlp." + n + ".weight") for n in ("gate_proj", "up_proj", "down_proj")))
-        else:
-            ffn = _moe_layer(r, p + "block_sparse_moe.", cfg)
-        layers.append(LayerWeights(input_norm=r.get(p + "input_layernorm.weight"),
-                                   post_norm=r.get(p + "post_attention_layernorm.weight"), attn=attn, ffn=ffn,
-                                   attn_res=_attn_res(r, p + "self_attention_res") if res else None,
-                                   mlp_res=_attn_res(r, p + "mlp_res") if res else None))
-    embed = r.get(PREFIX + "embed_tokens.weight")
-    return ModelWeights(cfg=cfg, recipe=recipe, embed=embed, final_norm=r.get(PREFIX + "norm.weight"),
-                        lm_head=embed if cfg.tie_embeddings else r.get(LM_HEAD), layers=layers,
-                        output_res=_attn_res(r, PREFIX + "output_attn_res") if res else None)
+    """Read and convert every tensor of the ModelOpt NVFP4 checkpoint of `cfg` (CPU tensors, TP1;
+    `.to(device)` moves them). model/formats/detect.py `load_model_weights` takes any layout."""
+    from model.formats.assemble import assemble
+    from model.formats.sources import ModeloptSource
+    return assemble(ModeloptSource(Path(folder), cfg), recipe)

@@ -43,6 +43,7 @@ from k3gen.ops.fp8_block_gemm.reference import quantize_weights
 from model.checkpoint import (open_shard, INDEX, LM_HEAD, PREFIX, BadValueError, CheckpointError, MissingTensorError,
                               TensorShapeError, UnexpectedTensorError)
 from model.config import ModelConfig
+from model.formats.assemble import split as _split
 from model.weights import ExpertWeights, Fp8Linear
 
 QUANT_FORMAT = "mxfp4-pack-quantized"
@@ -348,16 +349,6 @@ class LayerTensors:
     expert_ids: range | None = None
 
 
-def _split(n: int, part: tuple[int, int], what: str, align: int = 1) -> slice:
-    r, w = part
-    if not 0 <= r < w:
-        raise SpecError("rank", part, "0 <= rank < world")
-    if n % w or (n // w) % align:
-        raise SpecError(what, n, f"divisible by {w}" + (f" into multiples of {align}" if align > 1 else ""))
-    k = n // w
-    return slice(r * k, (r + 1) * k)
-
-
 _FULL = slice(None)
 
 
@@ -519,14 +510,18 @@ class CtMxfp4Checkpoint:
             put(m + "shared_experts.down_proj.weight", _FULL, r)
         es = _split(cfg.experts, ep, "experts")
         out.expert_ids = range(es.start, es.stop)
-        out.experts = self._experts(p + m, out.expert_ids, tp if expert_tp else (0, 1))
+        inter = _split(cfg.moe_inter, tp if expert_tp else (0, 1), "moe_inter", align=GROUP)
+        out.experts = self.experts(p + m, out.expert_ids, inter)
         return out
 
-    def _experts(self, m: str, ids: range, tp: tuple[int, int]) -> ExpertWeights:
-        """This rank's experts stacked [E_r, ...] in their packed form; each stored tensor is
-        read once and copied into the preallocated stack (no BF16 copy is ever made)."""
-        W, I = self.cfg.expert_width, self.cfg.moe_inter
-        ri = _split(I, tp, "moe_inter", align=GROUP)
+    def experts(self, m: str, ids: range, inter: slice) -> ExpertWeights:
+        """Experts `ids` of MoE prefix m, intermediate rows `inter` (whole groups of 32), stacked
+        [E_r, ...] in their packed form; each stored tensor is read once and copied into the
+        preallocated stack (no BF16 copy is ever made)."""
+        W = self.cfg.expert_width
+        ri = slice(*inter.indices(self.cfg.moe_inter)[:2])
+        if ri.start % GROUP or ri.stop % GROUP:
+            raise SpecError("moe_inter slice", (ri.start, ri.stop), f"whole groups of {GROUP}")
         Il = ri.stop - ri.start
         cols_b = slice(ri.start // 2, ri.stop // 2)
         cols_s = slice(ri.start // GROUP, ri.stop // GROUP)

@@ -19,7 +19,8 @@ Errors (model.checkpoint's types, each naming the tensor): a canonical tensor ab
 MissingTensorError; a tensor the config does not use -> UnexpectedTensorError; a shape other
 than the config's -> TensorShapeError; NaN/Inf -> BadValueError; a non-float dtype (e.g. the
 packed uint8 of a quantized checkpoint) or an inconsistent index -> CheckpointError.
-Shards are opened and read one at a time.
+Shards are opened and read one at a time;
+`HfPlainCheckpoint` streams them (model/formats/sources.py feeds K3Model's loader from it).
 """
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ from model.reference import canonical_shapes, check_shape
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _SKIP = ("vision_tower.", "mm_projector.", "language_model.vision_tower.", "language_model.mm_projector.")
 _DENSE_QUIRK = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
 
@@ -72,19 +72,29 @@ def _shards(folder: Path) -> list[tuple[str, set[str] | None]]:
     raise CheckpointError(f"{folder}: neither {INDEX} nor {SINGLE}")
 
 
-def read_hf_plain(folder, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """The canonical FP32 tensors of the plain checkpoint in `folder` (cfg: from its config.json
-    by default)."""
-    from safetensors import safe_open
-    folder = Path(folder)
-    cfg = config_from_json(folder) if cfg is None else cfg
-    want = canonical_shapes(cfg)
-    out: dict[str, torch.Tensor] = {}
-    for fname, listed in _shards(folder):
-        path = folder / fname
-        if not path.is_file():
-            raise CheckpointError(f"shard {fname} named by {INDEX} is missing")
-        with safe_open(str(path), framework="pt") as f:
+_FLOAT_CODES = {"F32", "BF16", "F16"}
+
+
+class HfPlainCheckpoint:
+    """A plain checkpoint opened for streaming: every stored name mapped to its canonical name and
+    checked against the config at open time from the shard headers (names, shapes, float dtypes,
+    index vs files); values (NaN/Inf) when a tensor is read. `read` takes slices along the leading
+    dims (safetensors `get_slice`: a TP rank reads only its rows / columns). `opener` replaces
+    safetensors.safe_open (tests count the bytes read)."""
+
+    def __init__(self, folder, cfg: ModelConfig | None = None, opener=None):
+        from safetensors import safe_open
+        self.folder = Path(folder)
+        self.cfg = config_from_json(self.folder) if cfg is None else cfg
+        self._open = opener or safe_open
+        self.shapes = canonical_shapes(self.cfg)
+        self.where: dict[str, tuple[str, str]] = {}          # canonical -> (shard, stored name)
+        self._files: dict[str, object] = {}
+        for fname, listed in _shards(self.folder):
+            path = self.folder / fname
+            if not path.is_file():
+                raise CheckpointError(f"shard {fname} named by {INDEX} is missing")
+            f = self._file(fname)
             keys = set(f.keys())
             if listed is not None:
                 for name in sorted(listed - keys):
@@ -92,27 +102,57 @@ def read_hf_plain(folder, cfg: ModelConfig | None = None) -> dict[str, torch.Ten
                 for name in sorted(keys - listed):
                     raise CheckpointError(f"{name}: in {fname} but {INDEX} does not list it there")
             for name in sorted(keys):
-                canon = canonical_name(name, cfg)
+                canon = canonical_name(name, self.cfg)
                 if canon is None:
                     continue
-                if canon not in want:
-                    raise UnexpectedTensorError(f"{name}: not a tensor of this config ({cfg.name})")
-                if canon in out:
+                if canon not in self.shapes:
+                    raise UnexpectedTensorError(f"{name}: not a tensor of this config ({self.cfg.name})")
+                if canon in self.where:
                     raise CheckpointError(f"{name}: stored twice (as {canon})")
-                check_shape(cfg, name, tuple(f.get_slice(name).get_shape()), want[canon])
-                t = f.get_tensor(name)
-                if t.dtype not in _FLOATS:
-                    raise CheckpointError(f"{name}: dtype {t.dtype} is not a plain float tensor "
+                sl = f.get_slice(name)
+                check_shape(self.cfg, name, tuple(sl.get_shape()), self.shapes[canon])
+                if sl.get_dtype() not in _FLOAT_CODES:
+                    raise CheckpointError(f"{name}: dtype {sl.get_dtype()} is not a plain float tensor "
                                           "(a quantized checkpoint needs its own reader in model/formats/)")
-                t = t.to(torch.float32)
-                if not bool(torch.isfinite(t).all()):
-                    raise BadValueError(f"{name}: {int((~torch.isfinite(t)).sum())} non-finite values")
-                out[canon] = t
-    missing = [n for n in want if n not in out]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise MissingTensorError(f"{missing[0]}: missing{more}")
-    return out
+                self.where[canon] = (fname, name)
+            self.close(fname)
+        missing = [n for n in self.shapes if n not in self.where]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise MissingTensorError(f"{missing[0]}: missing{more}")
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {n: s for n, (s, _) in self.where.items()}
+
+    def _file(self, shard: str):
+        if shard not in self._files:
+            self._files[shard] = self._open(str(self.folder / shard), framework="pt")
+        return self._files[shard]
+
+    def close(self, shard: str | None = None) -> None:
+        for s in [shard] if shard else list(self._files):
+            f = self._files.pop(s, None)
+            if f is not None and hasattr(f, "__exit__"):
+                f.__exit__(None, None, None)
+
+    def read(self, name: str, *index: slice) -> torch.Tensor:
+        """Canonical tensor `name` in its stored dtype, sliced by `index` along its leading dims."""
+        shard, stored = self.where[name]
+        t = self._file(shard).get_slice(stored)[tuple(index) or slice(None)]
+        if not bool(torch.isfinite(t).all()):
+            raise BadValueError(f"{stored}: {int((~torch.isfinite(t)).sum())} non-finite values")
+        return t
 
 
-__all__ = ["read_hf_plain", "canonical_name", "UnexpectedTensorError", "INDEX"]
+def read_hf_plain(folder, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """The canonical FP32 tensors of the plain checkpoint in `folder` (cfg: from its config.json
+    by default)."""
+    ck = HfPlainCheckpoint(folder, cfg)
+    try:
+        return {n: ck.read(n).to(torch.float32) for n in ck.shapes}
+    finally:
+        ck.close()
+
+
+__all__ = ["HfPlainCheckpoint", "read_hf_plain", "canonical_name", "UnexpectedTensorError", "INDEX"]

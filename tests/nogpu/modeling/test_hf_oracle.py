@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+import hf_tiny
 from numerics import rel_rms
 
 from model.checkpoint import BadValueError, MissingTensorError, TensorShapeError
@@ -20,7 +21,7 @@ from model.reference import Fp32Reference, canonical_shapes
 
 transformers = pytest.importorskip("transformers")
 
-PROMPT, DECODE = 12, 4
+PROMPT, DECODE = hf_tiny.PROMPT, hf_tiny.DECODE
 ORACLE_TOL = 1e-4      # FP32 vs FP32: op order (chunked WY vs sequential KDA) only
 SELF_TOL = 1e-5
 # transformers 5.23 builds q_a_layernorm / kv_a_layernorm as KimiLinearRMSNorm(rank) with its
@@ -28,54 +29,16 @@ SELF_TOL = 1e-5
 HF_MLA_NORM_EPS = 1e-6
 
 
-def _random_like(name: str, shape, g: torch.Generator) -> torch.Tensor:
-    """Non-trivial values of a trained model's kind for every tensor (norms not ones, gate
-    parameters in their trained ranges, biases non-zero)."""
-    if name.endswith("A_log"):
-        return torch.log(torch.rand(shape, generator=g) * 15 + 1)
-    if name.endswith("dt_bias"):
-        return torch.randn(shape, generator=g) * 0.5
-    if name.endswith("e_score_correction_bias"):
-        return torch.randn(shape, generator=g) * 0.1
-    if name.endswith("_res_proj.weight"):
-        return torch.randn(shape, generator=g) * 2 * shape[-1] ** -0.5   # scores of RMS ~2
-    if "norm" in name:
-        return 1 + 0.2 * torch.randn(shape, generator=g)
-    if "conv1d" in name:
-        return 0.5 * torch.randn(shape, generator=g)
-    if "embed" in name:
-        return torch.randn(shape, generator=g)
-    return torch.randn(shape, generator=g) * shape[-1] ** -0.5
+_random_like = hf_tiny.random_like
 
 
 # -- the transformers oracle -----------------------------------------------------------------------
 def _hf_model(q_lora, seed: int):
-    cfg = transformers.KimiLinearConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=5,
-        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=q_lora, kv_lora_rank=512,
-        num_experts=8, num_experts_per_token=2, num_shared_experts=1, num_expert_group=2, topk_group=1,
-        routed_scaling_factor=1.5, first_k_dense_replace=1, pad_token_id=None, bos_token_id=None, eos_token_id=None,
-        linear_attn_config={"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3], "head_dim": 128, "num_heads": 2,
-                            "short_conv_kernel_size": 4})
-    torch.manual_seed(seed)
-    m = transformers.KimiLinearForCausalLM(cfg).float().eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for n, p in list(m.named_parameters()) + list(m.named_buffers()):
-            p.copy_(_random_like(n, tuple(p.shape), g))
-    return m
+    return hf_tiny.build(q_lora, seed)
 
 
 def _hf_logits(m, toks: torch.Tensor) -> list[torch.Tensor]:
-    """[prefill logits [PROMPT, vocab]] + DECODE single-token logits, transformers' cached path."""
-    with torch.no_grad():
-        out = m(input_ids=toks[None, :PROMPT], use_cache=True)
-        res, pkv = [out.logits[0].clone()], out.past_key_values
-        for j in range(PROMPT, PROMPT + DECODE):
-            out = m(input_ids=toks[None, j:j + 1], past_key_values=pkv, use_cache=True)
-            res.append(out.logits[0, -1].clone())
-            pkv = out.past_key_values
-    return res
+    return hf_tiny.hf_logits(m, toks)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +73,16 @@ def test_reference_matches_transformers(oracle, case):
     errs += [rel_rms(ref.decode(toks[PROMPT + j]), hf[1 + j]) for j in range(DECODE)]
     print(f"{case}: prefill rel-RMS {errs[0]:.2e}, decode " + ", ".join(f"{e:.2e}" for e in errs[1:]))
     assert all(e <= ORACLE_TOL for e in errs), errs
+
+
+@pytest.mark.parametrize("case", ["q_lora", "q_proj"])
+def test_hf_tiny_config_dict_is_what_transformers_saves(oracle, case):
+    """tests/hf_tiny.py's config dict (what tests/gpu/specs.py enumerates the kernels from, without
+    transformers) reads as the config.json transformers saved."""
+    from k3gen.hf_config import config_fields, read_config
+    saved = config_fields(*read_config(oracle[case][0]))
+    mine = config_fields(hf_tiny.config_dict(hf_tiny.CASES[case]))
+    assert {**mine, "name": None} == {**saved, "name": None}
 
 
 def test_reader_maps_the_dense_mlp_save_quirk(oracle):

@@ -275,11 +275,29 @@ def test_loader_refuses_what_it_cannot_run(tmp_path):
     (d / "hf_quant_config.json").write_text(json.dumps(q))
     with pytest.raises(UnsupportedCheckpointError, match="experts"):
         load_weights(d, CFG)
+    wide = dataclasses.replace(CFG, q_lora=1024)
+    d2 = write_checkpoint(random_tensors(wide, seed=1, truth=False)[0], tmp_path / "wide", wide)
+    with pytest.raises(UnsupportedCheckpointError, match="q_lora_rank 1024"):
+        load_weights(d2, wide)
+
+
+def test_low_rank_gate_folds_into_the_fused_projection(tmp_path):
+    """Kimi-Linear's g_b(g_a(x)) KDA gate loads as the D x hidden gate rows of qkvg: exactly the
+    FP8 block quantization of g_b @ g_a (FP32 product of the stored weights' values)."""
+    from k3gen.ops.fp8_block_gemm.reference import quantize_weights
     low = dataclasses.replace(CFG, kda_out_gate="low_rank")
-    d2 = write_checkpoint(random_tensors(low, seed=1, truth=False)[0], tmp_path / "low", low)
-    assert (PREFIX + "layers.0.self_attn.g_b_proj.weight") in json.loads((d2 / INDEX).read_text())["weight_map"]
-    with pytest.raises(UnsupportedCheckpointError, match="g_a_proj"):
-        load_weights(d2, low)
+    stored, truth = random_tensors(low, seed=1)
+    d = write_checkpoint(stored, tmp_path / "low", low)
+    assert (PREFIX + "layers.0.self_attn.g_b_proj.weight") in json.loads((d / INDEX).read_text())["weight_map"]
+    D = CFG.kda_heads * 128
+    for recipe in (ScaleRecipe.FP32, ScaleRecipe.UE8M0):
+        w = load_weights(d, low, recipe)
+        qkvg = w.layers[0].attn.qkvg
+        codes, scales = quantize_weights(truth[A0 + "g_b_proj"] @ truth[A0 + "g_a_proj"], recipe)
+        assert torch.equal(qkvg.codes[3 * D:], codes) and torch.equal(qkvg.scales[3 * D // 128:], scales)
+        if recipe is ScaleRecipe.FP32:   # q | k | v stay the stored FP8 weights
+            want = torch.cat([truth[A0 + n] for n in ("q_proj", "k_proj", "v_proj")])
+            assert torch.equal(qkvg.dequant()[:3 * D], want)
 
 
 def test_loader_errors_on_files(tmp_path):

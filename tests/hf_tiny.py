@@ -1,0 +1,92 @@
+"""The tiny Kimi-Linear model the oracle tests build with transformers (KimiLinearForCausalLM, 5.23
+here): its KimiLinearConfig arguments, with head dims the kernels take (KDA head_dim 128, MLA
+kv_lora 512, rope 64, nope 128, v 128, 2 heads of each), the config.json dict k3gen/hf_config.py
+reads (no transformers needed: tests/gpu/specs.py enumerates the kernels from it), the builder with
+non-trivial random weights, and transformers' own prefill + cached decode logits.
+
+Its variants are Kimi-Linear-48B's: softplus KDA gate, the low-rank KDA output gate (g_a/g_b), no
+MLA output gate, SiLU, grouped noaux_tc routing; q_lora_rank 1536 or None (a plain q_proj).
+"""
+from __future__ import annotations
+
+CASES = {"q_lora": 1536, "q_proj": None}
+SEEDS = {"q_lora": 0, "q_proj": 10}
+PROMPT, DECODE = 12, 4
+
+
+def kwargs(q_lora) -> dict:
+    return dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=5,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=q_lora, kv_lora_rank=512,
+        num_experts=8, num_experts_per_token=2, num_shared_experts=1, num_expert_group=2, topk_group=1,
+        routed_scaling_factor=1.5, first_k_dense_replace=1, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        linear_attn_config={"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3], "head_dim": 128, "num_heads": 2,
+                            "short_conv_kernel_size": 4})
+
+
+def config_dict(q_lora) -> dict:
+    """What save_pretrained writes into config.json, as far as k3gen/hf_config.py reads it
+    (test_hf_oracle checks the two agree)."""
+    d = {k: v for k, v in kwargs(q_lora).items() if not k.endswith("token_id")}
+    return {"model_type": "kimi_linear", "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "moe_renormalize": True,
+            "_name_or_path": f"hf_tiny_{'q_lora' if q_lora else 'q_proj'}", **d}
+
+
+def random_like(name: str, shape, g):
+    """Non-trivial values of a trained model's kind for every tensor (norms not ones, gate
+    parameters in their trained ranges, biases non-zero)."""
+    import torch
+    if name.endswith("A_log"):
+        return torch.log(torch.rand(shape, generator=g) * 15 + 1)
+    if name.endswith("dt_bias"):
+        return torch.randn(shape, generator=g) * 0.5
+    if name.endswith("e_score_correction_bias"):
+        return torch.randn(shape, generator=g) * 0.1
+    if name.endswith("_res_proj.weight"):
+        return torch.randn(shape, generator=g) * 2 * shape[-1] ** -0.5   # scores of RMS ~2
+    if "norm" in name:
+        return 1 + 0.2 * torch.randn(shape, generator=g)
+    if "conv1d" in name:
+        return 0.5 * torch.randn(shape, generator=g)
+    if "embed" in name:
+        return torch.randn(shape, generator=g)
+    return torch.randn(shape, generator=g) * shape[-1] ** -0.5
+
+
+def build(q_lora, seed: int, stable_routing: bool = False):
+    """The FP32 transformers model with random weights. stable_routing: correction biases spaced
+    by 2 (> the sigmoid scores' whole range), so every token picks the same experts by bias and
+    only their weights vary: a model whose logits move continuously with its weights, for tests of
+    quantized paths (a near-tie in the top-k would otherwise flip on any rounding and move the
+    logits by O(1)); the exact FP32 oracle keeps the data-dependent routing."""
+    import torch
+    import transformers
+    torch.manual_seed(seed)
+    m = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**kwargs(q_lora))).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in list(m.named_parameters()) + list(m.named_buffers()):
+            if stable_routing and n.endswith("e_score_correction_bias"):
+                p.copy_(torch.arange(p.numel(), 0, -1, dtype=p.dtype) * 2.0)
+            else:
+                p.copy_(random_like(n, tuple(p.shape), g))
+    return m
+
+
+def tokens(seed: int, vocab: int = 512):
+    import torch
+    return torch.randint(0, vocab, (PROMPT + DECODE,), generator=torch.Generator().manual_seed(seed + 2))
+
+
+def hf_logits(m, toks) -> list:
+    """[prefill logits [PROMPT, vocab]] + DECODE single-token logits, transformers' cached path."""
+    import torch
+    with torch.no_grad():
+        out = m(input_ids=toks[None, :PROMPT], use_cache=True)
+        res, pkv = [out.logits[0].clone()], out.past_key_values
+        for j in range(PROMPT, PROMPT + DECODE):
+            out = m(input_ids=toks[None, j:j + 1], past_key_values=pkv, use_cache=True)
+            res.append(out.logits[0, -1].clone())
+            pkv = out.past_key_values
+    return res

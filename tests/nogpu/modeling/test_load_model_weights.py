@@ -1,0 +1,365 @@
+"""load_model_weights (model/formats/detect.py): the layout of a folder detected with typed errors,
+and the three published layouts loaded into K3Model through one assembly (model/formats/assemble.py)
+for a TP rank, streamed layer by layer.
+
+- official K3 MXFP4 (compressed-tensors): the same ModelWeights structure as the ModelOpt layout;
+  every loaded value is the checkpoint's (FP8 projections exactly the recipe's quantization of the
+  stored BF16, experts exactly their MXFP4 decode); K3Model's reference path against the FP32
+  reference over the loaded weights;
+- the tiny transformers Kimi-Linear (tests/hf_tiny.py) from its save_pretrained folder onto the
+  FP8 kernel formats (softplus gate, the low-rank KDA gate folded, MLA without q LoRA and without
+  output gate): K3Model's reference path against transformers' own forward, within a bound derived
+  from the FP8 recipe's rounding (below);
+- TP / EP slices against TP1; peak host memory while streaming a multi-shard checkpoint; the
+  command line's --checkpoint.
+
+The FP8 bound. One E4M3 rounding with a 128x128 tile scale leaves a relative RMS error eps on
+Gaussian weights (measured here, ~0.026). How the network turns such roundings into logit error
+is measured, not guessed: every weight the kernel path quantizes is multiplied by (1 + eps N(0,1))
+in the oracle's own model and its logits moved by e_noise. K3Model's path rounds each FP8 GEMM's
+weight once (~ e_noise) and its input activation once in the same format (another independent
+~ e_noise; BF16 activations add ~2^-9 per op): expected sqrt(2) e_noise, bound 2 sqrt(2) e_noise
+(a factor 2 for one draw's variance and the rounding's non-Gaussian shape; measured errors sit at
+1.0-1.3 x sqrt(2) e_noise). Against the FP32 reference over the loaded weights only the
+activation roundings remain: bound 2 e_noise. A wrong slice, fold or scale moves the logits by
+O(1), far outside both.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_tiny
+from numerics import rel_rms
+
+from k3gen.errors import SpecError
+from k3gen.ir.dtypes import ScaleRecipe
+from k3gen.ops.fp8_block_gemm.reference import dequantize_weights, quantize_weights
+from k3gen.presets import preset_dict
+from model.cache import HybridCache
+from model.checkpoint import (INDEX, PREFIX, QUANT_CONFIG, CheckpointError, CheckpointFormatError,
+                              UnsupportedCheckpointError, write_random_checkpoint)
+from model.config import TargetConfig, config_from_dict, config_from_json, tiny_config
+from model.formats import ct_mxfp4 as C
+from model.formats.detect import CT_MXFP4, HF_PLAIN, MODELOPT, detect_format, load_model_weights
+from model.model import K3Model
+from model.ops import RefOps
+from model.reference import Fp32Reference, canonical_from_weights
+from model.weights import ExpertWeights, Fp8Linear, ModelWeights
+
+CFG = tiny_config()
+RECIPES = [ScaleRecipe.FP32, ScaleRecipe.UE8M0]
+# The projections the loader quantizes to FP8 (canonical leaf names; kv_b and f_b stay BF16).
+FP8_LEAVES = ("q_proj", "k_proj", "v_proj", "g_proj", "g_a_proj", "g_b_proj", "f_a_proj", "b_proj", "o_proj",
+              "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+
+
+def _fp8_name(name: str) -> bool:
+    return ".self_attn." in name and name.endswith(".weight") and name.split(".")[-2] in FP8_LEAVES
+
+
+def _cat(xs):
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+def eps_e4m3(recipe: ScaleRecipe) -> float:
+    g = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    c, s = quantize_weights(g, recipe)
+    return rel_rms(dequantize_weights(c, s, recipe), g)
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+def _stabilize(folder):
+    """The random official checkpoint made non-chaotic for numeric comparisons: correction biases
+    spaced beyond the router's sigmoid range (tests/hf_tiny.py says why) and the AttnRes
+    pseudo-queries at 0.1 of their fan-in gain (model/checkpoint.py QUERY_GAIN's measurements)."""
+    for f in sorted(folder.glob("*.safetensors")):
+        t = load_file(str(f))
+        for n in t:
+            if n.endswith("e_score_correction_bias"):
+                t[n] = torch.arange(t[n].numel(), 0, -1, dtype=torch.float32) * 2.0
+            elif n.endswith("_res_proj.weight"):
+                t[n] = (t[n].float() * 0.1).to(t[n].dtype)
+        save_file(t, str(f), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory):
+    return C.write_official_checkpoint(CFG, tmp_path_factory.mktemp("official"), seed=3, shards=5)
+
+
+@pytest.fixture(scope="module")
+def modelopt(tmp_path_factory):
+    return write_random_checkpoint(CFG, tmp_path_factory.mktemp("modelopt"), seed=7, shard_bytes=1 << 20,
+                                   fp4="codes")[0]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """case -> (folder, tokens, transformers' logits, the model) of the stable-routing tiny model."""
+    pytest.importorskip("transformers")
+    out = {}
+    for case, q_lora in hf_tiny.CASES.items():
+        m = hf_tiny.build(q_lora, hf_tiny.SEEDS[case], stable_routing=True)
+        toks = hf_tiny.tokens(hf_tiny.SEEDS[case])
+        d = tmp_path_factory.mktemp(f"hf_{case}")
+        m.save_pretrained(d, max_shard_size="2MB")
+        out[case] = (d, toks, hf_tiny.hf_logits(m, toks), m)
+    return out
+
+
+# -- running K3Model and the reference ----------------------------------------------------------------
+def k3_logits(w: ModelWeights, toks, recipe) -> list[torch.Tensor]:
+    P = hf_tiny.PROMPT
+    cfg = w.cfg
+    t = TargetConfig(path="reference", recipe=recipe)
+    m = K3Model(w, t, HybridCache(cfg, t, num_slots=2, num_pages=8, max_seq_len=64, device="cpu"),
+                ops=RefOps(recipe, gate=cfg.kda_gate))   # make_ops' RefOps takes the bounded gate only
+    out = [m.prefill([0], [toks[:P].tolist()], all_logits=True).float()]
+    return out + [m.decode([0], [int(x)])[0].float() for x in toks[P:]]
+
+
+def ref_logits(cfg, tensors, toks, eps: float) -> list[torch.Tensor]:
+    P = hf_tiny.PROMPT
+    r = Fp32Reference(cfg, tensors, mla_norm_eps=eps)
+    return [r.prefill(toks[:P])] + [r.decode(x) for x in toks[P:]]
+
+
+def noisy(tensors: dict, eps: float, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {n: v * (1 + eps * torch.randn(v.shape, generator=g)) if _fp8_name(n) else v for n, v in tensors.items()}
+
+
+# -- detection -----------------------------------------------------------------------------------------
+def test_detect_format(official, modelopt, hf, tmp_path):
+    assert detect_format(official) == CT_MXFP4 and detect_format(modelopt) == MODELOPT
+    assert detect_format(hf["q_proj"][0]) == HF_PLAIN
+    with pytest.raises(CheckpointFormatError, match="holds nothing"):
+        detect_format(tmp_path)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointFormatError, match="notes.txt.*hf_quant_config.json"):
+        detect_format(tmp_path)
+    with pytest.raises(CheckpointFormatError, match="a file"):
+        detect_format(tmp_path / "notes.txt")
+    with pytest.raises(CheckpointFormatError, match="no such folder"):
+        load_model_weights(tmp_path / "nope", CFG)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointFormatError, match="not JSON"):
+        detect_format(tmp_path)
+    # RedHatAI/Kimi-K3-FP8-BLOCK style: compressed-tensors, another format.
+    bad = shutil.copytree(official, tmp_path / "fp8block")
+    c = json.loads((bad / "config.json").read_text())
+    c["text_config"]["quantization_config"]["format"] = "float-quantized"
+    (bad / "config.json").write_text(json.dumps(c))
+    with pytest.raises(UnsupportedCheckpointError, match="float-quantized"):
+        load_model_weights(bad, CFG)
+    # A quantized folder that lost its quantization config is read as plain and refused by dtype.
+    (bad / "config.json").write_text(json.dumps(preset_dict("tiny")))
+    with pytest.raises(CheckpointError, match="weight_packed"):
+        load_model_weights(bad, CFG)
+
+
+# -- the official MXFP4 layout ---------------------------------------------------------------------------
+def _structure(obj, path="w"):
+    """(path, kind) of every leaf: tensors by shape and dtype, FP8 linears by shape and recipe."""
+    if isinstance(obj, torch.Tensor):
+        return [(path, tuple(obj.shape), obj.dtype)]
+    if isinstance(obj, Fp8Linear):
+        return [(path, tuple(obj.codes.shape), tuple(obj.scales.shape), obj.recipe)]
+    if isinstance(obj, list):
+        return [x for i, v in enumerate(obj) for x in _structure(v, f"{path}[{i}]")]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [x for f in dataclasses.fields(obj) for x in _structure(getattr(obj, f.name), f"{path}.{f.name}")]
+    return [(path, obj if isinstance(obj, (str, int, float, type(None), range)) else type(obj).__name__)]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+def test_mxfp4_and_modelopt_load_the_same_structure(official, modelopt, recipe):
+    a, b = load_model_weights(official, CFG, recipe), load_model_weights(modelopt, CFG, recipe)
+    sa, sb = _structure(a), _structure(b)
+    assert [x[0] for x in sa] == [x[0] for x in sb]
+    differ = {x[0] for x, y in zip(sa, sb) if x != y}
+    # Only the routed experts' stored formats differ: fmt, the scale dtypes, NVFP4's globals.
+    assert differ and all(".experts." in p for p in differ), sorted(differ)[:5]
+    for la, lb in zip(a.layers, b.layers):
+        if hasattr(la.ffn, "experts"):
+            assert (la.ffn.experts.fmt, lb.ffn.experts.fmt) == ("mxfp4", "nvfp4")
+            assert la.ffn.experts.w13.shape == lb.ffn.experts.w13.shape
+
+
+def _raw(folder, name):
+    from safetensors import safe_open
+    shard = json.loads((folder / INDEX).read_text())["weight_map"][name]
+    with safe_open(str(folder / shard), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+def test_mxfp4_weights_are_the_checkpoints(official, recipe):
+    """Every value K3Model computes with, back in canonical form, against the stored tensors:
+    FP8 projections exactly the recipe's block quantization of the stored BF16, routed experts
+    exactly their MXFP4 decode, the rest exactly the stored values (conv taps in BF16)."""
+    w = load_model_weights(official, CFG, recipe)
+    cfg, got = canonical_from_weights(w)
+    assert cfg == CFG
+    n_fp8 = 0
+    for name, v in got.items():
+        if ".experts." in name:
+            base = "language_model." + name.removesuffix(".weight")
+            want = C.decode_mxfp4(_raw(official, base + ".weight_packed"), _raw(official, base + ".weight_scale"))
+        else:
+            want = _raw(official, "language_model." + name).float()
+            if _fp8_name(name):
+                n_fp8 += 1
+                want = dequantize_weights(*quantize_weights(want, recipe), recipe)
+            elif "conv1d" in name:
+                want = want.to(torch.bfloat16).float()
+            elif name.endswith("A_log"):
+                want = want[:cfg.kda_heads].reshape(v.shape)
+        assert torch.equal(v, want.reshape(v.shape)), name
+    assert n_fp8 == 2 * 7 + 2 * 5            # KDA q k v g f_a b o; MLA q_a q_b kv_a g o
+
+
+@pytest.fixture(scope="module")
+def stable_official(official, tmp_path_factory):
+    return _stabilize(shutil.copytree(official, tmp_path_factory.mktemp("stable") / "ck"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+def test_mxfp4_k3model_matches_its_fp32_reference(stable_official, recipe):
+    """K3 as published (AttnRes, SiTU, latent MoE, bounded gate) from the official layout: the
+    reference path against the FP32 reference over the very weights it loaded: the activation
+    roundings only (bound in the module docstring)."""
+    w = load_model_weights(stable_official, CFG, recipe)
+    cfg, t = canonical_from_weights(w)
+    toks = hf_tiny.tokens(5, CFG.vocab)
+    ref = ref_logits(cfg, t, toks, cfg.eps)
+    e_noise = rel_rms(_cat(ref_logits(cfg, noisy(t, eps_e4m3(recipe)), toks, cfg.eps)), _cat(ref))
+    err = rel_rms(_cat(k3_logits(w, toks, recipe)), _cat(ref))
+    print(f"official {recipe.value}: K3Model vs FP32 reference {err:.4f}, bound 2 x e_noise {2 * e_noise:.4f}")
+    assert 0 < err <= 2 * e_noise and e_noise < 0.05
+
+
+# -- the transformers Kimi-Linear, plain BF16/FP32 save_pretrained ------------------------------------------
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
+@pytest.mark.parametrize("case", list(hf_tiny.CASES))
+def test_hf_tiny_fp8_matches_transformers(hf, case, recipe):
+    folder, toks, want, model = hf[case]
+    cfg = config_from_json(folder)
+    assert (cfg.kda_out_gate, cfg.mla_out_gate, cfg.q_lora) == ("low_rank", False, hf_tiny.CASES[case])
+    w = load_model_weights(folder, cfg, recipe)
+    eps = eps_e4m3(recipe)
+    # transformers' logits with every weight the kernel path quantizes perturbed once by eps (of the
+    # low-rank gate only g_b: the fold rounds the product once).
+    m2 = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in m2.named_parameters():
+            if _fp8_name(n) and not n.endswith("g_a_proj.weight"):
+                p.mul_(1 + eps * torch.randn(p.shape, generator=g))
+    e_noise = rel_rms(_cat(hf_tiny.hf_logits(m2, toks)), _cat(want))
+    got = k3_logits(w, toks, recipe)
+    err = rel_rms(_cat(got), _cat(want))
+    steps = [rel_rms(a, b) for a, b in zip(got, want)]
+    ccfg, t = canonical_from_weights(w)
+    act = rel_rms(_cat(got), _cat(ref_logits(ccfg, t, toks, cfg.eps)))
+    print(f"{case} {recipe.value}: eps {eps:.4f}, e_noise {e_noise:.4f}; K3Model vs transformers {err:.4f} "
+          f"(bound {2 * 2 ** 0.5 * e_noise:.4f}; per step {', '.join(f'{e:.3f}' for e in steps)}); "
+          f"vs the FP32 reference of its weights {act:.4f} (bound {2 * e_noise:.4f})")
+    assert 0.005 < e_noise < 0.1
+    assert 0 < err <= 2 * 2 ** 0.5 * e_noise
+    assert max(steps) <= 3 * 2 ** 0.5 * e_noise
+    assert 0 < act <= 2 * e_noise
+
+
+@pytest.mark.parametrize("case", list(hf_tiny.CASES))
+def test_hf_tiny_weights_are_the_checkpoints(hf, case):
+    """The loaded Kimi-Linear weights against transformers' parameters: FP8 projections within
+    one E4M3 rounding (the folded gate against g_b @ g_a, the ungated MLA's o_proj undoubled),
+    everything else the stored value rounded to BF16 (experts, norms, MLPs) or kept FP32."""
+    folder, _, _, model = hf[case]
+    cfg = config_from_json(folder)
+    w = load_model_weights(folder, cfg, ScaleRecipe.FP32)
+    _, got = canonical_from_weights(w)
+    from model.formats.hf_plain import HfPlainCheckpoint
+    stored = HfPlainCheckpoint(folder, cfg)
+    eps = eps_e4m3(ScaleRecipe.FP32)
+    for name, v in got.items():
+        if name.endswith("g_proj.weight") and cfg.kind(int(name.split(".")[2])) == "kda":
+            a = name.removesuffix("g_proj.weight")
+            want = stored.read(a + "g_b_proj.weight").float() @ stored.read(a + "g_a_proj.weight").float()
+        else:
+            want = stored.read(name).float()
+        if _fp8_name(name):
+            assert rel_rms(v, want.reshape(v.shape)) <= 1.5 * eps, name
+        elif name.endswith(("A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias", "gate.weight")) \
+                or "res_" in name:
+            assert torch.equal(v, want.reshape(v.shape)), name
+        else:
+            assert torch.equal(v, want.to(torch.bfloat16).float().reshape(v.shape)), name
+    assert not any(n.endswith("g_a_proj.weight") for n in got)
+
+
+# -- TP / EP slices ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["official", "modelopt"])
+def test_tp2_slices_are_the_tp1_weights(official, modelopt, fmt):
+    """Rank r of 2 holds head r's KDA/MLA rows, half of each expert's (and the dense / shared MLPs')
+    intermediate, the replicated parts whole. Exact wherever the share is whole 128-tiles; q_b's
+    192-row head shares re-tile (one more FP8 rounding)."""
+    folder = official if fmt == "official" else modelopt
+    r = ScaleRecipe.FP32
+    full = load_model_weights(folder, CFG, r)
+    parts = [load_model_weights(folder, CFG, r, rank=k, world=2) for k in range(2)]
+    eps = eps_e4m3(r)
+    for i, lf in enumerate(full.layers):
+        ps = [p.layers[i] for p in parts]
+        if CFG.kind(i) == "kda":
+            D = CFG.kda_heads * 128
+            for j in range(4):                              # q, k, v, g: head k's 128 rows of each
+                want = lf.attn.qkvg.dequant()[j * D:(j + 1) * D]
+                got = torch.cat([p.attn.qkvg.dequant()[j * 128:(j + 1) * 128] for p in ps])
+                assert torch.equal(got, want), (i, j)
+            assert torch.equal(torch.cat([p.attn.o_proj.dequant() for p in ps], 1), lf.attn.o_proj.dequant())
+            assert torch.equal(torch.cat([p.attn.kda.a_log for p in ps]), lf.attn.kda.a_log)
+            fa = lf.attn.fab.dequant()
+            for k, p in enumerate(ps):
+                pf = p.attn.fab.dequant()
+                assert torch.equal(pf[:128], fa[:128])
+                # b_proj's row k: the stored FP8 tile's (exact) or its own BF16 row re-quantized
+                b_err = rel_rms(pf[128], fa[128 + k])
+                assert b_err == 0 if fmt == "modelopt" else 0 < b_err <= 2 * eps     # two roundings apart
+        else:
+            assert torch.equal(torch.cat([p.attn.w_uk for p in ps]), lf.attn.w_uk)
+            assert torch.equal(torch.cat([p.attn.o_proj.dequant() for p in ps], 1), lf.attn.o_proj.dequant())
+            qb = torch.cat([p.attn.q_b.dequant() for p in ps])
+            assert torch.equal(qb[:128], lf.attn.q_b.dequant()[:128])
+            assert 0 < rel_rms(qb, lf.attn.q_b.dequant()) <= 2 * eps
+            assert all(torch.equal(p.attn.a_proj.dequant()[:1536 + 640], lf.attn.a_proj.dequant()[:1536 + 640])
+                       for p in ps)
+        if hasattr(lf.ffn, "experts"):
+            I = CFG.moe_inter
+            w13 = [p.ffn.experts.dequant()[0] for p in ps]
+            f13, f2 = lf.ffn.experts.dequant()
+            assert torch.equal(torch.cat([x[:, :I // 2] for x in w13], 1), f13[:, :I])
+            assert torch.equal(torch.cat([x[:, I // 2:] for x in w13], 1), f13[:, I:])
+            assert torch.equal(torch.cat([p.ffn.experts.dequant()[1] for p in ps], 2), f2)
+            assert torch.equal(torch.cat([p.ffn.shared_down for p in ps], 1), lf.ffn.shared_down)
+            assert all(torch.equal(p.ffn.router, lf.ffn.router) for p in ps)
+        else:
+            assert torch.equal(torch.cat([p.ffn.gate for p in ps]), lf.ffn.gate)
+    ep = load_model_weights(folder, CFG, r, rank=1, world=2, experts="ep").layers[1].ffn
+    assert ep.expert_ids == range(4, 8)
+    assert torch.equal(ep.experts.w13, full.layers[1].ffn.experts.w13[4:])
+    with pytest.raises(SpecError, match="rank"):
+        load_model_weights(folder, CFG, r, rank=2, world=2)
+    with pytest.raises(SpecError, match="kda_heads"):
+        load_model_weights(folder, CFG, r, rank=0, world=4)
+    with pytest.raises(SpecError, match="experts"):
+        load_model_weights(folder, CFG, r, experts="both")
