@@ -192,7 +192,12 @@ class Parallel:
                 raise error
             return
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.device)
-        bad = [r for r, f in enumerate(self._gather(flag, f"agree on {what}")) if int(f.item())]
+        try:
+            bad = [r for r, f in enumerate(self._gather(flag, f"agree on {what}")) if int(f.item())]
+        except CollectiveError:
+            if error is not None:     # this rank's own failure is the news, not the broken group
+                raise error from None
+            raise
         if error is not None:
             raise error
         if bad:
