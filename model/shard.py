@@ -30,7 +30,7 @@ from k3gen.targets import KDA_FAB_ALIGN, MLA_A_PAD
 
 from model.config import ModelConfig
 from model.dist import Layout, Place
-from model.weights import (DenseMlpWeights, ExpertWeights, Fp8Linear, KdaLayerWeights, LayerWeights,
+from model.weights import (DenseMlpWeights, ExpertWeights, Fp8Linear, KdaLayerWeights,
                            MlaLayerWeights, ModelWeights, MoeWeights)
 from k3gen.ops.kda_decode.reference import KdaWeights
 
