@@ -77,12 +77,12 @@ def paged_mla_attention(layout: KvLayout, q: torch.Tensor, cache: dict, block_ta
     T = q.shape[1]
     rows = query_rows(layout, cache, block_table, start, T, ring_slot, scale)    # [B, T, L, 576]
     L = rows.shape[2]
-    s = torch.einsum("bthc,btlc->bthl", q.float(), rows) * SOFTMAX_SCALE
+    s = torch.einsum("bthc,btlc->bthl", q.double(), rows.double()).float() * SOFTMAX_SCALE
     length = start.long()[:, None] + torch.arange(1, T + 1, device=q.device)[None, :]
     live = torch.arange(L, device=q.device)[None, None, :] < length[..., None]     # [B, T, L]
     s = s.masked_fill(~live[:, :, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
-    return torch.einsum("bthl,btlc->bthc", p, rows[..., :MLA_LATENT])
+    return torch.einsum("bthl,btlc->bthc", p.double(), rows[..., :MLA_LATENT].double()).float()
 
 
 def prefill_attention(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens: list[int]) -> torch.Tensor:
