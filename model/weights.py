@@ -256,7 +256,6 @@ class MoeWeights:
     shared_gate: torch.Tensor | None        # [shared_inter, hidden] BF16; None: no shared experts
     shared_up: torch.Tensor | None
     shared_down: torch.Tensor | None        # [hidden, shared_inter]
-    expert_ids: range | None = None         # the experts stacked here (EP rank); None: all cfg.experts
 
 
 @dataclass

@@ -23,13 +23,15 @@ This module owns every conversion the kernels need, so the three layouts cannot 
 - `A_log` narrowed to the first H entries of its padded storage (or read from [1, 1, H, 1]), then
   split by heads; the Attention Residuals pseudo-queries and norms in FP32.
 
-TP slices (rank, world) follow the published loaders (vLLM kimi_k3 / SGLang kimi_k3, k3_facts.md
-section 5): KDA and MLA heads split (q/k/v/g, b, f_b, conv, dt_bias, A_log, q_b / q_proj, kv_b, g
-by rows; o_proj by columns); f_a, q_a, kv_a and their norms replicated; the dense MLP and the
-shared experts split by intermediate (gate/up rows, down columns); router, latent projections,
-embeddings and LM head replicated. Routed experts: experts="tp" splits each expert's intermediate
-(in whole packing groups), experts="ep" splits the experts by id (MoeWeights.expert_ids). Row-
-parallel outputs (o_proj, down projections, the experts) are partial sums the caller reduces.
+Tensor / expert parallelism: with a `model.dist.Place`, each rank reads only its own share, in
+model/shard.py's format and split (`shard_weights` of the whole model gives the same bits, checked
+in tests/nogpu/modeling/test_load_streaming.py): KDA / MLA heads by rows (q/k/v/g, b, f_b, conv,
+dt_bias, A_log, q_b or q_proj, W_UK / W_UV, g), o_proj by columns (`RowParallel`), the vocabulary
+of the embedding and LM head, the dense MLP and shared experts by intermediate, the routed experts
+by id (EP slot) and intermediate (MoE TP slot) in their packed form; f_a, q_a, kv_a, norms, AttnRes,
+router and latent projections replicated. `check_shardable` raises the layout's errors before
+anything is read. b_proj's few rows are quantized whole and then sliced, so a rank's rows carry the
+TP1 tile scale (the kernels' numbers do not depend on the world size).
 """
 from __future__ import annotations
 
@@ -45,18 +47,18 @@ from k3gen.targets import KDA_FAB_ALIGN, MLA_A_PAD
 from model.arch import AttnResWeights
 from model.checkpoint import CheckpointError, UnsupportedCheckpointError
 from model.config import ModelConfig
+from model.dist import Layout, Place
 from model.weights import (DenseMlpWeights, ExpertWeights, Fp8Linear, KdaLayerWeights, LayerWeights, MlaLayerWeights,
                            ModelWeights, MoeWeights, _map_tensors)
 
 BF16 = torch.bfloat16
 FULL = slice(None)
-EXPERT_SPLITS = ("tp", "ep")
 
 
 class Source:
     """A layout reader, as the assembly sees it (names canonical, without `.weight` for linears)."""
     cfg: ModelConfig
-    expert_group: int = 1          # an expert's intermediate splits in whole packing groups
+    expert_fmt: str = "bf16"       # ExpertWeights.fmt of its routed experts
 
     def linear(self, name: str, rows: slice = FULL, cols: slice = FULL) -> Fp8Linear | torch.Tensor:
         raise NotImplementedError
@@ -72,18 +74,6 @@ class Source:
 
     def close(self) -> None:
         """Everything is read."""
-
-
-def split(n: int, part: tuple[int, int], what: str, align: int = 1) -> slice:
-    """Rank r's share of n items over w ranks, in whole multiples of `align`."""
-    r, w = part
-    if isinstance(r, bool) or isinstance(w, bool) or not isinstance(r, int) or not isinstance(w, int) \
-            or not 0 <= r < w:
-        raise SpecError("rank", part, "0 <= rank < world")
-    if n % w or (n // w) % align:
-        raise SpecError(what, n, f"divisible by {w}" + (f" into multiples of {align}" if align > 1 else ""))
-    k = n // w
-    return slice(r * k, (r + 1) * k)
 
 
 def last_layers(weight_map: dict[str, str], layers: int) -> dict[str, int]:
@@ -155,6 +145,16 @@ def values(x: Fp8Linear | torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return out
 
 
+def take_rows(x: Fp8Linear, rows: slice) -> Fp8Linear:
+    """Rows of an FP8 block weight with the tile scales covering them: the rows start on a tile or
+    lie inside one (what check_shardable guarantees for every TP share)."""
+    r0, r1, _ = rows.indices(x.n)
+    if r0 % 128 and r0 // 128 != (r1 - 1) // 128:
+        raise CheckpointError(f"rows [{r0}, {r1}) of an FP8 weight straddle its 128-row tiles")
+    t = slice(r0 // 128, -(-r1 // 128)) if r0 % 128 == 0 else slice(r0 // 128, r0 // 128 + 1)
+    return Fp8Linear(x.codes[r0:r1].contiguous(), x.scales[t].contiguous(), x.recipe)
+
+
 def fuse(parts: list[Fp8Linear], pad_rows: dict[int, int] | None = None, pad_to: int = 1) -> Fp8Linear:
     """Concatenate FP8 weights along N. Every part but the last is a whole number of 128-row tiles,
     or zero-padded to `pad_rows[i]` rows inside its last tile, so each keeps its own tile scales."""
@@ -219,11 +219,16 @@ def _low_rank_gate(src: Source, a: str, rows: slice, recipe: ScaleRecipe) -> Fp8
 
 
 # -- layers -------------------------------------------------------------------------------------------
-def _kda(src: Source, i: int, recipe: ScaleRecipe, tp) -> KdaLayerWeights:
+def _row_parallel(x: Fp8Linear, place: Place) -> Fp8Linear:
+    from model.shard import RowParallel
+    return x if place.world == 1 else RowParallel(x.codes, x.scales, x.recipe)
+
+
+def _kda(src: Source, i: int, recipe: ScaleRecipe, place: Place) -> KdaLayerWeights:
     cfg = src.cfg
     a = f"model.layers.{i}.self_attn."
     H, Kd = cfg.kda_heads, cfg.kda_head_dim
-    hs = split(H, tp, "kda_heads")
+    hs = place.part(H, place.tp)
     rows = slice(hs.start * Kd, hs.stop * Kd)
     D = rows.stop - rows.start
     parts = [as_fp8(src.linear(a + n, rows), recipe) for n in ("q_proj", "k_proj", "v_proj")]
@@ -233,8 +238,8 @@ def _kda(src: Source, i: int, recipe: ScaleRecipe, tp) -> KdaLayerWeights:
         parts.append(_low_rank_gate(src, a, rows, recipe))
     qkvg = fuse(parts)
     del parts
-    fab = fuse([as_fp8(src.linear(a + "f_a_proj"), recipe), as_fp8(src.linear(a + "b_proj", hs), recipe)],
-               pad_to=KDA_FAB_ALIGN)
+    b = take_rows(as_fp8(src.linear(a + "b_proj"), recipe), hs)
+    fab = fuse([as_fp8(src.linear(a + "f_a_proj"), recipe), b], pad_to=KDA_FAB_ALIGN)
     conv = torch.cat([src.tensor(a + n + ".weight", rows).reshape(D, cfg.conv_size)
                       for n in ("q_conv1d", "k_conv1d", "v_conv1d")])
     a_log = src.tensor(a + "A_log").float()
@@ -243,15 +248,16 @@ def _kda(src: Source, i: int, recipe: ScaleRecipe, tp) -> KdaLayerWeights:
     kda = KdaWeights(conv_w=conv.to(BF16).contiguous(), fb_w=values(src.linear(a + "f_b_proj", rows), BF16),
                      dt_bias=src.tensor(a + "dt_bias", rows).float().contiguous(), a_log=a_log.contiguous(),
                      norm_w=src.tensor(a + "o_norm.weight").float().contiguous())
-    return KdaLayerWeights(qkvg=qkvg, fab=fab, o_proj=as_fp8(src.linear(a + "o_proj", FULL, rows), recipe), kda=kda)
+    o_proj = _row_parallel(as_fp8(src.linear(a + "o_proj", FULL, rows), recipe), place)
+    return KdaLayerWeights(qkvg=qkvg, fab=fab, o_proj=o_proj, kda=kda)
 
 
-def _mla(src: Source, i: int, recipe: ScaleRecipe, tp) -> MlaLayerWeights:
+def _mla(src: Source, i: int, recipe: ScaleRecipe, place: Place) -> MlaLayerWeights:
     cfg = src.cfg
     a = f"model.layers.{i}.self_attn."
     if cfg.q_lora is not None and cfg.q_lora != Q_LORA:
         raise UnsupportedCheckpointError(f"{a}q_a_proj: q_lora_rank {cfg.q_lora}; mla_q_absorb reads {Q_LORA}")
-    hs = split(cfg.mla_heads, tp, "mla_heads")
+    hs = place.part(cfg.mla_heads, place.tp)
     Hr = hs.stop - hs.start
 
     def rows(per: int) -> slice:
@@ -263,6 +269,7 @@ def _mla(src: Source, i: int, recipe: ScaleRecipe, tp) -> MlaLayerWeights:
     o_proj = as_fp8(src.linear(a + "o_proj", FULL, rows(cfg.v_head)), recipe)
     if not cfg.mla_out_gate:
         o_proj = _ungated_o_proj(o_proj)
+    o_proj = _row_parallel(o_proj, place)
     qk = cfg.qk_nope + cfg.qk_rope
     q_a_norm = q_b = q_proj = None
     if cfg.q_lora is not None:
@@ -289,25 +296,20 @@ def _glu(src: Source, m: str, inter: slice) -> tuple[torch.Tensor, torch.Tensor,
             _bf(src.linear(m + "down_proj", FULL, inter)))
 
 
-def _moe(src: Source, i: int, tp, experts: str) -> MoeWeights:
+def _moe(src: Source, i: int, place: Place) -> MoeWeights:
     cfg = src.cfg
     m = f"model.layers.{i}.block_sparse_moe."
     lat = cfg.moe_latent is not None
-    if experts == "tp":
-        ids, inter = range(cfg.experts), split(cfg.moe_inter, tp, "moe_inter", align=src.expert_group)
-    else:
-        es = split(cfg.experts, tp, "experts")
-        ids, inter = range(es.start, es.stop), FULL
-    sh = _glu(src, m + "shared_experts.", split(cfg.shared_inter, tp, "shared_inter")) if cfg.shared_experts else None
+    es = place.part(cfg.experts, place.ep)
+    sh = _glu(src, m + "shared_experts.", place.part(cfg.shared_inter, place.tp)) if cfg.shared_experts else None
     return MoeWeights(router=src.tensor(m + "gate.weight").float(),
                       bias=src.tensor(m + "gate.e_score_correction_bias").float(),
-                      experts=src.experts(m, ids, inter),
+                      experts=src.experts(m, range(es.start, es.stop), place.part(cfg.moe_inter, place.moe_tp)),
                       latent_down=_bf(src.linear(m + "routed_expert_down_proj")) if lat else None,
                       latent_up=_bf(src.linear(m + "routed_expert_up_proj")) if lat else None,
                       latent_norm=src.tensor(m + "routed_expert_norm.weight").to(BF16) if cfg.latent_norm else None,
                       shared_gate=sh[0] if sh else None, shared_up=sh[1] if sh else None,
-                      shared_down=sh[2] if sh else None,
-                      expert_ids=None if experts == "tp" else ids)
+                      shared_down=sh[2] if sh else None)
 
 
 def _attn_res(src: Source, p: str) -> AttnResWeights:
@@ -315,15 +317,16 @@ def _attn_res(src: Source, p: str) -> AttnResWeights:
                           norm=src.tensor(p + "_norm.weight").float().contiguous())
 
 
-def layer(src: Source, i: int, recipe: ScaleRecipe, tp=(0, 1), experts: str = "tp") -> LayerWeights:
-    """Layer i of rank tp = (rank, world), on the CPU."""
+def layer(src: Source, i: int, recipe: ScaleRecipe, place: Place | None = None) -> LayerWeights:
+    """Layer i of rank `place` (None: the whole model), on the CPU."""
     cfg = src.cfg
+    place = place or Layout(1).place(0)
     p = f"model.layers.{i}."
-    attn = (_kda if cfg.kind(i) == "kda" else _mla)(src, i, recipe, tp)
+    attn = (_kda if cfg.kind(i) == "kda" else _mla)(src, i, recipe, place)
     if cfg.is_dense(i):
-        ffn = DenseMlpWeights(*_glu(src, p + "mlp.", split(cfg.dense_inter, tp, "dense_inter")))
+        ffn = DenseMlpWeights(*_glu(src, p + "mlp.", place.part(cfg.dense_inter, place.tp)))
     else:
-        ffn = _moe(src, i, tp, experts)
+        ffn = _moe(src, i, place)
     res = cfg.attn_res_block is not None
     return LayerWeights(input_norm=src.tensor(p + "input_layernorm.weight").to(BF16),
                         post_norm=src.tensor(p + "post_attention_layernorm.weight").to(BF16), attn=attn, ffn=ffn,
@@ -331,28 +334,30 @@ def layer(src: Source, i: int, recipe: ScaleRecipe, tp=(0, 1), experts: str = "t
                         mlp_res=_attn_res(src, p + "mlp_res") if res else None)
 
 
-def assemble(src: Source, recipe: ScaleRecipe, tp=(0, 1), device="cpu", experts: str = "tp") -> ModelWeights:
-    """ModelWeights of rank tp = (rank, world) on `device`. Each layer is built on the CPU, moved,
-    and its CPU copy dropped before the next layer is read (peak host memory: one layer's tensors
-    plus the conversion buffers, tests/nogpu/modeling/test_load_model_weights.py)."""
+def assemble(src: Source, recipe: ScaleRecipe, place: Place | None = None, device="cpu") -> ModelWeights:
+    """ModelWeights of rank `place` (None: the whole model) on `device`. Each layer is built on the
+    CPU, moved, and its CPU copy dropped before the next layer is read (peak host memory: one
+    layer's tensors plus bounded conversion buffers, tests/nogpu/modeling/test_load_streaming.py)."""
+    from model.shard import check_shardable
     cfg = src.cfg
     if not isinstance(recipe, ScaleRecipe):
         raise SpecError("recipe", recipe, [r.value for r in ScaleRecipe])
-    if experts not in EXPERT_SPLITS:
-        raise SpecError("experts", experts, list(EXPERT_SPLITS))
-    split(tp[1], tp, "world")      # rank/world checked before anything is read
-    dev = torch.device(device)
-
-    def move(x):
-        return _map_tensors(x, lambda t: t.to(dev))
-    layers = []
+    place = place or Layout(1).place(0)
     try:
+        if place.world > 1:
+            check_shardable(cfg, place.layout, src.expert_fmt if "moe" in cfg.mlp_kinds else None)
+        dev = torch.device(device)
+
+        def move(x):
+            return _map_tensors(x, lambda t: t.to(dev))
+        layers = []
         for i in range(cfg.layers):
-            layers.append(move(layer(src, i, recipe, tp, experts)))
+            layers.append(move(layer(src, i, recipe, place)))
             src.release(i)
-        embed = src.tensor("model.embed_tokens.weight").to(BF16).to(dev)
+        v = place.part(cfg.vocab, place.tp)
+        embed = src.tensor("model.embed_tokens.weight", v).to(BF16).to(dev)
         top = dict(final_norm=src.tensor("model.norm.weight").to(BF16).to(dev),
-                   lm_head=embed if cfg.tie_embeddings else src.tensor("lm_head.weight").to(BF16).to(dev),
+                   lm_head=embed if cfg.tie_embeddings else src.tensor("lm_head.weight", v).to(BF16).to(dev),
                    output_res=move(_attn_res(src, "model.output_attn_res"))
                    if cfg.attn_res_block is not None else None)
     finally:
@@ -360,5 +365,5 @@ def assemble(src: Source, recipe: ScaleRecipe, tp=(0, 1), device="cpu", experts:
     return ModelWeights(cfg=cfg, recipe=recipe, embed=embed, layers=layers, **top)
 
 
-__all__ = ["Source", "assemble", "layer", "split", "as_fp8", "values", "fuse", "zeros_fp8", "quantize_blocks", "FULL",
-           "EXPERT_SPLITS", "CHUNK_ELEMENTS"]
+__all__ = ["Source", "assemble", "layer", "as_fp8", "values", "fuse", "take_rows", "zeros_fp8", "quantize_blocks",
+           "FULL", "CHUNK_ELEMENTS"]

@@ -43,7 +43,6 @@ from k3gen.ops.fp8_block_gemm.reference import quantize_weights
 from model.checkpoint import (open_shard, INDEX, LM_HEAD, PREFIX, BadValueError, CheckpointError, MissingTensorError,
                               TensorShapeError, UnexpectedTensorError)
 from model.config import ModelConfig
-from model.formats.assemble import split as _split
 from model.weights import ExpertWeights, Fp8Linear
 
 QUANT_FORMAT = "mxfp4-pack-quantized"
@@ -347,6 +346,16 @@ class LayerTensors:
     tensors: dict[str, torch.Tensor | Fp8Linear] = field(default_factory=dict)
     experts: ExpertWeights | None = None
     expert_ids: range | None = None
+
+
+def _split(n: int, part: tuple[int, int], what: str, align: int = 1) -> slice:
+    r, w = part
+    if not 0 <= r < w:
+        raise SpecError("rank", part, "0 <= rank < world")
+    if n % w or (n // w) % align:
+        raise SpecError(what, n, f"divisible by {w}" + (f" into multiples of {align}" if align > 1 else ""))
+    k = n // w
+    return slice(r * k, (r + 1) * k)
 
 
 _FULL = slice(None)

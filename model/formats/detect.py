@@ -76,18 +76,17 @@ def source(folder, cfg: ModelConfig, fmt: str | None = None, opener=None):
 
 
 def load_model_weights(folder, cfg: ModelConfig | None = None, recipe: ScaleRecipe = ScaleRecipe.FP32,
-                       rank: int = 0, world: int = 1, device="cpu", experts: str = "tp", opener=None):
-    """K3Model's weights (model/weights.py ModelWeights) of TP rank `rank` of `world` from the
-    checkpoint in `folder`, whatever its layout, streamed layer by layer to `device`. cfg: the
-    folder's config.json by default. experts: "tp" (each routed expert's intermediate split over
-    the ranks) or "ep" (the experts split by id). `opener` replaces safetensors.safe_open."""
-    from model.formats.assemble import EXPERT_SPLITS, assemble, split
-    from k3gen.errors import SpecError
-    split(world, (rank, world), "world")                 # before anything is read
-    if experts not in EXPERT_SPLITS:
-        raise SpecError("experts", experts, list(EXPERT_SPLITS))
+                       rank: int = 0, world: int = 1, device="cpu", ep: int = 1, opener=None):
+    """K3Model's weights (model/weights.py ModelWeights) of rank `rank` of `world` (routed experts
+    over `ep` of them: model/dist.py Layout) from the checkpoint in `folder`, whatever its layout,
+    streamed layer by layer to `device`; at world > 1 in model/shard.py's per-rank format, each rank
+    reading only its share. cfg: the folder's config.json by default. `opener` replaces
+    safetensors.safe_open (tests count the bytes read)."""
+    from model.dist import Layout
+    from model.formats.assemble import assemble
+    place = Layout(world, ep).place(rank)                # before anything is read
     cfg = config_from_json(folder) if cfg is None else cfg
-    return assemble(source(folder, cfg, opener=opener), recipe, (rank, world), device, experts)
+    return assemble(source(folder, cfg, opener=opener), recipe, place, device)
 
 
 __all__ = ["detect_format", "load_model_weights", "source", "FORMATS", "MODELOPT", "CT_MXFP4", "HF_PLAIN"]

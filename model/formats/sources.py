@@ -85,7 +85,7 @@ class _Closing(Source):
 
 
 class ModeloptSource(_Closing):
-    expert_group = NVFP4_BLOCK
+    expert_fmt = "nvfp4"
 
     def __init__(self, folder, cfg: ModelConfig, opener=None):
         from model.weights import CheckpointReader
@@ -137,9 +137,9 @@ class ModeloptSource(_Closing):
 
 class CtMxfp4Source(_Closing):
     def __init__(self, folder, cfg: ModelConfig, opener=None):
-        from model.formats.ct_mxfp4 import GROUP, CtMxfp4Checkpoint
+        from model.formats.ct_mxfp4 import CtMxfp4Checkpoint
         self.cfg = cfg
-        self.expert_group = GROUP
+        self.expert_fmt = "mxfp4"
         self.c = CtMxfp4Checkpoint(folder, cfg, opener=opener)
         self._track(self.c.weight_map, cfg.layers)
 
@@ -157,6 +157,8 @@ class CtMxfp4Source(_Closing):
 
 
 class HfPlainSource(_Closing):
+    expert_fmt = "bf16"
+
     def __init__(self, folder, cfg: ModelConfig, opener=None):
         from model.formats.hf_plain import HfPlainCheckpoint
         self.cfg = cfg

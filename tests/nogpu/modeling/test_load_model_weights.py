@@ -308,58 +308,64 @@ def test_hf_tiny_weights_are_the_checkpoints(hf, case):
 
 
 # -- TP / EP slices ---------------------------------------------------------------------------------------
+def tiny4_dict() -> dict:
+    """tiny with 4 KDA and 8 MLA heads: shares of whole 128-row tiles at TP2 (q_b has 192 rows per
+    head; tiny's 2 MLA heads do not split; tests/nogpu/dist uses the same config)."""
+    d = preset_dict("tiny")
+    d["text_config"]["linear_attn_config"]["num_heads"] = 4
+    d["text_config"]["num_attention_heads"] = 8
+    return d
+
+
+def _leaves(obj, path="w"):
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)]
+    if isinstance(obj, Fp8Linear):
+        return [(path + ":" + type(obj).__name__, obj.codes), (path + ".scales", obj.scales)]
+    if isinstance(obj, list):
+        return [x for i, v in enumerate(obj) for x in _leaves(v, f"{path}[{i}]")]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [x for f in dataclasses.fields(obj) for x in _leaves(getattr(obj, f.name), f"{path}.{f.name}")]
+    return [(path, obj)]
+
+
+@pytest.fixture(scope="module")
+def tiny4(tmp_path_factory):
+    cfg = config_from_dict(tiny4_dict(), "tiny4")
+    off = C.write_official_checkpoint(cfg, tmp_path_factory.mktemp("t4_official"), seed=1, shards=3,
+                                      config=tiny4_dict())
+    mo = write_random_checkpoint(cfg, tmp_path_factory.mktemp("t4_modelopt"), seed=2, shard_bytes=2 << 20,
+                                 fp4="codes")[0]
+    return cfg, {"official": off, "modelopt": mo}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
 @pytest.mark.parametrize("fmt", ["official", "modelopt"])
-def test_tp2_slices_are_the_tp1_weights(official, modelopt, fmt):
-    """Rank r of 2 holds head r's KDA/MLA rows, half of each expert's (and the dense / shared MLPs')
-    intermediate, the replicated parts whole. Exact wherever the share is whole 128-tiles; q_b's
-    192-row head shares re-tile (one more FP8 rounding)."""
-    folder = official if fmt == "official" else modelopt
-    r = ScaleRecipe.FP32
-    full = load_model_weights(folder, CFG, r)
-    parts = [load_model_weights(folder, CFG, r, rank=k, world=2) for k in range(2)]
-    eps = eps_e4m3(r)
-    for i, lf in enumerate(full.layers):
-        ps = [p.layers[i] for p in parts]
-        if CFG.kind(i) == "kda":
-            D = CFG.kda_heads * 128
-            for j in range(4):                              # q, k, v, g: head k's 128 rows of each
-                want = lf.attn.qkvg.dequant()[j * D:(j + 1) * D]
-                got = torch.cat([p.attn.qkvg.dequant()[j * 128:(j + 1) * 128] for p in ps])
-                assert torch.equal(got, want), (i, j)
-            assert torch.equal(torch.cat([p.attn.o_proj.dequant() for p in ps], 1), lf.attn.o_proj.dequant())
-            assert torch.equal(torch.cat([p.attn.kda.a_log for p in ps]), lf.attn.kda.a_log)
-            fa = lf.attn.fab.dequant()
-            for k, p in enumerate(ps):
-                pf = p.attn.fab.dequant()
-                assert torch.equal(pf[:128], fa[:128])
-                # b_proj's row k: the stored FP8 tile's (exact) or its own BF16 row re-quantized
-                b_err = rel_rms(pf[128], fa[128 + k])
-                assert b_err == 0 if fmt == "modelopt" else 0 < b_err <= 2 * eps     # two roundings apart
-        else:
-            assert torch.equal(torch.cat([p.attn.w_uk for p in ps]), lf.attn.w_uk)
-            assert torch.equal(torch.cat([p.attn.o_proj.dequant() for p in ps], 1), lf.attn.o_proj.dequant())
-            qb = torch.cat([p.attn.q_b.dequant() for p in ps])
-            assert torch.equal(qb[:128], lf.attn.q_b.dequant()[:128])
-            assert 0 < rel_rms(qb, lf.attn.q_b.dequant()) <= 2 * eps
-            assert all(torch.equal(p.attn.a_proj.dequant()[:1536 + 640], lf.attn.a_proj.dequant()[:1536 + 640])
-                       for p in ps)
-        if hasattr(lf.ffn, "experts"):
-            I = CFG.moe_inter
-            w13 = [p.ffn.experts.dequant()[0] for p in ps]
-            f13, f2 = lf.ffn.experts.dequant()
-            assert torch.equal(torch.cat([x[:, :I // 2] for x in w13], 1), f13[:, :I])
-            assert torch.equal(torch.cat([x[:, I // 2:] for x in w13], 1), f13[:, I:])
-            assert torch.equal(torch.cat([p.ffn.experts.dequant()[1] for p in ps], 2), f2)
-            assert torch.equal(torch.cat([p.ffn.shared_down for p in ps], 1), lf.ffn.shared_down)
-            assert all(torch.equal(p.ffn.router, lf.ffn.router) for p in ps)
-        else:
-            assert torch.equal(torch.cat([p.ffn.gate for p in ps]), lf.ffn.gate)
-    ep = load_model_weights(folder, CFG, r, rank=1, world=2, experts="ep").layers[1].ffn
-    assert ep.expert_ids == range(4, 8)
-    assert torch.equal(ep.experts.w13, full.layers[1].ffn.experts.w13[4:])
+def test_rank_loads_are_shard_weights_of_the_whole(tiny4, fmt, recipe):
+    """Each rank reads only its share, and gets bit for bit what model/shard.py's shard_weights
+    cuts from the whole model (the per-rank format K3Model(par=) runs), at TP2 and TP2 x EP2."""
+    from model.dist import Layout
+    from model.shard import shard_weights
+    cfg, folders = tiny4
+    full = load_model_weights(folders[fmt], cfg, recipe)
+    for world, ep in ((2, 1), (2, 2)):
+        for rank in range(world):
+            want = _leaves(shard_weights(full, Layout(world, ep).place(rank)))
+            got = _leaves(load_model_weights(folders[fmt], cfg, recipe, rank=rank, world=world, ep=ep))
+            assert [p for p, _ in got] == [p for p, _ in want]
+            for (path, g), (_, w) in zip(got, want):
+                same = torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w
+                assert same, (world, ep, rank, path)
+
+
+def test_rank_load_errors(tiny4, official):
+    from model.shard import ShardAlignmentError
+    cfg, folders = tiny4
     with pytest.raises(SpecError, match="rank"):
-        load_model_weights(folder, CFG, r, rank=2, world=2)
+        load_model_weights(folders["official"], cfg, rank=2, world=2)
+    with pytest.raises(SpecError, match="ep"):
+        load_model_weights(folders["official"], cfg, world=2, ep=3)
     with pytest.raises(SpecError, match="kda_heads"):
-        load_model_weights(folder, CFG, r, rank=0, world=4)
-    with pytest.raises(SpecError, match="experts"):
-        load_model_weights(folder, CFG, r, experts="both")
+        load_model_weights(folders["official"], cfg, world=8)
+    with pytest.raises(ShardAlignmentError, match="q_b"):          # tiny: one 192-row MLA head per rank
+        load_model_weights(official, CFG, rank=0, world=2)
