@@ -109,9 +109,10 @@ def _kda_maps(cfg: ModelConfig, place: Place):
 
 
 def _mla_maps(cfg: ModelConfig, place: Place):
-    """(a_proj ranges, q_b ranges, o_proj columns) of a rank's MLA heads."""
+    """(a_proj ranges, q_b (or plain q_proj) ranges, o_proj columns) of a rank's MLA heads; without a
+    q LoRA the A-projection is [kv_a 576 + 64 | g]."""
     h0, h1 = _heads(place, cfg.mla_heads)
-    g = cfg.q_lora + MLA_A_PAD
+    g = (cfg.q_lora or 0) + MLA_A_PAD
     return [(0, g), (g + h0 * DK, g + h1 * DK)], [(h0 * QK, h1 * QK)], (h0 * DK, h1 * DK)
 
 
@@ -164,10 +165,11 @@ def _mla(w: MlaLayerWeights, cfg: ModelConfig, place: Place) -> MlaLayerWeights:
     r = place.rank
     a, qb, (c0, c1) = _mla_maps(cfg, place)
     h0, h1 = c0 // DK, c1 // DK
-    return MlaLayerWeights(a_proj=_fp8_rows(w.a_proj, a, 0, "mla [q_a | kv_a | g]", r), q_a_norm=w.q_a_norm,
-                           q_b=_fp8_rows(w.q_b, qb, 0, "mla q_b", r), kv_a_norm=w.kv_a_norm,
-                           w_uk=w.w_uk[h0:h1].clone(), w_uv=w.w_uv[h0:h1].clone(),
-                           o_proj=_fp8_cols(w.o_proj, c0, c1, "mla o_proj", r))
+    q = {k: _fp8_rows(getattr(w, k), qb, 0, f"mla {k}", r)
+         for k in ("q_b", "q_proj") if getattr(w, k, None) is not None}
+    return dataclasses.replace(w, a_proj=_fp8_rows(w.a_proj, a, 0, "mla [q_a | kv_a | g]", r), **q,
+                               w_uk=w.w_uk[h0:h1].clone(), w_uv=w.w_uv[h0:h1].clone(),
+                               o_proj=_fp8_cols(w.o_proj, c0, c1, "mla o_proj", r))
 
 
 def _glu_rows(gate, up, down, place: Place):
