@@ -61,8 +61,9 @@ prompt_ids.__name__ = "token ids"
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="small", metavar="NAME",
-                   help=f"model config: a preset ({MODEL_PRESETS}) or a config.json / checkpoint folder")
+    p.add_argument("--config", default=None, metavar="NAME",
+                   help=f"model config: a preset ({MODEL_PRESETS}) or a config.json / checkpoint folder "
+                   "(default: the --checkpoint folder's config.json, else small)")
     p.add_argument("--arch", default="sm90", choices=ARCH_CHOICES, metavar="ARCH", help=ARCH_HELP)
     p.add_argument("--kv", default="bf16", choices=KV_CHOICES, help="KV cache dtype: {bf16,fp8,nvfp4}")
     p.add_argument("--ssm", default="fp32", choices=SSM_CHOICES, help="recurrent-state dtype: {fp32,bf16}")
@@ -81,8 +82,10 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="M", help=f"speculative decoding with M n-gram drafts, 0..{MAX_DRAFTS} "
                    "(greedy only: not with --temperature > 0); 0: off")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="folder of a K3 NVFP4 checkpoint (default: a random one of the config and --seed, "
-                   "made once in the k3gen cache folder's checkpoints/; `k3gen cache clear` removes it)")
+                   help="checkpoint folder in a published layout: compressed-tensors MXFP4 (moonshotai/Kimi-K3), "
+                   "ModelOpt NVFP4 (nvidia/Kimi-K3-NVFP4) or plain save_pretrained BF16/FP32 (Kimi-Linear), "
+                   "detected from its files (default: a random NVFP4 one of the config and --seed, made once in "
+                   "the k3gen cache folder's checkpoints/; `k3gen cache clear` removes it)")
     p.add_argument("--path", default="auto", choices=("auto", "reference", "kernel"),
                    help="reference: PyTorch on the CPU; kernel: k3gen's kernels on a CUDA GPU; "
                    "auto: kernel when a GPU is found")

@@ -13,6 +13,7 @@ import torch
 from k3gen.errors import SpecError
 
 from model.model import K3Model
+from model.ops import RefOps
 
 
 @dataclass
@@ -203,19 +204,21 @@ def random_checkpoint(cfg, seed: int) -> tuple[str, bool]:
     return str(folder), written
 
 
-def load_rank_weights(checkpoint, cfg, recipe, par=None):
-    """The weights this rank holds (CPU tensors): the whole model without `par` (or at world size 1),
-    else the rank's slice (model/shard.py) of the loaded checkpoint. Every rank reports whether it
-    loaded (`Parallel.agree`): a rank that failed raises its own error, every other rank
-    RankFailedError, none waits for it."""
-    from model.weights import load_weights
+def load_rank_weights(checkpoint, cfg, recipe, par=None, device="cpu"):
+    """The weights this rank holds, on `device`: the whole model without `par` (or at world size 1),
+    else the rank's share in model/shard.py's format, read from the checkpoint in any published
+    layout (model/formats/detect.py load_model_weights: each rank reads only its share, streamed
+    layer by layer). Every rank reports whether it loaded (`Parallel.agree`): a rank that failed
+    raises its own error, every other rank RankFailedError, none waits for it."""
+    from model.formats.detect import load_model_weights
     if par is None or par.world == 1:
-        return load_weights(checkpoint, cfg, recipe)
-    from model.shard import check_shardable, shard_weights
+        return load_model_weights(checkpoint, cfg, recipe, device=device)
+    from model.shard import check_shardable
     w, err = None, None
     try:
         check_shardable(cfg, par.layout)         # the layout's own errors before reading anything
-        w = shard_weights(load_weights(checkpoint, cfg, recipe), par.place)
+        p = par.place
+        w = load_model_weights(checkpoint, cfg, recipe, rank=p.rank, world=p.world, ep=p.layout.ep, device=device)
     except Exception as e:                        # noqa: BLE001 - reported to every rank, then raised here
         err = e
     par.agree("loading the weights", err)
@@ -234,13 +237,23 @@ def build_model(config, arch: str, kv: str, ssm: str, max_drafts: int, path: str
     tcfg = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=max_drafts, path=path, tp=tp)
     if checkpoint is None:
         checkpoint = random_checkpoint(cfg, seed)[0]
-    w = load_rank_weights(checkpoint, cfg, tcfg.recipe, par).to(device)
+    w = load_rank_weights(checkpoint, cfg, tcfg.recipe, par, device)
     if budget_gib:
         cache = HybridCache.from_budget(cfg, tcfg, int(budget_gib * 2**30), max_seq_len, device, max_slots)
     else:
         pages = max_slots * -(-(max_seq_len + max_drafts + 1) // tcfg.kv_layout().page)
         cache = HybridCache(cfg, tcfg, max_slots, pages, max_seq_len, device)
-    return K3Model(w, tcfg, cache, par=par)
+    # The reference ops with the config's KDA gate (make_ops' RefOps takes the bounded gate only:
+    # Kimi-Linear's softplus gate would run as K3's).
+    ops = RefOps(tcfg.recipe, gate=cfg.kda_gate) if tcfg.path == "reference" else None
+    return K3Model(w, tcfg, cache, ops=ops, par=par)
+
+
+def config_name(a) -> str:
+    """--config, or without it the --checkpoint folder's config.json (else the small preset)."""
+    if getattr(a, "config", None):
+        return a.config
+    return a.checkpoint if getattr(a, "checkpoint", None) else "small"
 
 
 def check_request(a, cfg) -> None:
@@ -295,6 +308,7 @@ def run(a) -> int:
     from model.config import get_config
     path = check_arguments(a)
     device = "cuda" if path == "kernel" else "cpu"
+    a.config = config_name(a)
     cfg = get_config(a.config)
     check_request(a, cfg)
     par = parallel_for(a, cfg, device)

@@ -91,7 +91,7 @@ def test_model_commands_are_registered_by_name():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (("build", "--arch", "sm90", "--model", "kimi_linear_48b"), "q_lora=None"),
+    (("build", "--arch", "sm90", "--model", "kimi_linear_48b", "--tp", "3"), "tp=3"),   # 32 heads
     (("build", "--arch", "sm90", "--model", "x/config.json"), "no such file"),
     (("build", "--arch", "sm90", "--model", "k3", "--tp", "5"), "tp=5"),
     (("build", "--arch", "sm90", "--tp", "8"), "--model"),
