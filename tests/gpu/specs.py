@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from k3gen.ir.dtypes import Fp8ScaleGranularity, GateKind, KvDtype, ScaleLayout, ScaleRecipe, SsmDtype
 from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
+from k3gen.ops.attn_res.spec import AttnResSpec, ResDelta
 from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
 from k3gen.ops.kda_decode.spec import KdaDecodeSpec
 from k3gen.ops.kda_prefill.spec import KdaPrefillSpec, PrefillAlgo
@@ -20,6 +21,7 @@ from k3gen.ops.kv_cache_write.spec import KvCacheWriteSpec
 from k3gen.ops.mla_decode.spec import MlaDecodeSpec
 from k3gen.ops.mla_q_absorb.spec import MlaQAbsorbSpec
 from k3gen.ops.mla_vb_gate.spec import MlaVbGateSpec
+from k3gen.ops.moe_route.spec import MoeRouteSpec
 from k3gen.targets import TARGETS, ServingOptions, model_specs
 
 SM90 = TARGETS["sm90"]
@@ -271,8 +273,37 @@ def model_k3_layers() -> list:
     return [s for kv, ssm in MODEL_COMBOS for s in model_specs(SM90, "k3", 8, serving=ServingOptions(kv=kv, ssm=ssm))]
 
 
+def moe_route() -> list:
+    """tests/gpu/test_moe_route.py and `k3gen bench --op moe_route` (bench/cases/moe_route.py)."""
+    return [
+        MoeRouteSpec(target=SM90, experts=896, top_k=16),
+        MoeRouteSpec(target=SM90, experts=256, top_k=8, n_group=8, topk_group=4, routed_scale=2.5),
+        MoeRouteSpec(target=SM90, experts=32, top_k=4),
+        MoeRouteSpec(target=SM90, experts=64, top_k=6, renormalize=False, routed_scale=1.5),
+        MoeRouteSpec(target=SM90, experts=8, top_k=2),
+    ]
+
+
+def attn_res() -> list:
+    """tests/gpu/test_attn_res.py (with the act_quant_fp8 kernels it compares against) and
+    `k3gen bench --op attn_res` (bench/cases/attn_res.py)."""
+    return [
+        AttnResSpec(target=SM90, hidden=7168),
+        AttnResSpec(target=SM90, hidden=7168, recipe=ScaleRecipe.UE8M0),
+        AttnResSpec(target=SM90, hidden=7168, fp8=False),
+        AttnResSpec(target=SM90, hidden=7168, fp8=False, delta=ResDelta.BF16),
+        AttnResSpec(target=SM90, hidden=7168, delta=ResDelta.FP32),
+        AttnResSpec(target=SM90, hidden=1024, max_sources=4, delta=ResDelta.FP32),
+        AttnResSpec(target=SM90, hidden=2304, max_sources=3, recipe=ScaleRecipe.UE8M0),
+        ActQuantFp8Spec(target=SM90, k=7168),
+        ActQuantFp8Spec(target=SM90, k=7168, recipe=ScaleRecipe.UE8M0),
+        ActQuantFp8Spec(target=SM90, k=2304, recipe=ScaleRecipe.UE8M0),
+        ActQuantFp8Spec(target=SM90, k=1024),
+    ]
+
+
 LISTS = {f.__name__: f for f in (act_quant_fp8, fp8_block_gemm, kda_prefill, kda_verify, kv_cache_write, mla_decode, mla_q_absorb, mla_vb_gate,
-                                 model_small, model_k3_layers)}
+                                 model_small, model_k3_layers, moe_route, attn_res)}
 
 
 def all_specs() -> list:
