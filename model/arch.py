@@ -42,20 +42,41 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg) -> tuple[torch.Tensor, 
     """The noaux_tc sigmoid router: scores = sigmoid(logits); experts ranked by scores + bias
     within the best `topk_group` of `n_group` groups (a group's rank: the sum of its two best
     biased scores); weights = the chosen experts' unbiased scores, renormalized if configured,
-    times routed_scale. Returns (ids [M, k] int64, weights [M, k] FP32)."""
-    scores = torch.sigmoid(logits.float())
+    times routed_scale. Returns (ids [M, k] int64 in pick order, weights [M, k] FP32).
+
+    The arithmetic is the moe_route op's contract (k3gen/ops/moe_route/reference.py), on any
+    device and without a host sync: the sigmoid as 1 / (1 + FP32(exp(-x))) with the exp in FP64
+    (two FP32 exp libraries differ in the last bit), ties to the lower expert (and group) index by
+    a stable sort (torch.topk leaves them unspecified), the renormalizing sum in slot order."""
+    scores = sigmoid_scores(logits)
     choice = scores + bias.float()
     M, E = choice.shape
     if cfg.n_group > 1:
-        grouped = choice.view(M, cfg.n_group, E // cfg.n_group)
-        gscore = grouped.topk(min(2, E // cfg.n_group), dim=-1).values.sum(-1)
-        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter(1, gscore.topk(cfg.topk_group, dim=-1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // cfg.n_group, dim=1), float("-inf"))
-    ids = choice.topk(cfg.top_k, dim=-1).indices
+        G = E // cfg.n_group
+        top = torch.sort(choice.view(M, cfg.n_group, G), dim=-1, descending=True, stable=True).values
+        gscore = top[..., 0] + top[..., 1] if G >= 2 else top[..., 0]
+        kept = _ranked(gscore)[:, :cfg.topk_group]
+        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter(1, kept, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(G, dim=1), float("-inf"))
+    ids = _ranked(choice)[:, :cfg.top_k]
     w = scores.gather(1, ids)
     if cfg.renormalize:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return ids, w * cfg.routed_scale
+        total = w[:, 0]
+        for j in range(1, w.shape[1]):
+            total = total + w[:, j]
+        w = w / (total + 1e-20)[:, None]
+    return ids, w * torch.tensor(cfg.routed_scale, dtype=torch.float32, device=w.device)
+
+
+def sigmoid_scores(logits: torch.Tensor) -> torch.Tensor:
+    e = torch.exp(-logits.double()).float()
+    d = 1 + e
+    return torch.div(torch.ones_like(d), d)     # tensor / tensor: IEEE division, no reciprocal
+
+
+def _ranked(values: torch.Tensor) -> torch.Tensor:
+    """Indices of `values` (last dim) from the largest down, equal values in index order."""
+    return torch.sort(-values, dim=-1, stable=True).indices
 
 
 @dataclass

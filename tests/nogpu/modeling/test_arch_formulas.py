@@ -269,3 +269,24 @@ def test_run_wires_the_stream(tiny_model, monkeypatch):
     want = _bf(_rms(hs, get(PREFIX + "norm.weight"))) @ get("language_model.lm_head.weight").T
     err = np.abs(_np(got) - want).max() / np.abs(want).max()
     assert err < 3e-3, err
+
+
+@pytest.mark.parametrize("E,k,ng,tg,ren,scale", [(896, 16, 1, 1, True, 1.0), (256, 8, 8, 4, True, 2.5),
+                                                 (64, 6, 1, 1, False, 1.5), (8, 2, 1, 1, True, 1.0)])
+def test_route_is_the_moe_route_contract_bitwise(E, k, ng, tg, ren, scale):
+    """The model's router (arch.route, what the PyTorch MoE path runs) picks the experts, in the
+    same order, with the same FP32 weights as the moe_route op's reference, ties included (equal
+    logits and biases on experts 3 and 5: the lower index wins)."""
+    import types
+    from k3gen.ops.moe_route.reference import combine_weights, select
+    cfg = types.SimpleNamespace(n_group=ng, topk_group=tg, top_k=k, renormalize=ren, routed_scale=scale)
+    g = torch.Generator().manual_seed(E)
+    x = torch.randn(64, E, generator=g)
+    x[:, 5] = x[:, 3]
+    b = torch.randn(E, generator=g) * 0.1
+    b[5] = b[3]
+    ids, w = arch.route(x, b, cfg)
+    rid, s = select(x, b, k, ng, tg)
+    assert torch.equal(ids, rid)
+    assert torch.equal(w, combine_weights(s.gather(1, rid), ren, scale))
+    assert not ((ids == 5).any(-1) & ~(ids == 3).any(-1)).any()     # 5 never without its tie 3
