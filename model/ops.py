@@ -1,7 +1,9 @@
 """The two implementations of every fused op a layer calls: `RefOps` (k3gen's FP32 PyTorch
-references, CPU or GPU) and `KernelOps` (the generated launchers, GPU only). A layer never knows
+references, CPU or GPU) and `KernelOps` (the generated kernels, through the `k3gen::` torch.library
+ops: traceable by torch.compile; on CPU tensors those ops run the references). A layer never knows
 which one it has; `TargetConfig.path` picks. Both count what ran in `ran` ("ref:<op>",
-"kernel:<op>", "torch:<op>" for the PyTorch stand-ins), so a test can prove which path executed.
+"kernel:<op>", "torch:<op>" for the PyTorch stand-ins; eager calls only), so a test can prove which
+path executed.
 
 Rounding points are the same on both paths: BF16 activations between ops, FP8 activations
 quantized per token per 128 columns with the target's recipe, FP32 accumulation.
@@ -26,6 +28,8 @@ from k3gen.ops.mla_q_absorb.reference import NOPE, Q_LORA, rms_norm_bf16
 from k3gen.ops.mla_vb_gate.reference import mla_vb_gate as ref_vb_gate
 from k3gen.targets import ServingOptions, SpecMenu, attention_tokens, mla_decode_spec, model_specs, rank_specs
 
+import k3gen.api as api
+import k3gen.library as library
 from model import mla_attention as attn
 from model.weights import Fp8Linear
 
@@ -41,6 +45,10 @@ class Ops:
         self.ran: collections.Counter = collections.Counter()
 
     def _mark(self, op: str, kind: str | None = None) -> None:
+        # Not inside torch.compile: dynamo would guard on the count and recompile every step. What
+        # a compiled step runs is its graph (the k3gen:: ops in it), not this record.
+        if torch.compiler.is_compiling():
+            return
         self.ran[f"{kind or self.kind}:{op}"] += 1
 
     def mla_attention(self, layout: KvLayout, q, cache, block_table, start, ring_slot, scale):
@@ -97,8 +105,12 @@ class RefOps(Ops):
 
 
 class KernelOps(Ops):
-    """The generated kernels of `target` (launchers of specs, cubins JIT-compiled or prebuilt).
-    `load_all` must run before CUDA-graph capture (capture never compiles).
+    """The generated kernels of `target`, called through the `k3gen::` torch.library ops
+    (k3gen.api), so a step traces under torch.compile(fullgraph=True) with no graph break: each
+    call looks its kernel handle (the spec's canonical JSON, a str) up in a dict filled when the
+    kernel is first used or by `load_all`; what the handle names is chosen here, at plan time.
+    `load_all` must run before CUDA-graph capture and before a compiled step's first run (capture
+    never compiles or loads). On CPU tensors the ops run k3gen's FP32 references.
 
     With `model` (a ModelConfig, as `make_ops` passes) every kernel is found by (op, fields) in
     k3gen's `targets.model_specs` for this rank and serving setting, the list `k3gen build --model`
@@ -117,6 +129,10 @@ class KernelOps(Ops):
         if model is not None:
             self.menu = SpecMenu(model_specs(target, model, tp, serving=self.serving))
         self._launchers: dict[str, object] = {}
+        # Kernel handles by (op, the fields a call site varies): plain dict lookups on str/int keys,
+        # which torch.compile traces (a spec's JSON would not be).
+        self._handles: dict[tuple, str] = {}
+        self._kv_names = tuple(kv.tensors())
         # mla_decode split plans (split count + FP32 workspace) by (T, batch): made outside
         # capture, sized for the longest sequence a block-table row can hold; a graph keeps the
         # workspace pointers of the plan it was captured with.
@@ -148,12 +164,19 @@ class KernelOps(Ops):
         return mla_decode_spec(self.target, self.heads_mla, self.kv_layout, T)
 
     def launcher(self, spec):
-        """The loaded launcher of `spec`. Loading compiles or reads a cubin: never inside capture."""
+        """The launcher of `spec`, loaded where CUDA is (the one the k3gen:: ops launch: loaded
+        once per process). Loading compiles or reads a cubin: never inside capture. Without CUDA
+        it comes back unloaded (the ops run the references on CPU tensors)."""
         key = spec.digest()
-        if key not in self._launchers:
-            from k3gen.runtime.launcher import launcher_class
-            self._launchers[key] = launcher_class(spec.op)(spec)
-        op = self._launchers[key]
+        op = self._launchers.get(key)
+        if op is None:
+            if not torch.cuda.is_available():
+                from k3gen.runtime.launcher import launcher_class
+                return launcher_class(spec.op)(spec)
+            if torch.cuda.is_current_stream_capturing() and not library.loaded(library.handle_of(spec)):
+                raise SpecError("kernel", spec.file_stem, "loaded before CUDA-graph capture (load_all)")
+            op = self._launchers[key] = library.launcher(library.handle_of(spec))
+            return op
         if op._kernel is None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise SpecError("kernel", spec.file_stem, "loaded before CUDA-graph capture (load_all)")
@@ -161,9 +184,11 @@ class KernelOps(Ops):
         return op
 
     def load_all(self, gemm_shapes=None, batch_sizes=(), max_len: int | None = None) -> None:
-        """Load every kernel; with `max_len`, plan mla_decode for each batch size and step length."""
+        """Load every kernel and fill the handle table; with `max_len`, plan mla_decode for each
+        batch size and step length."""
         for s in self.specs(gemm_shapes):
             self.launcher(s)
+            self._handles.setdefault(self._key(s), library.handle_of(s))
         if max_len is not None:
             for T in self.attention_tokens():
                 for B in batch_sizes:
@@ -175,9 +200,32 @@ class KernelOps(Ops):
         if plan is None or plan.max_len < max_len:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise SpecError("mla_decode plan", key, "made before CUDA-graph capture (load_all)")
-            plan = self.launcher(self.mla_decode_spec(T)).plan(B, max_len)
+            lau = self.launcher(self.mla_decode_spec(T))
+            if lau._kernel is None:     # no CUDA here: the CPU reference does not split
+                from k3gen.ops.mla_decode.launcher import SplitPlan
+                plan = SplitPlan(B, max_len, 1)
+            else:
+                plan = lau.plan(B, max_len)
+                # The workspace is written in place by every step: a compiled step replayed as a
+                # CUDA graph (mode="reduce-overhead") may mutate it only at a fixed address.
+                for t in (plan.part_o, plan.part_lse):
+                    if isinstance(t, torch.Tensor) and t.is_cuda:
+                        torch._dynamo.mark_static_address(t)
             self._plans[key] = plan
         return plan
+
+    def _key(self, spec) -> tuple:
+        """The handle-table key of a spec: the fields a call site varies (the rest is fixed per rank)."""
+        op = spec.op
+        if op == "act_quant_fp8":
+            return (op, spec.k)
+        if op == "fp8_block_gemm":
+            return (op, spec.n, spec.k)
+        if op == "mla_decode":
+            return (op, spec.tokens)
+        if op == "kv_cache_write":
+            return (op,)
+        return (op, spec.heads)
 
     def _get(self, op: str, **kw):
         if self.menu is not None:
@@ -185,42 +233,48 @@ class KernelOps(Ops):
         from k3gen.ops import registry
         return self.launcher(registry()[op](target=self.target, **kw))
 
+    def _handle(self, key: tuple, **kw) -> str:
+        """The handle of the kernel at `key`; a miss (a call before load_all, eagerly) finds the spec
+        through the enumerator (`_get`) and remembers it."""
+        h = self._handles.get(key)
+        if h is None:
+            h = self._handles[key] = library.handle_of(self._get(key[0], **kw).spec)
+        return h
+
     # -- ops --------------------------------------------------------------------------------------
     def linear(self, x, w: Fp8Linear):
         self._mark("fp8_linear")
         x = x.contiguous()
-        m, k = x.shape
-        aq = self._get("act_quant_fp8", k=k, recipe=self.recipe)
-        codes = torch.empty(m, k, dtype=torch.uint8, device=x.device)
-        sdt = torch.float32 if self.recipe is ScaleRecipe.FP32 else torch.uint8
-        scales = torch.empty(m, k // 128, dtype=sdt, device=x.device)
-        aq(x, codes, scales)
-        out = torch.empty(m, w.n, dtype=BF16, device=x.device)
-        self._get("fp8_block_gemm", n=w.n, k=w.k, recipe=self.recipe)(codes, scales, w.codes, w.scales, out)
-        return out
+        k = x.shape[1]
+        quant = self._handle(("act_quant_fp8", k), k=k, recipe=self.recipe)
+        gemm = self._handle(("fp8_block_gemm", w.n, w.k), n=w.n, k=w.k, recipe=self.recipe)
+        return api.fp8_linear(quant, gemm, x, w.codes, w.scales)
 
     def _kda_args(self, w: KdaWeights):
         return (w.conv_w, w.fb_w, w.dt_bias, w.a_log, w.norm_w)
 
+    def _kda_handle(self, op: str, heads: int, **kw) -> str:
+        return self._handle((op, heads), heads=heads, ssm=self.ssm, gate=self.gate, **kw)
+
     def kda_decode(self, qkvg, fa, beta, pools, slots, w):
         self._mark("kda_decode")
-        out = torch.empty(slots.shape[0], w.heads, 128, dtype=BF16, device=qkvg.device)
-        op = self._get("kda_decode", heads=w.heads, ssm=self.ssm, gate=self.gate)
-        return op(qkvg, fa, beta, pools["ssm"], pools["conv"], slots, *self._kda_args(w), out)
+        h = self._kda_handle("kda_decode", w.heads)
+        return api.kda_decode(h, qkvg, fa, beta, pools["ssm"], pools["conv"], slots, *self._kda_args(w))
 
     def kda_verify(self, qkvg, fa, beta, pools, slots, w):
         self._mark("kda_verify")
-        T = 1 + self.max_drafts
-        out = torch.empty(slots.shape[0], T, w.heads, 128, dtype=BF16, device=qkvg.device)
-        op = self._get("kda_verify", heads=w.heads, drafts=self.max_drafts, ssm=self.ssm, gate=self.gate)
-        return op(qkvg, fa, beta, pools["ssm"], pools["draft_rec"], pools["conv_ext"], pools["pending"], slots,
-                  *self._kda_args(w), out)
+        h = self._kda_handle("kda_verify", w.heads, drafts=self.max_drafts)
+        return api.kda_verify(h, qkvg, fa, beta, pools["ssm"], pools["draft_rec"], pools["conv_ext"],
+                              pools["pending"], slots, *self._kda_args(w))
 
     def kda_prefill(self, qkvg, fa, beta, cu_seqlens, slots, resume, pools, w):
         self._mark("kda_prefill")
-        out = torch.empty(qkvg.shape[0], w.heads, 128, dtype=BF16, device=qkvg.device)
-        op = self._get("kda_prefill", heads=w.heads, ssm=self.ssm, gate=self.gate)
-        return op(qkvg, fa, beta, cu_seqlens, slots, resume, pools["ssm"], pools["conv"], *self._kda_args(w), out)
+        h = self._kda_handle("kda_prefill", w.heads)
+        return api.kda_prefill(h, qkvg, fa, beta, cu_seqlens, slots, resume, pools["ssm"], pools["conv"],
+                               *self._kda_args(w))
+
+    def _cache(self, cache: dict) -> list:
+        return [cache[n] for n in self._kv_names]
 
     def mla_attention(self, layout: KvLayout, q, cache, block_table, start, ring_slot, scale):
         """The generated mla_decode over the paged cache (the step's rows are written first).
@@ -237,20 +291,22 @@ class KernelOps(Ops):
         ring = ring_slot if layout.kv is KvDtype.NVFP4 else None
         per_token = layout.kv is KvDtype.NVFP4 and T > 1
         Tk = 1 if per_token else T
-        op = self.launcher(self.mla_decode_spec(Tk))
-        if H != op.spec.heads:
-            raise SpecError("q heads", H, [op.spec.heads])
-        plan = self.attention_plan(Tk, B, max_len)
-        out = torch.empty(B, T, H, 512, dtype=BF16, device=q.device)
+        h = self._handles.get(("mla_decode", Tk))
+        if h is None:
+            spec = self.mla_decode_spec(Tk)
+            self.launcher(spec)
+            h = self._handles[("mla_decode", Tk)] = library.handle_of(spec)
+        if H != self.heads_mla:
+            raise SpecError("q heads", H, [self.heads_mla])
+        p = self.attention_plan(Tk, B, max_len)
+        plan = api.MlaDecodePlan(p.splits, p.part_o, p.part_lse)
+        kv = self._cache(cache)
         if not per_token:
-            return op(q.contiguous(), cache, block_table, (start + T).to(torch.int32), out, ring_slot=ring,
-                      scale=float(scale), plan=plan)
-        for t in range(T):
-            o = torch.empty(B, 1, H, 512, dtype=BF16, device=q.device)
-            op(q[:, t:t + 1].contiguous(), cache, block_table, (start + (t + 1)).to(torch.int32), o, ring_slot=ring,
-               scale=float(scale), plan=plan)
-            out[:, t:t + 1].copy_(o)
-        return out
+            return api.mla_decode(h, q.contiguous(), kv, block_table, (start + T).to(torch.int32), plan=plan,
+                                  ring_slot=ring, scale=float(scale))
+        outs = [api.mla_decode(h, q[:, t:t + 1].contiguous(), kv, block_table, (start + (t + 1)).to(torch.int32),
+                               plan=plan, ring_slot=ring, scale=float(scale)) for t in range(T)]
+        return torch.cat(outs, dim=1)
 
     def attention_tokens(self) -> list[int]:
         """Query tokens per launch of the mla_decode kernels this target runs."""
@@ -258,21 +314,54 @@ class KernelOps(Ops):
 
     def kv_write(self, layout, cache, rows, cu_rows, start_pos, block_table, ring_slot, scale, max_rows):
         self._mark("kv_cache_write")
-        op = self._get("kv_cache_write", kv=layout.kv, fp8_scales=layout.fp8_scales, max_drafts=layout.max_drafts)
-        op(rows.contiguous(), cu_rows, start_pos, block_table, cache,
-           ring_slot=ring_slot if layout.kv is KvDtype.NVFP4 else None, scale=scale, max_rows_per_seq=max_rows)
+        h = self._handle(("kv_cache_write",), kv=layout.kv, fp8_scales=layout.fp8_scales, max_drafts=layout.max_drafts)
+        api.kv_cache_write(h, rows.contiguous(), cu_rows, start_pos, block_table, self._cache(cache),
+                           ring_slot=ring_slot if layout.kv is KvDtype.NVFP4 else None, scale=scale,
+                           max_rows_per_seq=max_rows)
 
     def q_absorb(self, q_a, norm_w, q_b: Fp8Linear, w_uk):
         self._mark("mla_q_absorb")
-        op = self._get("mla_q_absorb", heads=w_uk.shape[0], recipe=self.recipe)
-        out = torch.empty(q_a.shape[0], w_uk.shape[0], 576, dtype=BF16, device=q_a.device)
-        return op(q_a, norm_w, q_b.codes, q_b.scales, w_uk, out, workspace=op.workspace(q_a.shape[0], q_a.device))
+        h = self._handle(("mla_q_absorb", w_uk.shape[0]), heads=w_uk.shape[0], recipe=self.recipe)
+        return api.mla_q_absorb(h, q_a, norm_w, q_b.codes, q_b.scales, w_uk)
 
     def vb_gate(self, o_lat, w_uv, gate):
         self._mark("mla_vb_gate")
-        op = self._get("mla_vb_gate", heads=w_uv.shape[0])
-        out = torch.empty(o_lat.shape[0], w_uv.shape[0], 128, dtype=BF16, device=o_lat.device)
-        return op(o_lat.contiguous(), w_uv, gate, out)
+        h = self._handle(("mla_vb_gate", w_uv.shape[0]), heads=w_uv.shape[0])
+        return api.mla_vb_gate(h, o_lat.contiguous(), w_uv, gate)
+
+
+def static_tensors(model) -> list:
+    """Every tensor a compiled step reads or writes at a fixed address: the weights, the KV cache
+    and state pools, the block table (each once)."""
+    import dataclasses
+    seen: dict[int, torch.Tensor] = {}
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            seen.setdefault(id(obj), obj)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name))
+    walk(model.w)
+    walk([model.cache.kv, model.cache.state, model.cache.block_table])
+    return list(seen.values())
+
+
+def prepare_compile(model) -> None:
+    """What torch.compile(mode="reduce-overhead") of `model.step_core` needs first: every kernel
+    loaded and every mla_decode plan made (`load_kernels`), and every weight, pool and cache tensor
+    marked as a static address, so the CUDA graphs it records mutate the pools in place and never
+    copy the weights in."""
+    model.load_kernels()
+    for t in static_tensors(model):
+        if t.is_cuda:
+            torch._dynamo.mark_static_address(t)
 
 
 def make_ops(tcfg, cfg) -> Ops:

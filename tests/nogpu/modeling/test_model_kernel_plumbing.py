@@ -201,9 +201,10 @@ def test_generate_launches_exactly_model_specs(monkeypatch, tiny_checkpoint, arc
         return _Stub(spec)
     monkeypatch.setattr(KernelOps, "launcher", launcher)
     m = build_model("tiny", arch, kv, ssm, drafts, "kernel", tiny_checkpoint, 0, "cpu", 64, 2)
-    if recipe:
-        m = type(m)(m.w, TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=drafts, path="kernel", recipe=recipe),
-                    m.cache)
+    if recipe:   # the weights in that recipe's scale format too: the ops check the pairing
+        from model.weights import load_weights
+        t = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=drafts, path="kernel", recipe=recipe)
+        m = type(m)(load_weights(tiny_checkpoint, tiny_config(), t.recipe), t, m.cache)
     assert m.ops.menu is not None
     g = Generator(m)
     g.generate([Request([1, 2, 3, 1, 2], 4), Request([4, 5], 3)])
