@@ -90,3 +90,42 @@ def hf_logits(m, toks) -> list:
             res.append(out.logits[0, -1].clone())
             pkv = out.past_key_values
     return res
+
+
+# -- the FP8 bound's calibration (tests/nogpu/modeling/test_load_model_weights.py derives it) ---------
+# The projections the loader quantizes to FP8 (leaf names; kv_b and f_b stay BF16).
+FP8_LEAVES = ("q_proj", "k_proj", "v_proj", "g_proj", "g_a_proj", "g_b_proj", "f_a_proj", "b_proj", "o_proj",
+              "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+
+
+def fp8_weight(name: str) -> bool:
+    return ".self_attn." in name and name.endswith(".weight") and name.split(".")[-2] in FP8_LEAVES
+
+
+def eps_e4m3(recipe) -> float:
+    """Relative RMS error of one E4M3 rounding with 128x128 tile scales, on Gaussian weights."""
+    import torch
+    from k3gen.ops.fp8_block_gemm.reference import dequantize_weights, quantize_weights
+    g = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    c, s = quantize_weights(g, recipe)
+    d = dequantize_weights(c, s, recipe)
+    return float((d - g).norm() / g.norm())
+
+
+def noise_logits(m, toks, eps: float, seed: int = 1) -> list:
+    """transformers' logits with every weight the kernel path quantizes multiplied once by
+    (1 + eps N(0, 1)); of the low-rank gate only g_b (the fold rounds the product once)."""
+    import copy
+    import torch
+    m2 = copy.deepcopy(m)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m2.named_parameters():
+            if fp8_weight(n) and not n.endswith("g_a_proj.weight"):
+                p.mul_(1 + eps * torch.randn(p.shape, generator=g))
+    return hf_logits(m2, toks)
+
+
+def flat(xs):
+    import torch
+    return torch.cat([x.reshape(-1).float().cpu() for x in xs])

@@ -313,3 +313,33 @@ def all_specs() -> list:
         for s in f():
             seen.setdefault(s.digest(), s)
     return list(seen.values())
+
+
+def library() -> list:
+    """tests/gpu/test_library.py: the one-head KDA kernels k3gen.api.fla launches (its other ops run at
+    model_small's specs)."""
+    from k3gen.api.fla import fla_specs
+    return fla_specs(SM90)
+
+
+LISTS["library"] = library
+
+
+def model_hf_tiny() -> list:
+    """tests/gpu/test_model_checkpoints.py: the tiny transformers Kimi-Linear (tests/hf_tiny.py: softplus
+    KDA gate, 2 KDA and 2 MLA heads, hidden 256, q_lora 1536 and a plain q_proj) at TP1 for every KV and
+    SSM dtype, no drafts: enumerated from its config dict as the model resolves its kernels."""
+    from k3gen.hf_config import config_fields
+    from k3gen.targets import ModelShape
+    from tests.hf_tiny import CASES, config_dict
+    out = []
+    for q_lora in CASES.values():
+        f = config_fields(config_dict(q_lora))
+        shape = ModelShape(name=f["name"], hidden=f["hidden"], kda_heads=f["kda_heads"], mla_heads=f["mla_heads"],
+                           q_lora=f["q_lora"], gate=f["kda_gate"])
+        out += [s for kv in KvDtype for ssm in SsmDtype
+                for s in model_specs(SM90, shape, 1, serving=ServingOptions(kv=kv, ssm=ssm))]
+    return out
+
+
+LISTS["model_hf_tiny"] = model_hf_tiny

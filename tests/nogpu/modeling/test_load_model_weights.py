@@ -26,7 +26,6 @@ O(1), far outside both.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import shutil
@@ -55,23 +54,9 @@ from model.weights import ExpertWeights, Fp8Linear, ModelWeights
 
 CFG = tiny_config()
 RECIPES = [ScaleRecipe.FP32, ScaleRecipe.UE8M0]
-# The projections the loader quantizes to FP8 (canonical leaf names; kv_b and f_b stay BF16).
-FP8_LEAVES = ("q_proj", "k_proj", "v_proj", "g_proj", "g_a_proj", "g_b_proj", "f_a_proj", "b_proj", "o_proj",
-              "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
-
-
-def _fp8_name(name: str) -> bool:
-    return ".self_attn." in name and name.endswith(".weight") and name.split(".")[-2] in FP8_LEAVES
-
-
-def _cat(xs):
-    return torch.cat([x.reshape(-1) for x in xs])
-
-
-def eps_e4m3(recipe: ScaleRecipe) -> float:
-    g = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
-    c, s = quantize_weights(g, recipe)
-    return rel_rms(dequantize_weights(c, s, recipe), g)
+_fp8_name = hf_tiny.fp8_weight
+_cat = hf_tiny.flat
+eps_e4m3 = hf_tiny.eps_e4m3
 
 
 # -- checkpoints -------------------------------------------------------------------------------------
@@ -256,15 +241,7 @@ def test_hf_tiny_fp8_matches_transformers(hf, case, recipe):
     assert (cfg.kda_out_gate, cfg.mla_out_gate, cfg.q_lora) == ("low_rank", False, hf_tiny.CASES[case])
     w = load_model_weights(folder, cfg, recipe)
     eps = eps_e4m3(recipe)
-    # transformers' logits with every weight the kernel path quantizes perturbed once by eps (of the
-    # low-rank gate only g_b: the fold rounds the product once).
-    m2 = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in m2.named_parameters():
-            if _fp8_name(n) and not n.endswith("g_a_proj.weight"):
-                p.mul_(1 + eps * torch.randn(p.shape, generator=g))
-    e_noise = rel_rms(_cat(hf_tiny.hf_logits(m2, toks)), _cat(want))
+    e_noise = rel_rms(_cat(hf_tiny.noise_logits(model, toks, eps)), _cat(want))
     got = k3_logits(w, toks, recipe)
     err = rel_rms(_cat(got), _cat(want))
     steps = [rel_rms(a, b) for a, b in zip(got, want)]
