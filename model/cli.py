@@ -112,8 +112,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks (GPUs), >= 1; attention heads, dense and shared MLPs split by tp")
     p.add_argument("--ep", type=int_in(1, None, "the expert-parallel degree is >= 1"), default=1, metavar="N",
                    help="routed experts split by id over ep ranks (a divisor of tp), by intermediate over tp/ep")
-    p.add_argument("--layout", default="nvfp4", choices=("mxfp4", "nvfp4"),
-                   help="checkpoint: nvfp4 (nvidia/Kimi-K3-NVFP4) or mxfp4 (moonshotai/Kimi-K3); weights as served")
+    p.add_argument("--layout", default="nvfp4", choices=("mxfp4", "nvfp4", "bf16"),
+                   help="checkpoint: nvfp4 (nvidia/Kimi-K3-NVFP4), mxfp4 (moonshotai/Kimi-K3) or bf16 (plain "
+                   "save_pretrained, e.g. Kimi-Linear: routed experts stay BF16); weights as served")
     p.add_argument("--gpu-gib", type=float_in(0.0, None, "the GPU memory is > 0 GiB", lo_open=True),
                    default=141.0, metavar="GIB", help="GPU memory in GiB, > 0 (H200: 141 GB ~ 139 GiB usable)")
     p.add_argument("--util", type=float_in(0.0, 1.0, "the fraction is in (0, 1]", lo_open=True), default=0.9,
