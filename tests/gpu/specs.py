@@ -315,6 +315,16 @@ def all_specs() -> list:
     return list(seen.values())
 
 
+def library() -> list:
+    """tests/gpu/test_library.py: the one-head KDA kernels k3gen.api.fla launches (its other ops run at
+    model_small's specs)."""
+    from k3gen.api.fla import fla_specs
+    return fla_specs(SM90)
+
+
+LISTS["library"] = library
+
+
 def model_hf_tiny() -> list:
     """tests/gpu/test_model_checkpoints.py: the tiny transformers Kimi-Linear (tests/hf_tiny.py: softplus
     KDA gate, 2 KDA and 2 MLA heads, hidden 256, q_lora 1536 and a plain q_proj) at TP1 for every KV and
