@@ -1,8 +1,9 @@
 """On the GPU machine: `k3gen generate --config small` from a `k3gen build --model small --out DIR` bundle (no JIT),
 for every KV/SSM dtype, with and without --spec and --graphs, in one process (the command line's own code path:
 k3gen.cli.main). Greedy outputs of the four modes of one dtype pair must agree (graphs == eager, spec == greedy).
-Then the same model from a checkpoint in the published ModelOpt NVFP4 layout (nvidia/Kimi-K3-NVFP4), written
-here by the project's writer: batch 1/2/4/8, eager vs CUDA graphs, graphs twice (deterministic).
+Then the same model from a checkpoint in each published layout (ModelOpt NVFP4 as nvidia/Kimi-K3-NVFP4, the
+official compressed-tensors MXFP4 as moonshotai/Kimi-K3), written here by the project's writers and loaded by
+`generate --checkpoint` (model/formats/detect.py): batch 1/2/4/8, eager vs CUDA graphs, graphs twice (deterministic).
 Usage: K3GEN_PREBUILT=DIR K3GEN_DISABLE_JIT=1 python3 tools/h200_generate.py
 """
 from __future__ import annotations
@@ -54,9 +55,12 @@ def layouts() -> int:
 
     from model.checkpoint import write_random_checkpoint
     from model.config import get_config
-    # The MXFP4 (compressed-tensors) layout has a reader (model/formats/ct_mxfp4.py) that K3Model's
-    # loader does not use yet, so only the ModelOpt layout generates here.
-    writers = {"nvfp4-modelopt": write_random_checkpoint}
+    from model.formats.ct_mxfp4 import write_official_checkpoint
+    # Both published layouts, written here by the project's writers and detected by `generate --checkpoint`
+    # (model/formats/detect.py): ModelOpt NVFP4 (nvidia/Kimi-K3-NVFP4) and the official compressed-tensors
+    # MXFP4 (moonshotai/Kimi-K3, experts kept packed as MXFP4).
+    writers = {"nvfp4-modelopt": write_random_checkpoint,
+               "mxfp4-compressed-tensors": lambda cfg, d, seed: write_official_checkpoint(cfg, d, seed=seed, shards=4)}
     cfg, bad, n = get_config("small"), 0, 0
     for name, write in writers.items():
         d = Path(tempfile.mkdtemp(prefix=f"k3gen-{name}-"))
