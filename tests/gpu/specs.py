@@ -268,6 +268,11 @@ def model_small() -> list:
             for s in model_specs(SM90, "small", 1, serving=ServingOptions(kv=kv, ssm=ssm, max_drafts=3))]
 
 
+def model_small_tp2() -> list:
+    """tests/gpu/test_dist.py's kernel-path TP2 (6 heads per rank), BF16 KV + FP32 SSM, 3 drafts."""
+    return model_specs(SM90, "small", 2, serving=ServingOptions(kv=KvDtype.BF16, ssm=SsmDtype.FP32, max_drafts=3))
+
+
 def model_k3_layers() -> list:
     """tests/gpu/test_model_k3_layers.py: K3's layers at TP8, no drafts."""
     return [s for kv, ssm in MODEL_COMBOS for s in model_specs(SM90, "k3", 8, serving=ServingOptions(kv=kv, ssm=ssm))]
@@ -303,7 +308,7 @@ def attn_res() -> list:
 
 
 LISTS = {f.__name__: f for f in (act_quant_fp8, fp8_block_gemm, kda_prefill, kda_verify, kv_cache_write, mla_decode, mla_q_absorb, mla_vb_gate,
-                                 model_small, model_k3_layers, moe_route, attn_res)}
+                                 model_small, model_small_tp2, model_k3_layers, moe_route, attn_res)}
 
 
 def all_specs() -> list:
