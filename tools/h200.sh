@@ -17,7 +17,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/gpu -q --maxfail=${MAXFAIL:-30} -p no:cacheprovider \
     ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log"; rc=$((rc | ${PIPESTATUS[0]}))
 fi
-for op in ${BENCH_OPS:-kda_decode kv_cache_write act_quant_fp8}; do
+for op in ${BENCH_OPS:-kda_decode kv_cache_write act_quant_fp8 moe_route attn_res}; do
   timeout ${BENCH_TIMEOUT:-200} python3 -m bench --op "$op" --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_$op.log"; rc=$((rc | ${PIPESTATUS[0]}))
 done
