@@ -19,13 +19,13 @@ This module owns every conversion the kernels need, so the three layouts cannot 
 - `kv_b` as BF16 per-head W_UK (rows 0..127) and W_UV (128..255); `f_b_proj` BF16 (the fused KDA
   kernel applies it itself).
 - BF16 / FP32 sources quantized at load to the caller's FP8 recipe; FP8 sources re-quantized only
-  for the UE8M0 recipe (power-of-two scales, SPEC.md section 6) or where a TP slice cuts a stored tile.
+  for the UE8M0 recipe (power-of-two scales, SPEC.md section 6).
 - `A_log` narrowed to the first H entries of its padded storage (or read from [1, 1, H, 1]), then
   split by heads; the Attention Residuals pseudo-queries and norms in FP32.
 
 Tensor / expert parallelism: with a `model.dist.Place`, each rank reads only its own share, in
 model/shard.py's format and split (`shard_weights` of the whole model gives the same bits, checked
-in tests/nogpu/modeling/test_load_streaming.py): KDA / MLA heads by rows (q/k/v/g, b, f_b, conv,
+in tests/nogpu/modeling/test_load_model_weights.py): KDA / MLA heads by rows (q/k/v/g, b, f_b, conv,
 dt_bias, A_log, q_b or q_proj, W_UK / W_UV, g), o_proj by columns (`RowParallel`), the vocabulary
 of the embedding and LM head, the dense MLP and shared experts by intermediate, the routed experts
 by id (EP slot) and intermediate (MoE TP slot) in their packed form; f_a, q_a, kv_a, norms, AttnRes,
@@ -34,6 +34,8 @@ anything is read. b_proj's few rows are quantized whole and then sliced, so a ra
 TP1 tile scale (the kernels' numbers do not depend on the world size).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -48,8 +50,8 @@ from model.arch import AttnResWeights
 from model.checkpoint import CheckpointError, UnsupportedCheckpointError
 from model.config import ModelConfig
 from model.dist import Layout, Place
-from model.weights import (DenseMlpWeights, ExpertWeights, Fp8Linear, KdaLayerWeights, LayerWeights, MlaLayerWeights,
-                           ModelWeights, MoeWeights, _map_tensors)
+from model.weight_types import (DenseMlpWeights, ExpertWeights, Fp8Linear, KdaLayerWeights, LayerWeights,
+                                MlaLayerWeights, ModelWeights, MoeWeights, _map_tensors)
 
 BF16 = torch.bfloat16
 FULL = slice(None)
@@ -211,21 +213,35 @@ def _low_rank_gate(src: Source, a: str, rows: slice, recipe: ScaleRecipe) -> Fp8
     128x128 tile scale: the same single rounding (relative step 2^-3, RMS ~2.5% of a Gaussian tile)
     that K3's own full-rank g_proj and every other projection of the fused qkvg weight get. Running
     g_a and g_b as two FP8 GEMMs instead would round the weights twice and the rank-128 activation
-    once more. The gate enters only through sigmoid, whose slope is at most 1/4, so its relative
-    error in the layer output is at most a quarter of the pre-activation's."""
+    once more. The gate enters only through sigmoid, whose slope is at most 1/4: the gate value moves
+    by at most a quarter of the pre-activation's rounding error."""
     gb = values(src.linear(a + "g_b_proj", rows))
     ga = values(src.linear(a + "g_a_proj"))
     return quantize_blocks(lambda r, c: gb[r] @ ga[:, c], gb.shape[0], ga.shape[1], recipe)
 
 
 # -- layers -------------------------------------------------------------------------------------------
-def _row_parallel(x: Fp8Linear, place: Place) -> Fp8Linear:
-    from model.shard import RowParallel
-    return x if place.world == 1 else RowParallel(x.codes, x.scales, x.recipe)
+def _row_parallel(x: Fp8Linear, rank: "Rank") -> Fp8Linear:
+    """o_proj of a rank: its columns as the caller's row-parallel type (model/shard.py RowParallel,
+    passed in by model/formats/detect.py: this module cannot import shard.py without a cycle)."""
+    return x if rank.place.world == 1 else rank.row_parallel(x.codes, x.scales, x.recipe)
 
 
-def _kda(src: Source, i: int, recipe: ScaleRecipe, place: Place) -> KdaLayerWeights:
-    cfg = src.cfg
+@dataclass(frozen=True)
+class Rank:
+    """The share a load reads: `place` (model.dist), and at world > 1 the per-rank format's hooks:
+    `check(cfg, layout, expert_fmt)` (every rank's alignment, before any read) and `row_parallel`."""
+    place: Place
+    check: object = None
+    row_parallel: object = None
+
+
+def _whole() -> Rank:
+    return Rank(Layout(1).place(0))
+
+
+def _kda(src: Source, i: int, recipe: ScaleRecipe, rank: Rank) -> KdaLayerWeights:
+    cfg, place = src.cfg, rank.place
     a = f"model.layers.{i}.self_attn."
     H, Kd = cfg.kda_heads, cfg.kda_head_dim
     hs = place.part(H, place.tp)
@@ -248,12 +264,12 @@ def _kda(src: Source, i: int, recipe: ScaleRecipe, place: Place) -> KdaLayerWeig
     kda = KdaWeights(conv_w=conv.to(BF16).contiguous(), fb_w=values(src.linear(a + "f_b_proj", rows), BF16),
                      dt_bias=src.tensor(a + "dt_bias", rows).float().contiguous(), a_log=a_log.contiguous(),
                      norm_w=src.tensor(a + "o_norm.weight").float().contiguous())
-    o_proj = _row_parallel(as_fp8(src.linear(a + "o_proj", FULL, rows), recipe), place)
+    o_proj = _row_parallel(as_fp8(src.linear(a + "o_proj", FULL, rows), recipe), rank)
     return KdaLayerWeights(qkvg=qkvg, fab=fab, o_proj=o_proj, kda=kda)
 
 
-def _mla(src: Source, i: int, recipe: ScaleRecipe, place: Place) -> MlaLayerWeights:
-    cfg = src.cfg
+def _mla(src: Source, i: int, recipe: ScaleRecipe, rank: Rank) -> MlaLayerWeights:
+    cfg, place = src.cfg, rank.place
     a = f"model.layers.{i}.self_attn."
     if cfg.q_lora is not None and cfg.q_lora != Q_LORA:
         raise UnsupportedCheckpointError(f"{a}q_a_proj: q_lora_rank {cfg.q_lora}; mla_q_absorb reads {Q_LORA}")
@@ -269,7 +285,7 @@ def _mla(src: Source, i: int, recipe: ScaleRecipe, place: Place) -> MlaLayerWeig
     o_proj = as_fp8(src.linear(a + "o_proj", FULL, rows(cfg.v_head)), recipe)
     if not cfg.mla_out_gate:
         o_proj = _ungated_o_proj(o_proj)
-    o_proj = _row_parallel(o_proj, place)
+    o_proj = _row_parallel(o_proj, rank)
     qk = cfg.qk_nope + cfg.qk_rope
     q_a_norm = q_b = q_proj = None
     if cfg.q_lora is not None:
@@ -317,12 +333,13 @@ def _attn_res(src: Source, p: str) -> AttnResWeights:
                           norm=src.tensor(p + "_norm.weight").float().contiguous())
 
 
-def layer(src: Source, i: int, recipe: ScaleRecipe, place: Place | None = None) -> LayerWeights:
-    """Layer i of rank `place` (None: the whole model), on the CPU."""
+def layer(src: Source, i: int, recipe: ScaleRecipe, rank: Rank | None = None) -> LayerWeights:
+    """Layer i of `rank`'s share (None: the whole model), on the CPU."""
     cfg = src.cfg
-    place = place or Layout(1).place(0)
+    rank = rank or _whole()
+    place = rank.place
     p = f"model.layers.{i}."
-    attn = (_kda if cfg.kind(i) == "kda" else _mla)(src, i, recipe, place)
+    attn = (_kda if cfg.kind(i) == "kda" else _mla)(src, i, recipe, rank)
     if cfg.is_dense(i):
         ffn = DenseMlpWeights(*_glu(src, p + "mlp.", place.part(cfg.dense_inter, place.tp)))
     else:
@@ -334,25 +351,30 @@ def layer(src: Source, i: int, recipe: ScaleRecipe, place: Place | None = None) 
                         mlp_res=_attn_res(src, p + "mlp_res") if res else None)
 
 
-def assemble(src: Source, recipe: ScaleRecipe, place: Place | None = None, device="cpu") -> ModelWeights:
-    """ModelWeights of rank `place` (None: the whole model) on `device`. Each layer is built on the
+def assemble(src: Source, recipe: ScaleRecipe, rank: Rank | None = None, device="cpu") -> ModelWeights:
+    """ModelWeights of `rank`'s share (None: the whole model) on `device`. Each layer is built on the
     CPU, moved, and its CPU copy dropped before the next layer is read (peak host memory: one
     layer's tensors plus bounded conversion buffers, tests/nogpu/modeling/test_load_streaming.py)."""
-    from model.shard import check_shardable
     cfg = src.cfg
-    if not isinstance(recipe, ScaleRecipe):
-        raise SpecError("recipe", recipe, [r.value for r in ScaleRecipe])
-    place = place or Layout(1).place(0)
+    rank = rank or _whole()
+    place = rank.place
     try:
+        if not isinstance(recipe, ScaleRecipe):
+            raise SpecError("recipe", recipe, [r.value for r in ScaleRecipe])
         if place.world > 1:
-            check_shardable(cfg, place.layout, src.expert_fmt if "moe" in cfg.mlp_kinds else None)
+            if rank.check is None or rank.row_parallel is None:
+                raise SpecError("rank", rank, "a Rank with model/shard.py's check and RowParallel at world > 1")
+            if cfg.mla_layer_ids and cfg.q_lora is None:
+                raise UnsupportedCheckpointError(f"{cfg.name}: MLA without a q LoRA at TP {place.world} (model/shard.py "
+                                                 "splits the A-projection [q_a | kv_a | g] only)")
+            rank.check(cfg, place.layout, src.expert_fmt if "moe" in cfg.mlp_kinds else None)
         dev = torch.device(device)
 
         def move(x):
             return _map_tensors(x, lambda t: t.to(dev))
         layers = []
         for i in range(cfg.layers):
-            layers.append(move(layer(src, i, recipe, place)))
+            layers.append(move(layer(src, i, recipe, rank)))
             src.release(i)
         v = place.part(cfg.vocab, place.tp)
         embed = src.tensor("model.embed_tokens.weight", v).to(BF16).to(dev)
@@ -365,5 +387,5 @@ def assemble(src: Source, recipe: ScaleRecipe, place: Place | None = None, devic
     return ModelWeights(cfg=cfg, recipe=recipe, embed=embed, layers=layers, **top)
 
 
-__all__ = ["Source", "assemble", "layer", "as_fp8", "values", "fuse", "take_rows", "zeros_fp8", "quantize_blocks",
+__all__ = ["Source", "Rank", "assemble", "layer", "as_fp8", "values", "fuse", "take_rows", "zeros_fp8", "quantize_blocks",
            "FULL", "CHUNK_ELEMENTS"]

@@ -43,7 +43,7 @@ from k3gen.ops.fp8_block_gemm.reference import quantize_weights
 from model.checkpoint import (open_shard, INDEX, LM_HEAD, PREFIX, BadValueError, CheckpointError, MissingTensorError,
                               TensorShapeError, UnexpectedTensorError)
 from model.config import ModelConfig
-from model.weights import ExpertWeights, Fp8Linear
+from model.weight_types import ExpertWeights, Fp8Linear
 
 QUANT_FORMAT = "mxfp4-pack-quantized"
 GROUP = 32

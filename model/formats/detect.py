@@ -68,8 +68,9 @@ def detect_format(folder) -> str:
 def source(folder, cfg: ModelConfig, fmt: str | None = None, opener=None):
     """The reader of `folder` as an assemble.Source (fmt: detected when None)."""
     from model.formats import sources as S
+    from model.formats.modelopt import ModeloptSource
     fmt = detect_format(folder) if fmt is None else fmt
-    cls = {MODELOPT: S.ModeloptSource, CT_MXFP4: S.CtMxfp4Source, HF_PLAIN: S.HfPlainSource}.get(fmt)
+    cls = {MODELOPT: ModeloptSource, CT_MXFP4: S.CtMxfp4Source, HF_PLAIN: S.HfPlainSource}.get(fmt)
     if cls is None:
         raise CheckpointFormatError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
     return cls(Path(folder), cfg, opener=opener)
@@ -83,10 +84,11 @@ def load_model_weights(folder, cfg: ModelConfig | None = None, recipe: ScaleReci
     reading only its share. cfg: the folder's config.json by default. `opener` replaces
     safetensors.safe_open (tests count the bytes read)."""
     from model.dist import Layout
-    from model.formats.assemble import assemble
-    place = Layout(world, ep).place(rank)                # before anything is read
+    from model.formats.assemble import Rank, assemble
+    from model.shard import RowParallel, check_shardable
+    share = Rank(Layout(world, ep).place(rank), check_shardable, RowParallel)   # before anything is read
     cfg = config_from_json(folder) if cfg is None else cfg
-    return assemble(source(folder, cfg, opener=opener), recipe, place, device)
+    return assemble(source(folder, cfg, opener=opener), recipe, share, device)
 
 
 __all__ = ["detect_format", "load_model_weights", "source", "FORMATS", "MODELOPT", "CT_MXFP4", "HF_PLAIN"]

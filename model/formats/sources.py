@@ -1,9 +1,7 @@
 """The three checkpoint layouts as `assemble.Source`s: each maps the canonical names the assembly
 asks for onto its stored tensors, slices them for a TP rank and keeps its routed experts packed.
 
-- `ModeloptSource`: nvidia/Kimi-K3-NVFP4 (ModelOpt MIXED_PRECISION: FP8_PB_WO attention with FP32
-  128x128 tile scales, NVFP4 experts; model/checkpoint.py has the names), read by
-  model/weights.py's checked `CheckpointReader`.
+- `ModeloptSource` (model/formats/modelopt.py): nvidia/Kimi-K3-NVFP4 (ModelOpt MIXED_PRECISION).
 - `CtMxfp4Source`: moonshotai/Kimi-K3 (compressed-tensors mxfp4-pack-quantized experts, BF16
   elsewhere), read by model/formats/ct_mxfp4.py's `CtMxfp4Checkpoint`.
 - `HfPlainSource`: unquantized save_pretrained checkpoints (BF16/FP16/FP32; kimi_linear or
@@ -19,20 +17,19 @@ import torch
 from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ops.fp8_block_gemm.reference import dequantize_weights
 
-from model.checkpoint import NVFP4_BLOCK
 from model.config import ModelConfig
 from model.formats.assemble import FULL, Source, last_layers
-from model.weights import ExpertWeights, Fp8Linear
+from model.weight_types import ExpertWeights, Fp8Linear
 
-_WRAP = "language_model."
+WRAP = "language_model."
 
 
-def _bounds(s: slice, n: int) -> tuple[int, int]:
+def bounds(s: slice, n: int) -> tuple[int, int]:
     a, b, _ = s.indices(n)
     return a, b
 
 
-def _take(t: torch.Tensor, *index: slice) -> torch.Tensor:
+def take(t: torch.Tensor, *index: slice) -> torch.Tensor:
     """t[index], copied when it is a strict part (a view would keep the whole stored tensor alive)."""
     v = t[tuple(index)] if index else t
     return v.clone() if v.numel() != t.numel() else v
@@ -54,16 +51,16 @@ def slice_fp8(codes: torch.Tensor, grid: torch.Tensor, rows: slice, cols: slice)
     (a share that starts mid-tile and spans two stored tiles, e.g. q_b's 192 rows per head at an
     odd head count per rank) the slice's FP32 values, which the assembly re-quantizes with the
     recipe: one more FP8 rounding, of the size of the first."""
-    r0, r1 = _bounds(rows, codes.shape[0])
-    c0, c1 = _bounds(cols, codes.shape[1])
+    r0, r1 = bounds(rows, codes.shape[0])
+    c0, c1 = bounds(cols, codes.shape[1])
     tr, tc = _tiles(r0, r1), _tiles(c0, c1)
     if tr is None or tc is None:
         return dequantize_weights(codes, grid, ScaleRecipe.FP32)[r0:r1, c0:c1].contiguous()
-    return Fp8Linear(_take(codes, slice(r0, r1), slice(c0, c1)).contiguous(),
-                     _take(grid, tr, tc).contiguous(), ScaleRecipe.FP32)
+    return Fp8Linear(take(codes, slice(r0, r1), slice(c0, c1)).contiguous(),
+                     take(grid, tr, tc).contiguous(), ScaleRecipe.FP32)
 
 
-class _Closing(Source):
+class Closing(Source):
     """Shards closed once no later layer reads them (with layer-ordered shards: one at a time)."""
 
     def _track(self, weight_map: dict[str, str], layers: int) -> None:
@@ -84,58 +81,7 @@ class _Closing(Source):
         self._last.clear()
 
 
-class ModeloptSource(_Closing):
-    expert_fmt = "nvfp4"
-
-    def __init__(self, folder, cfg: ModelConfig, opener=None):
-        from model.weights import CheckpointReader
-        self.cfg = cfg
-        self.r = CheckpointReader(folder, cfg, opener=opener)
-        self.r.check_names()
-        self.r.check_quant_config()
-        self._track(self.r.weight_map, cfg.layers)
-
-    def _close_shard(self, shard: str) -> None:
-        self.r.close(shard)
-
-    def linear(self, name, rows=FULL, cols=FULL):
-        s = _WRAP + name
-        info = self.r.expected.get(s + ".weight")
-        if info is not None and info.kind == "fp8_weight":
-            from model.weights import _grid
-            c = self.r.get(s + ".weight").view(torch.uint8)
-            return slice_fp8(c, _grid(self.r.get(s + ".weight_scale"), c), rows, cols)
-        return _take(self.r.get(s + ".weight"), rows, cols)
-
-    def tensor(self, name, *index):
-        return _take(self.r.get(_WRAP + name), *index)
-
-    def experts(self, moe, ids, inter):
-        """Stacked [E_r, ...] in the stored NVFP4 form, w1|w3 as w13 rows (no dequantization)."""
-        cfg, get = self.cfg, self.r.get
-        W, (i0, i1) = cfg.expert_width, _bounds(inter, cfg.moe_inter)
-        Il, E = i1 - i0, len(ids)
-        w13 = torch.empty(E, 2 * Il, W // 2, dtype=torch.uint8)
-        s13 = torch.empty(E, 2 * Il, W // NVFP4_BLOCK, dtype=torch.float8_e4m3fn)
-        g13 = torch.empty(E, 2)
-        w2 = torch.empty(E, W, Il // 2, dtype=torch.uint8)
-        s2 = torch.empty(E, W, Il // NVFP4_BLOCK, dtype=torch.float8_e4m3fn)
-        g2 = torch.empty(E, 1)
-        for j, e in enumerate(ids):
-            x = f"{_WRAP}{moe}experts.{e}."
-            for w in ("w1", "w3", "w2"):
-                get(x + w + ".input_scale")                 # validated, then unused by the math
-            for half, w in ((0, "w1"), (1, "w3")):
-                w13[j, half * Il:(half + 1) * Il] = get(x + w + ".weight")[i0:i1]
-                s13[j, half * Il:(half + 1) * Il] = get(x + w + ".weight_scale")[i0:i1]
-                g13[j, half] = get(x + w + ".weight_scale_2").float()
-            w2[j] = get(x + "w2.weight")[:, i0 // 2:i1 // 2]
-            s2[j] = get(x + "w2.weight_scale")[:, i0 // NVFP4_BLOCK:i1 // NVFP4_BLOCK]
-            g2[j, 0] = get(x + "w2.weight_scale_2").float()
-        return ExpertWeights(fmt="nvfp4", w13=w13, w13_scale=s13, w13_global=g13, w2=w2, w2_scale=s2, w2_global=g2)
-
-
-class CtMxfp4Source(_Closing):
+class CtMxfp4Source(Closing):
     def __init__(self, folder, cfg: ModelConfig, opener=None):
         from model.formats.ct_mxfp4 import CtMxfp4Checkpoint
         self.cfg = cfg
@@ -147,16 +93,16 @@ class CtMxfp4Source(_Closing):
         self.c.close(shard)
 
     def linear(self, name, rows=FULL, cols=FULL):
-        return self.c.read(_WRAP + name + ".weight", rows, cols)
+        return self.c.read(WRAP + name + ".weight", rows, cols)
 
     def tensor(self, name, *index):
-        return self.c.read(_WRAP + name, *index)
+        return self.c.read(WRAP + name, *index)
 
     def experts(self, moe, ids, inter):
-        return self.c.experts(_WRAP + moe, ids, inter)
+        return self.c.experts(WRAP + moe, ids, inter)
 
 
-class HfPlainSource(_Closing):
+class HfPlainSource(Closing):
     expert_fmt = "bf16"
 
     def __init__(self, folder, cfg: ModelConfig, opener=None):
@@ -177,7 +123,7 @@ class HfPlainSource(_Closing):
     def experts(self, moe, ids, inter):
         """Stacked [E_r, 2 I_r, W] / [E_r, W, I_r] BF16 (their stored form: nothing to unpack)."""
         cfg = self.cfg
-        W, (i0, i1) = cfg.expert_width, _bounds(inter, cfg.moe_inter)
+        W, (i0, i1) = cfg.expert_width, bounds(inter, cfg.moe_inter)
         Il, E = i1 - i0, len(ids)
         w13 = torch.empty(E, 2 * Il, W, dtype=torch.bfloat16)
         w2 = torch.empty(E, W, Il, dtype=torch.bfloat16)
@@ -190,4 +136,4 @@ class HfPlainSource(_Closing):
                              w2_global=None)
 
 
-__all__ = ["ModeloptSource", "CtMxfp4Source", "HfPlainSource", "slice_fp8"]
+__all__ = ["CtMxfp4Source", "HfPlainSource", "Closing", "slice_fp8", "take", "bounds", "WRAP"]

@@ -42,7 +42,7 @@ from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ops.fp8_block_gemm.reference import dequantize_weights, quantize_weights
 from k3gen.presets import preset_dict
 from model.cache import HybridCache
-from model.checkpoint import (INDEX, PREFIX, QUANT_CONFIG, CheckpointError, CheckpointFormatError,
+from model.checkpoint import (INDEX, CheckpointError, CheckpointFormatError,
                               UnsupportedCheckpointError, write_random_checkpoint)
 from model.config import TargetConfig, config_from_dict, config_from_json, tiny_config
 from model.formats import ct_mxfp4 as C
@@ -50,7 +50,7 @@ from model.formats.detect import CT_MXFP4, HF_PLAIN, MODELOPT, detect_format, lo
 from model.model import K3Model
 from model.ops import RefOps
 from model.reference import Fp32Reference, canonical_from_weights
-from model.weights import ExpertWeights, Fp8Linear, ModelWeights
+from model.weights import Fp8Linear, ModelWeights
 
 CFG = tiny_config()
 RECIPES = [ScaleRecipe.FP32, ScaleRecipe.UE8M0]
