@@ -1,8 +1,9 @@
 """The kernels that implement mla_decode, in the order `auto` tries them, and each one's geometry.
 
-Declared order = what `auto` picks: on a wgmma target BF16 KV gets `wgmma_qm`, FP8 KV and NVFP4 KV
-with linear tile scales get `wgmma`, everything else (the SM100 family, NVFP4 with the 128x4 scale
-swizzle) gets `mma`. The H200 measured each of those fastest at every H * T it was tried on
+Declared order = what `auto` picks: on a tcgen05 target `tcgen05` (NVFP4 with the 128x4 scale
+swizzle); on a wgmma target BF16 KV gets `wgmma_qm`, FP8 KV and NVFP4 KV
+with linear tile scales get `wgmma`, everything else (NVFP4 with the other target's scale layout)
+gets `mma`. The H200 measured each of those fastest at every H * T it was tried on
 (bench/NOTES.md, "mla_decode variant choice"), so no choice depends on the shape and there is no
 band table here.
 
@@ -26,6 +27,11 @@ band table here.
   change every 16 dims and 16 tokens, so each consumer decodes a tile once (e2m1 x E4M3 x 2^-8 is
   exact in f16) into QK's register-A operand and its own f16 V tile; the live 16-token tile's BF16
   ring rows are folded into one consumer's softmax state in FP32 on CUDA cores.
+- `tcgen05` (the SM100 family: sm103/sm107; decode_tc.cuh): tcgen05 kind::f16 MMAs with S and O in
+  TMEM, 64 query rows on M, each CTA of a pair writing 256 of the 512 output dims; BF16 tiles by TMA
+  (the wgmma_qm boxes), FP8/NVFP4 by bulk copies decoded to f16 in shared memory (NVFP4 by the
+  hardware E2M1 conversion, exact with its E4M3 scale; the HP tail rows times G in the same tile).
+  Proven by compile, SASS and CPU replay only (no Blackwell GPU here).
 - `mma` (every target; decode.cuh): 8 warps of mma.sync m16n8k16 (QK over 576, PV over 512), KV
   tiles through a cp.async ring, online softmax in FP32. One 16-row query tile keeps its A fragments
   in registers; NVFP4 tiles are dequantized in shared memory to BF16 (rounded once, RNE); FP8 codes
@@ -38,7 +44,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from k3gen.arch.sm90 import encode_desc, sw128_mnmajor
+from k3gen.arch.sm100 import idesc_f16, umma_desc
+from k3gen.arch.sm90 import SW128_KMAJOR, encode_desc, sw128_mnmajor
 from k3gen.ir.dtypes import KvDtype, ScaleLayout
 from k3gen.ir.layouts import MLA_LATENT, MLA_ROW
 from k3gen.ir.variant import Variant, VariantTable
@@ -309,9 +316,102 @@ def _nvfp4_smem(stages: int) -> dict:
     return plan
 
 
+# tcgen05 (decode_tc.cuh): 64 query rows x 256 output dims per CTA; regions from the 1024-aligned base.
+TC_ROWS = 64
+BLK_TC = TILE_TOKENS * 128        # one [64][64] 16-bit SW128 block
+TC_TILE_BYTES = BF16_TILE_BYTES    # one [64 tok][576] 16-bit operand tile (TMA BF16 stage or decoded f16)
+
+
+def tc_raw_bytes(spec) -> int:
+    """One FP8 / NVFP4 raw stage: the tile's codes and scales as the bulk copies land them (NVFP4: the
+    page's whole 128x4-swizzled [128, 36] scale matrix)."""
+    if spec.kv is KvDtype.FP8:
+        return TILE_TOKENS * MLA_ROW + (0 if spec.layout.fp8_scales.value == "per_tensor" else TILE_TOKENS * 5 * 4)
+    if spec.kv is KvDtype.NVFP4:
+        return TILE_TOKENS * MLA_ROW // 2 + 128 * 36
+    return 0
+
+
+def tc_smem(spec, stages: int) -> dict:
+    """TcGeo: operand tiles (BF16: the TMA stages; FP8/NVFP4: one decoded tile), Q (9 SW128 blocks of
+    [64 rows][64 dims]), P ([64 rows][64 tok] SW128), the raw ring (FP8/NVFP4), mbarriers (full/empty
+    per stage, decoded full/empty, S full x 2, P full, O done), the TMEM address slot, a reduction
+    scratch."""
+    dec = spec.kv is not KvDtype.BF16
+    ring = stages
+    return _stacked((("op", (1 if dec else stages) * TC_TILE_BYTES), ("q", TC_ROWS * MLA_ROW * 2),
+                     ("p", TC_ROWS * TILE_TOKENS * 2), ("raw", (stages if dec else 0) * tc_raw_bytes(spec)),
+                     ("bars", 8 * (2 * ring + 6)), ("tmem", 16), ("red", 64)))
+
+
+class TcKernel(MlaKernel):
+    def m_tiles_allowed(self, spec):
+        return (4,)
+
+    def default_m_tiles(self, spec):
+        return 4
+
+    def geometry(self, spec):
+        stages = next((s for s in (4, 3, 2, 1) if tc_smem(spec, s)["total"] <= SMEM_LIMIT), 1)
+        if spec.kv is KvDtype.BF16:
+            stages = min(stages, 2)   # two 72 KB TMA tiles fit beside Q and P
+        smem = tc_smem(spec, stages)
+        dec = spec.kv is not KvDtype.BF16
+        # Grid x = 2 * row groups: each CTA writes 256 of the 512 output dims (TMEM holds S and half of O).
+        return Plan(rows=TC_ROWS, groups=2 * _groups(spec, TC_ROWS), threads=320 if dec else 192,
+                    max_registers=255, ctas_per_sm=1, stages=stages,
+                    stage_bytes=tc_raw_bytes(spec) if dec else TC_TILE_BYTES, smem_bytes=smem["total"],
+                    smem_limit=SMEM_LIMIT, smem=smem, kv_map=not dec)
+
+    def template_inputs(self, spec) -> dict:
+        d = super().template_inputs(spec)
+        if spec.kv is KvDtype.BF16:
+            d.update(call="k3gen::mla::tc::decode<Config>(p, &kv_map)",
+                     params=",\n    const __grid_constant__ k3gen::sm90::TmaMap kv_map",
+                     note="\n//                             (+ kv_map: TMA map of c0 as uint8 [pages * 64 rows][1152], "
+                          "box [64][128], 128B swizzle)")
+        else:
+            d.update(call="k3gen::mla::tc::decode<Config>(p, nullptr)")
+        return d
+
+    def checks_of(self, spec, plan):
+        return [
+            (f"Geo::kSmem == {plan.smem_bytes}", "shared memory plan differs from the tcgen05 variant's plan"),
+            (_offsets(plan, {"Q": "q", "P": "p", "Raw": "raw", "Bar": "bars", "Tmem": "tmem", "Red": "red"}),
+             "shared memory offsets differ from the tcgen05 variant's plan"),
+            (f"Geo::kThreads == {plan.threads} && Geo::kRawBytes == {tc_raw_bytes(spec)}",
+             "threads / raw stage differ from the tcgen05 variant's plan"),
+            ("Config::kMT == 4 && Config::kPage % k3gen::mla::kTok == 0", "64 query rows; tiles never straddle pages"),
+            ("Config::kKv != k3gen::mla::Kv::kNvfp4 || (Config::kSwizzle && Config::kNumTensors == 3)",
+             "NVFP4: 128x4-swizzled scales, hp_tail"),
+        ] + tc_probes(spec.kv is KvDtype.BF16)
+
+
+def tc_probes(bf16: bool) -> list[tuple[str, str]]:
+    """The header's descriptor encoders against k3gen.arch.sm100 (QK's K-major operands at the second
+    stage's rope block, PV's MN-major V of the upper half, both instruction descriptors)."""
+    a_k = TC_TILE_BYTES + 8 * BLK_TC + 3 * 32
+    a_v = 4 * BLK_TC + 3 * 2048
+    b = "true" if bf16 else "false"
+    return [
+        (f"k3gen::mla::tc::desc<16, 1024>({a_k}u) == {umma_desc(a_k, SW128_KMAJOR)}ull &&\n              "
+         f"k3gen::mla::tc::desc<{BLK_TC}, 1024>({a_v}u) == {umma_desc(a_v, sw128_mnmajor(BLK_TC))}ull",
+         "tcgen05 shared-memory descriptor differs from k3gen.arch.sm100.umma_desc"),
+        (f"k3gen::mla::tc::idesc<{b}, false, 64, 64>() == {idesc_f16(bf16=bf16, m=64, n=64)}u &&\n              "
+         f"k3gen::mla::tc::idesc<{b}, true, 64, 256>() == {idesc_f16(bf16=bf16, m=64, n=256, b_mn=True)}u",
+         "tcgen05 instruction descriptor differs from k3gen.arch.sm100.idesc_f16"),
+    ]
+
+
 _WGMMA = (lambda s: s.target.mma == "wgmma", "needs wgmma (sm_90a); this target has none")
+_TCGEN05 = (lambda s: s.target.mma == "tcgen05", "needs tcgen05 (sm_100a family); this target has none")
 
 VARIANTS = VariantTable("mla_decode", (
+    TcKernel("tcgen05", doc="tcgen05 MMA, TMEM accumulators, TMA / bulk-copy producer",
+             checks=(_TCGEN05, (lambda s: s.kv is not KvDtype.NVFP4 or s.scale_layout is ScaleLayout.SWIZZLE_128X4,
+                                "reads NVFP4 scales in the 128x4 swizzle only (the SM100 family's layout)")),
+             header="k3gen/mla/decode_tc.cuh", geo="k3gen::mla::tc::TcGeo<Config>",
+             m_tiles_why="tcgen05: 64 query rows per CTA (M = 64)"),
     QmKernel("wgmma_qm", doc="query rows on the wgmma M side, TMA producer",
              checks=(_WGMMA, (lambda s: s.kv is KvDtype.BF16,
                               "reads BF16 KV only (FP8 and NVFP4 KV: schedule 'wgmma')")),
