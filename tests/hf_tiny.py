@@ -14,14 +14,14 @@ SEEDS = {"q_lora": 0, "q_proj": 10}
 PROMPT, DECODE = 12, 4
 
 
-def kwargs(q_lora) -> dict:
+def kwargs(q_lora, kda_heads: int = 2, mla_heads: int = 2) -> dict:
     return dict(
         vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=5,
-        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=q_lora, kv_lora_rank=512,
+        num_attention_heads=mla_heads, num_key_value_heads=mla_heads, q_lora_rank=q_lora, kv_lora_rank=512,
         num_experts=8, num_experts_per_token=2, num_shared_experts=1, num_expert_group=2, topk_group=1,
         routed_scaling_factor=1.5, first_k_dense_replace=1, pad_token_id=None, bos_token_id=None, eos_token_id=None,
-        linear_attn_config={"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3], "head_dim": 128, "num_heads": 2,
-                            "short_conv_kernel_size": 4})
+        linear_attn_config={"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3], "head_dim": 128,
+                            "num_heads": kda_heads, "short_conv_kernel_size": 4})
 
 
 def config_dict(q_lora) -> dict:
@@ -54,16 +54,17 @@ def random_like(name: str, shape, g):
     return torch.randn(shape, generator=g) * shape[-1] ** -0.5
 
 
-def build(q_lora, seed: int, stable_routing: bool = False):
+def build(q_lora, seed: int, stable_routing: bool = False, **heads):
     """The FP32 transformers model with random weights. stable_routing: correction biases spaced
     by 2 (> the sigmoid scores' whole range), so every token picks the same experts by bias and
     only their weights vary: a model whose logits move continuously with its weights, for tests of
     quantized paths (a near-tie in the top-k would otherwise flip on any rounding and move the
-    logits by O(1)); the exact FP32 oracle keeps the data-dependent routing."""
+    logits by O(1)); the exact FP32 oracle keeps the data-dependent routing. heads: kda_heads /
+    mla_heads (2 each by default)."""
     import torch
     import transformers
     torch.manual_seed(seed)
-    m = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**kwargs(q_lora))).float().eval()
+    m = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**kwargs(q_lora, **heads))).float().eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for n, p in list(m.named_parameters()) + list(m.named_buffers()):

@@ -364,9 +364,6 @@ def assemble(src: Source, recipe: ScaleRecipe, rank: Rank | None = None, device=
         if place.world > 1:
             if rank.check is None or rank.row_parallel is None:
                 raise SpecError("rank", rank, "a Rank with model/shard.py's check and RowParallel at world > 1")
-            if cfg.mla_layer_ids and cfg.q_lora is None:
-                raise UnsupportedCheckpointError(f"{cfg.name}: MLA without a q LoRA at TP {place.world} (model/shard.py "
-                                                 "splits the A-projection [q_a | kv_a | g] only)")
             rank.check(cfg, place.layout, src.expert_fmt if "moe" in cfg.mlp_kinds else None)
         dev = torch.device(device)
 

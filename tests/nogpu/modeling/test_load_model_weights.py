@@ -316,14 +316,31 @@ def tiny4(tmp_path_factory):
     return cfg, {"official": off, "modelopt": mo}
 
 
+@pytest.fixture(scope="module")
+def hf4(tmp_path_factory):
+    """The transformers Kimi-Linear with 4 KDA and 4 MLA heads (q_proj: 2 x 192 rows per rank at TP2)."""
+    pytest.importorskip("transformers")
+    out = {}
+    for case, q_lora in hf_tiny.CASES.items():
+        d = tmp_path_factory.mktemp(f"hf4_{case}")
+        hf_tiny.build(q_lora, 7, kda_heads=4, mla_heads=4).save_pretrained(d, max_shard_size="2MB")
+        out[f"hf-{case}"] = d
+    return out
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.value)
-@pytest.mark.parametrize("fmt", ["official", "modelopt"])
-def test_rank_loads_are_shard_weights_of_the_whole(tiny4, fmt, recipe):
+@pytest.mark.parametrize("fmt", ["official", "modelopt", "hf-q_lora", "hf-q_proj"])
+def test_rank_loads_are_shard_weights_of_the_whole(tiny4, hf4, fmt, recipe):
     """Each rank reads only its share, and gets bit for bit what model/shard.py's shard_weights
-    cuts from the whole model (the per-rank format K3Model(par=) runs), at TP2 and TP2 x EP2."""
+    cuts from the whole model (the per-rank format K3Model(par=) runs), at TP2 and TP2 x EP2:
+    the official MXFP4 and ModelOpt layouts of K3, and the plain Kimi-Linear (softplus gate, folded
+    low-rank gate, no MLA output gate; with q_a / q_b or a plain q_proj)."""
     from model.dist import Layout
     from model.shard import shard_weights
     cfg, folders = tiny4
+    folders = {**folders, **hf4}
+    if fmt.startswith("hf-"):
+        cfg = config_from_json(folders[fmt])
     full = load_model_weights(folders[fmt], cfg, recipe)
     for world, ep in ((2, 1), (2, 2)):
         for rank in range(world):
