@@ -366,7 +366,7 @@ def prepare_compile(model) -> None:
 
 def make_ops(tcfg, cfg) -> Ops:
     if tcfg.path == "reference":
-        return RefOps(tcfg.recipe)
+        return RefOps(tcfg.recipe, gate=cfg.kda_gate)
     shape = cfg.for_tp(tcfg.tp)
     return KernelOps(tcfg.target, tcfg.recipe, tcfg.ssm, tcfg.kv_layout(), shape.kda_heads, shape.mla_heads,
                      tcfg.max_drafts, gate=cfg.kernel_shape().gate, model=cfg, tp=tcfg.tp)
