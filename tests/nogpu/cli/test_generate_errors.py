@@ -118,7 +118,7 @@ def test_help_names_choices_and_defaults(cache):
                  "{auto,reference,kernel}", "{bf16,fp8,nvfp4}", "sm90", "k3gen cache clear"):
         assert text in " ".join(g.split()), text
     pm = run(cache, "plan-memory", "--help").stdout
-    for text in ("(default: 8)", "(default: 0.9)", "(default: 141.0)", "(0, 1]", "{mxfp4,nvfp4}"):
+    for text in ("(default: 8)", "(default: 0.9)", "(default: 141.0)", "(0, 1]", "{mxfp4,nvfp4,bf16}"):
         assert text in " ".join(pm.split()), text
 
 
