@@ -77,12 +77,18 @@ class KernelParam:
     shape: tuple                    # ints for static modes, symbol names (str) for dynamic ones
     stride: tuple                   # in elements; same convention
     fields: tuple[ParamField, ...]
+    # A TMA parameter: {"role": "desc", box, swizzle, ...} is a 128-byte CUtensorMap the launcher
+    # encodes for `tensor`; {"role": "coord"} is the TMA coordinate tensor's dynamic shape only.
+    tma: dict | None = None
 
     def to_json(self) -> dict:
-        return {"ordinal": self.ordinal, "offset": self.offset, "size": self.size,
-                "tensor": self.tensor, "dtype": self.dtype, "elem_bytes": self.elem_bytes,
-                "align": self.align, "shape": list(self.shape), "stride": list(self.stride),
-                "fields": [f.to_json() for f in self.fields]}
+        d = {"ordinal": self.ordinal, "offset": self.offset, "size": self.size,
+             "tensor": self.tensor, "dtype": self.dtype, "elem_bytes": self.elem_bytes,
+             "align": self.align, "shape": list(self.shape), "stride": list(self.stride),
+             "fields": [f.to_json() for f in self.fields]}
+        if self.tma is not None:
+            d["tma"] = dict(self.tma)
+        return d
 
 
 
@@ -215,7 +221,7 @@ def _assemble(spec, result: dict, log: str, seconds: float, repro: str) -> CuteA
     if result["kernels"] and entry not in result["kernels"]:
         fail(f"cubin kernel {entry!r} is not among the DSL's kernels {result['kernels']}")
 
-    params = layout_params(result["tensors"])
+    params = layout_params(result["tensors"], result.get("tma", ()))
     if len(params) != len(info.kparams):
         fail(f"cubin has {len(info.kparams)} kernel parameters, the tensor arguments make {len(params)}")
     for p in params:
@@ -239,8 +245,42 @@ def _assemble(spec, result: dict, log: str, seconds: float, repro: str) -> CuteA
                         ptx=ptx, compile_seconds=seconds, log=log)
 
 
-def layout_params(tensors: list[dict]) -> list[KernelParam]:
-    """C layout of the by-value tensor structs, one kernel parameter each, in argument order."""
+TMA_DESC_BYTES, TMA_DESC_ALIGN = 128, 64      # CUtensorMap, passed as a __grid_constant__ param
+
+
+def layout_params(tensors: list[dict], tma: list[dict] = ()) -> list[KernelParam]:
+    """C layout of the by-value tensor structs, one kernel parameter each, in argument order, then
+    the TMA parameters (`tma`, in order): a descriptor is one 128-byte, 64-aligned field; a
+    coordinate tensor carries only its dynamic shape entries (its "strides" are TMA bases)."""
+    params = _layout_tensors(tensors)
+    offset = params[-1].offset + params[-1].size if params else 0
+    by_name = {p.tensor: p for p in params}
+    for t in tma:
+        src = by_name[t["tensor"]]
+        if t["role"] == "desc":
+            offset = -(-offset // TMA_DESC_ALIGN) * TMA_DESC_ALIGN
+            fields = (ParamField(offset, TMA_DESC_BYTES, "tma", t["tensor"]),)
+            size = TMA_DESC_BYTES
+        else:
+            items = [(s["width"] // 8, s["mode"], s.get("symbol")) for s in t["dyn_shape"]]
+            if not items:
+                continue                           # a static coordinate tensor is no parameter
+            align = max(w for w, _, _ in items)
+            offset = -(-offset // align) * align
+            fields, pos = [], 0
+            for w, mode, symbol in items:
+                pos = -(-pos // w) * w
+                fields.append(ParamField(offset + pos, w, "shape", t["tensor"], mode, symbol))
+                pos += w
+            fields, size = tuple(fields), -(-pos // align) * align
+        params.append(KernelParam(len(params), offset, size, src.tensor, src.dtype, src.elem_bytes,
+                                  src.align, src.shape, src.stride, fields,
+                                  {k: v for k, v in t.items() if k not in ("tensor", "dyn_shape")}))
+        offset += size
+    return params
+
+
+def _layout_tensors(tensors: list[dict]) -> list[KernelParam]:
     params, offset = [], 0
     for ordinal, t in enumerate(tensors):
         items = [("ptr", 8, None, None)]
@@ -457,6 +497,8 @@ def _worker(spec_text: str, target_name: str, workdir: Path) -> int:
     result = {"cubin": str(workdir / "kernel.cubin"), "ptx": str(workdir / "kernel.ptx"),
               "kernels": list(compiled.kernel_info),
               "tensors": tensors,
+              # TMA parameters after the tensors (op modules that load by TMA describe them).
+              "tma": list(getattr(fn, "tma_params", lambda: [])()),
               # A kernel sized per spec reports its shared memory on the traced object.
               "dynamic_smem": int(getattr(fn, "smem_bytes", 0) or getattr(mod, "DYNAMIC_SMEM_BYTES", 0)),
               "driver_loaded": driver_loaded}
