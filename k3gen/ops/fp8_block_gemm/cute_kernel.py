@@ -7,11 +7,16 @@ this module is its "tcgen05" variant:
   side, so M = 1 pays for a 128 x bm MMA tile but streams W once (small M is bound by W bytes).
 - Warp roles (288 threads): warps 0-3 load, warp 4-7 are the epilogue (warp w reads TMEM lanes
   32 * (w % 4), so the four cover all 128 accumulator rows), warp 8 issues tcgen05.mma.
-- Loads are cp.async (16-byte LDGSTS) into the K-major 128B-swizzled UMMA layout, one 128-column
-  K block (= one scale block) per stage. The loaders wait for their own copies with a lag of
-  `stages - 2` blocks, fence the generic->async proxy and arrive on the stage's full barrier.
-  TMA would need a CUtensorMap per operand in the launch ABI, which k3gen's by-value
-  tensor-struct ABI (k3gen.pipeline.cute) does not carry yet.
+- "tcgen05" (sm_100a, frozen): loads are cp.async (16-byte LDGSTS) into the K-major
+  128B-swizzled UMMA layout, one 128-column K block (= one scale block) per stage. The loaders
+  wait for their own copies with a lag of `stages - 2` blocks, fence the generic->async proxy
+  and arrive on the stage's full barrier.
+- "tcgen05_tma" (sm_103a / sm_107a, `kernel_tma`): warp 0 loads both tiles of a stage by TMA
+  (one mbarrier with the stage's transaction bytes; boxes zero-fill past N, M and K), the UE8M0
+  scale tiles keep their loader-warp expansion on a second ring in step with the first. Split-K
+  as the wgmma kernel: gridDim.x CTAs of a cluster share a tile's K blocks (`k_range`), each
+  leaves its FP32 partial in its W ring and CTA r sums every split-th slice over ranks 0..split-1
+  in rank order through DSMEM (deterministic); split 1 stores from registers.
 - UE8M0 recipe: block-scaled MMA (kind::mxf8f6f4, one UE8M0 per 32 K). The loaders expand the
   scales into the stage's SF tiles in shared memory (a weight tile's scale repeats over its 128
   rows and 4 K groups, a token's over its 4 K groups); the MMA warp copies them to TMEM
@@ -38,11 +43,13 @@ import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as bs_layout
 from cutlass import Float32, Int32, Uint8, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from k3gen.ir.dtypes import ScaleRecipe
-from k3gen.ops.fp8_block_gemm.spec import BLOCK, TC_TILE_N, Fp8BlockGemmSpec
+from k3gen.ops.fp8_block_gemm.spec import BLOCK, TC_TILE_N, Fp8BlockGemmSpec, k_range
 
 SF_VEC = 32                 # K elements per UE8M0 scale of the block-scaled MMA
 LOAD_WARPS = (0, 1, 2, 3)
@@ -56,6 +63,19 @@ E8M0_ONE = 127
 # TMEM columns reserved for each SF tile: one tcgen05.cp.32x128b.warpx4 fills 4 columns
 # (128 bits per lane) per 128-column K block, on either MMA K (32 on sm_103a, 64 on sm_107a).
 SF_TMEM_COLS = 16
+
+
+@dsl_user_op
+def _ld_peer_f32(addr, rank, *, loc=None, ip=None):
+    """The FP32 at shared address `addr` of cluster CTA `rank` (the DSL's DSMEM pointers have no
+    plain load)."""
+    v = llvm.inline_asm(
+        Float32.mlir_type,
+        [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $1, $2;\n\t"
+        "ld.shared::cluster.f32 $0, [a];\n\t}",
+        "=f,r,r", has_side_effects=True, loc=loc, ip=ip)
+    return Float32(v)
 
 
 class Fp8BlockGemmKernel:
@@ -72,6 +92,24 @@ class Fp8BlockGemmKernel:
         self.lag = max(1, self.stages - 2)
         self.k_tail = self.k % BLOCK != 0
         self.smem_bytes = 0
+        # "tcgen05_tma" (sm_103a / sm_107a): operands by TMA, split-K over a cluster (spec.plan).
+        self.tma = spec.mma == "tcgen05_tma"
+
+    def tma_params(self) -> list[dict]:
+        """The kernel parameters after the five tensors (k3gen.pipeline.cute lays them out), in
+        order: W's tensor map, W's coordinate tensor (all static: no parameter), x's map, x's
+        coordinate tensor (M). The launcher encodes each map as CuTe's host code would: E4M3
+        bytes, innermost dimension first, 128B swizzle, zero fill out of bounds, the full box
+        even where M < bm (the stage's transaction count is the full box)."""
+        if not self.tma:
+            return []
+        m_dim = [{"mode": 0, "width": 32, "symbol": "M"}]
+        return [{"tensor": "w_codes", "role": "desc", "dims": ["K", "N"], "box": [BLOCK, TC_TILE_N],
+                 "swizzle": 128, "oob": "zero"},
+                {"tensor": "w_codes", "role": "coord", "dyn_shape": []},
+                {"tensor": "x_codes", "role": "desc", "dims": ["K", "M"], "box": [BLOCK, self.bm],
+                 "swizzle": 128, "oob": "zero"},
+                {"tensor": "x_codes", "role": "coord", "dyn_shape": m_dim}]
 
     # -- compile-time setup (needs the MLIR context: called while tracing) -------------------
     def _make_mma(self, n: int):
@@ -135,12 +173,41 @@ class Fp8BlockGemmKernel:
             sXs: cute.struct.Align[cute.struct.MemRange[Float32, xs_floats], 16]
             sWs: cute.struct.Align[cute.struct.MemRange[Float32, self.k_blocks], 16]
 
-        self.shared_storage = SharedStorage
-        self.smem_bytes = SharedStorage.size_in_bytes()
+        @cute.struct
+        class TmaStorage:
+            ab_full: cute.struct.MemRange[cutlass.Int64, stages]
+            ab_empty: cute.struct.MemRange[cutlass.Int64, stages]
+            sf_full: cute.struct.MemRange[cutlass.Int64, stages]
+            sf_empty: cute.struct.MemRange[cutlass.Int64, stages]
+            acc_full: cute.struct.MemRange[cutlass.Int64, acc_stages]
+            acc_empty: cute.struct.MemRange[cutlass.Int64, acc_stages]
+            tmem_holding: Int32
+            sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN,
+                                                       cute.cosize(self.a_layout.outer)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN,
+                                                       cute.cosize(self.b_layout.outer)], 1024]
+            sSFA: cute.struct.Align[cute.struct.MemRange[Uint8, sf_bytes], 128]
+            sSFB: cute.struct.Align[cute.struct.MemRange[Uint8, sf_bytes], 128]
+            sXs: cute.struct.Align[cute.struct.MemRange[Float32, xs_floats], 16]
+            sWs: cute.struct.Align[cute.struct.MemRange[Float32, self.k_blocks], 16]
+
+        self.shared_storage = TmaStorage if self.tma else SharedStorage
+        self.smem_bytes = self.shared_storage.size_in_bytes()
         m = mX.shape[0]
         grid = (1, (m + self.bm - 1) // self.bm, (self.n + TC_TILE_N - 1) // TC_TILE_N)
-        self.kernel(mX, mXs, mW, mWs, mOut).launch(
-            grid=grid, block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream)
+        if cutlass.const_expr(self.tma):
+            op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+            # One 128-column K block of 128 weight rows / bm token rows per box, into the stage's
+            # 128B-swizzled K-major tile (the layout the MMA descriptors read).
+            tma_w, gW = cpasync.make_tiled_tma_atom(
+                op, mW, cute.slice_(self.a_layout, (None, None, 0)), (TC_TILE_N, BLOCK))
+            tma_x, gX = cpasync.make_tiled_tma_atom(
+                op, mX, cute.slice_(self.b_layout, (None, None, 0)), (self.bm, BLOCK))
+            self.kernel_tma(mX, mXs, mW, mWs, mOut, tma_w, gW, tma_x, gX).launch(
+                grid=grid, block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream)
+        else:
+            self.kernel(mX, mXs, mW, mWs, mOut).launch(
+                grid=grid, block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream)
 
     # -- the kernel ---------------------------------------------------------------------------
     @cute.kernel
@@ -194,6 +261,131 @@ class Fp8BlockGemmKernel:
         if warp >= EPI_WARPS[0] and warp <= EPI_WARPS[-1]:
             self._epilogue(acc_pipe, tmem, epi_bar, storage, tCtAcc_fake, mXs, mWs, mOut,
                            tidx - 32 * EPI_WARPS[0], m, m0, n0, nb, kb_begin, n_kb)
+
+    # -- the TMA kernel (sm_103a / sm_107a): split-K over a cluster --------------------------------
+    @cute.kernel
+    def kernel_tma(self, mX: cute.Tensor, mXs: cute.Tensor, mW: cute.Tensor, mWs: cute.Tensor,
+                   mOut: cute.Tensor, tma_w: cute.CopyAtom, gW: cute.Tensor, tma_x: cute.CopyAtom,
+                   gX: cute.Tensor):
+        self._setup()
+        tiled_mma = self.tiled_mma
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, bz = cute.arch.block_idx()
+        split, _, _ = cute.arch.grid_dim()
+        m = mX.shape[0]
+        n0 = bz * TC_TILE_N
+        m0 = by * self.bm
+        nb = bz
+        # The wgmma kernel's split: rank r of `split` owns K blocks [r KB / split, (r + 1) KB / split).
+        kb_begin, n_kb = k_range(bx, split, self.k_blocks)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        one = cute.make_layout((1, 1, 1, 1))
+        ab_pipe = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_full.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            tx_count=(TC_TILE_N + self.bm) * BLOCK, cta_layout_vmnk=one, defer_sync=True)
+        sf_pipe = None
+        if cutlass.const_expr(self.ue8m0):
+            # The scale tiles are expanded by the four loader warps (a TMA box cannot repeat a
+            # scale over 128 rows), so they have their own ring, in step with the TMA one.
+            sf_pipe = pipeline.PipelineAsyncUmma.create(
+                barrier_storage=storage.sf_full.data_ptr(), num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(LOAD_WARPS)),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                cta_layout_vmnk=one, defer_sync=True)
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_full.data_ptr(), num_stages=self.acc_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(EPI_WARPS)),
+            cta_layout_vmnk=one, defer_sync=True)
+        tmem_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=32 * (len(EPI_WARPS) + 1))
+        epi_bar = pipeline.NamedBarrier(barrier_id=2, num_threads=32 * len(EPI_WARPS))
+        tmem = utils.TmemAllocator(storage.tmem_holding, barrier_for_retrieve=tmem_bar,
+                                   allocator_warp_id=EPI_WARPS[0], arch=self.arch[:6])
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        sA = storage.sA.get_tensor(self.a_layout.outer, swizzle=self.a_layout.inner)
+        sB = storage.sB.get_tensor(self.b_layout.outer, swizzle=self.b_layout.inner)
+        # After the last MMA the W ring is free: it holds this CTA's FP32 partial for the sum.
+        red = cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), dtype=Float32),
+                               cute.make_layout(TC_TILE_N * self.bm))
+        thr_mma = tiled_mma.get_slice(0)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stages))
+
+        if warp < len(LOAD_WARPS):
+            self._load_tma(ab_pipe, sf_pipe, storage, sA, sB, thr_mma, tma_w, gW, tma_x, gX, mXs, mWs,
+                           tidx, warp, m, m0, nb, by, kb_begin, n_kb)
+        if warp == MMA_WARP:
+            self._mma(tiled_mma, thr_mma, ab_pipe, acc_pipe, tmem, storage, sA, sB, tCtAcc_fake,
+                      n_kb, sf_pipe)
+        if warp >= EPI_WARPS[0] and warp <= EPI_WARPS[-1]:
+            self._epilogue(acc_pipe, tmem, epi_bar, storage, tCtAcc_fake, mXs, mWs, mOut,
+                           tidx - 32 * EPI_WARPS[0], m, m0, n0, nb, kb_begin, n_kb, split, red)
+        if split > 1:
+            # The wgmma kernel's combine: every partial is in its CTA's shared memory past the
+            # first cluster barrier; CTA r sums elements r T, r T + split T, ... over ranks 0..split-1
+            # in rank order (the same sum on every run) and the second barrier keeps each CTA's
+            # shared memory alive while peers read it.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            mt = cutlass.min(m - m0, self.bm)
+            for it in cutlass.range(bx * THREADS + tidx, mt * TC_TILE_N, split * THREADS, unroll=1):
+                mm = it // TC_TILE_N
+                r = it - mm * TC_TILE_N
+                if n0 + r < self.n:
+                    v = Float32(0.0)
+                    for q in cutlass.range(split, unroll=1):
+                        v = v + _ld_peer_f32((red.iterator + it).toint(), q)
+                    mOut[m0 + mm, n0 + r] = v.to(cutlass.BFloat16)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def _load_tma(self, ab_pipe, sf_pipe, storage, sA, sB, thr_mma, tma_w, gW, tma_x, gX, mXs, mWs,
+                  tid, warp, m, m0, nb, m_tile, kb_begin, n_kb):
+        # TMA zero-fills rows past N, tokens past M and columns past K (no E4M3 NaN from stale
+        # shared memory), and always counts the whole box: tx_count is the full stage.
+        tWs, tWg = cpasync.tma_partition(
+            tma_w, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+            cute.group_modes(cute.local_tile(gW, (TC_TILE_N, BLOCK), (None, None)), 0, 2))  # (TMA, NT, KB)
+        tXs, tXg = cpasync.tma_partition(
+            tma_x, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+            cute.group_modes(cute.local_tile(gX, (self.bm, BLOCK), (None, None)), 0, 2))    # (TMA, MT, KB)
+        if warp == LOAD_WARPS[0]:
+            cpasync.prefetch_descriptor(tma_w)
+            cpasync.prefetch_descriptor(tma_x)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for i in cutlass.range(n_kb, unroll=1):
+            kb = kb_begin + i
+            s = state.index
+            if warp == LOAD_WARPS[0]:
+                ab_pipe.producer_acquire(state)
+                bar = ab_pipe.producer_get_barrier(state)
+                cute.copy(tma_w, tWg[(None, nb, kb)], tWs[(None, s)], tma_bar_ptr=bar)
+                cute.copy(tma_x, tXg[(None, m_tile, kb)], tXs[(None, s)], tma_bar_ptr=bar)
+            if cutlass.const_expr(self.ue8m0):
+                sf_pipe.producer_acquire(state)
+                w_sf = Uint32(mWs[nb, kb]) * Uint32(0x01010101)
+                x_b = Uint32(E8M0_ONE)
+                tok = m0 + tid
+                if tok < m:
+                    x_b = Uint32(mXs[tok, kb])
+                off = s * self.sf_stage_bytes + self.sf_fill((tid, 0))
+                pa = cute.recast_ptr(storage.sSFA.data_ptr() + off, dtype=Uint32)
+                pb = cute.recast_ptr(storage.sSFB.data_ptr() + off, dtype=Uint32)
+                cute.make_tensor(pa, cute.make_layout(1))[0] = w_sf
+                cute.make_tensor(pb, cute.make_layout(1))[0] = x_b * Uint32(0x01010101)
+                cute.arch.fence_view_async_shared()
+                sf_pipe.producer_commit(state)
+            state.advance()
+        if warp == LOAD_WARPS[0]:
+            ab_pipe.producer_tail(state)
 
     # -- loaders: cp.async W/x tiles (+ UE8M0 scale tiles) into the stage ---------------------
     @cute.jit
@@ -271,7 +463,8 @@ class Fp8BlockGemmKernel:
 
     # -- MMA warp ------------------------------------------------------------------------------
     @cute.jit
-    def _mma(self, tiled_mma, thr_mma, ab_pipe, acc_pipe, tmem, storage, sA, sB, tCtAcc_fake, n_kb):
+    def _mma(self, tiled_mma, thr_mma, ab_pipe, acc_pipe, tmem, storage, sA, sB, tCtAcc_fake, n_kb,
+             sf_pipe=None):
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))   # (MMA, MMA_M, MMA_K, STAGE)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         tmem.wait_for_alloc()
@@ -298,6 +491,8 @@ class Fp8BlockGemmKernel:
             tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
             for _ in cutlass.range(n_kb, unroll=1):
                 ab_pipe.consumer_wait(ab_state)
+                if cutlass.const_expr(sf_pipe is not None):
+                    sf_pipe.consumer_wait(ab_state)    # same depth: the two rings move in step
                 s = ab_state.index
                 cute.copy(cp_a, sA_s2t[(None, None, None, None, s)], tA_s2t)
                 cute.copy(cp_b, sB_s2t[(None, None, None, None, s)], tB_s2t)
@@ -308,6 +503,8 @@ class Fp8BlockGemmKernel:
                               tCtAcc)
                     tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
                 ab_pipe.consumer_release(ab_state)
+                if cutlass.const_expr(sf_pipe is not None):
+                    sf_pipe.consumer_release(ab_state)
                 ab_state.advance()
             acc_pipe.producer_commit(acc_state)
             acc_state.advance()
@@ -340,7 +537,7 @@ class Fp8BlockGemmKernel:
     # -- epilogue warps: TMEM -> registers (-> FP32 promotion) -> BF16 out ------------------------
     @cute.jit
     def _epilogue(self, acc_pipe, tmem, epi_bar, storage, tCtAcc_fake, mXs, mWs, mOut, etid, m, m0,
-                  n0, nb, kb_begin, n_kb):
+                  n0, nb, kb_begin, n_kb, split=None, red=None):
         sXs = storage.sXs.get_tensor(cute.make_layout(self.bm * self.k_blocks if not self.ue8m0 else 4))
         sWs = storage.sWs.get_tensor(cute.make_layout(self.k_blocks))
         if cutlass.const_expr(not self.ue8m0):
@@ -398,20 +595,36 @@ class Fp8BlockGemmKernel:
                 acc_pipe.consumer_release(state)
                 state.advance()
 
+        if cutlass.const_expr(split is None):
+            self._store(acc, tTR_c, chunks, per, mOut, m, m0, n0)
+        else:
+            if split == 1:
+                self._store(acc, tTR_c, chunks, per, mOut, m, m0, n0)
+            else:
+                # This CTA's FP32 partial, token-major (red[token * 128 + row]), for the cluster sum.
+                for c in cutlass.range_constexpr(chunks):
+                    for e in cutlass.range_constexpr(per):
+                        row, col = tTR_c[(e, 0, 0, 0, c)]
+                        red[col * TC_TILE_N + row] = acc[e, c]
+
+        tmem.relinquish_alloc_permit()
+        epi_bar.arrive_and_wait()
+        tmem.free(acc_ptr)
+
+    @cute.jit
+    def _store(self, acc, tTR_c, chunks, per, mOut, m, m0, n0):
         for c in cutlass.range_constexpr(chunks):
             for e in cutlass.range_constexpr(per):
                 row, col = tTR_c[(e, 0, 0, 0, c)]
                 if n0 + row < self.n and m0 + col < m:
                     mOut[m0 + col, n0 + row] = acc[e, c].to(cutlass.BFloat16)
 
-        tmem.relinquish_alloc_permit()
-        epi_bar.arrive_and_wait()
-        tmem.free(acc_ptr)
-
 
 # A short, stable symbol instead of the DSL's mangled one (which spells out every argument type).
 Fp8BlockGemmKernel.kernel.set_name_prefix("k3gen_fp8_block_gemm", remove_cutlass_symbol=True,
                                           keep_mangled_name=False)
+Fp8BlockGemmKernel.kernel_tma.set_name_prefix("k3gen_fp8_block_gemm_tma", remove_cutlass_symbol=True,
+                                              keep_mangled_name=False)
 
 
 def compile_args(spec: Fp8BlockGemmSpec):

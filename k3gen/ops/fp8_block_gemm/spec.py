@@ -22,7 +22,12 @@ chosen one):
 "tcgen05" (CuTe DSL, ops/fp8_block_gemm/cute_kernel.py): a CTA owns TC_TILE_N = 128 weight rows
 (one scale block, the MMA's M side) and `bm` tokens (the MMA's N side, bm in TC_BM_CHOICES; the
 UE8M0 block-scaled MMA needs bm >= 64, the FP32 recipe's register promotion bm <= 64), a `stages`
-deep ring; 288 threads; grid = (1, ceil(M / bm), ceil(N / 128)), no clusters yet.
+deep ring; 288 threads; grid = (1, ceil(M / bm), ceil(N / 128)), no clusters (cp.async loads;
+sm_100a only). "tcgen05_tma" (sm_103a / sm_107a, same module): the same CTA tile loaded by TMA
+(kernel parameters after the five tensors: the W and x tensor maps and x's coordinate tensor,
+`Fp8BlockGemmKernel.tma_params`), and the wgmma kernel's cluster split-K: `plan` with the token
+tile fixed at bm, rank r owns `k_range(r, split, KB)`, partials summed through DSMEM in rank order;
+stages * 128 >= 4 bm (the partial reuses the W ring).
 
 "wgmma" (NVRTC, include/k3gen/gemm/fp8_wgmma.cuh): 12 warps (2 consumer warpgroups + 1 TMA
 producer warpgroup), a CTA owns BN90 = 128 weight rows and `nt` tokens, nt in NT_CHOICES chosen per
@@ -88,7 +93,19 @@ def choose_split90(n: int, k: int, m: int, sms: int, max_split: int = SPLIT90_MA
     1..8 on o_proj/kda_qkvg/q_b/o_proj-TP8 at M 1..128): a second, partial wave costs ~1.5x, and
     splits past 4 lose to the rank-ordered DSMEM reduction (split 7: 37.6 us vs split 2: 26.9 us
     on o_proj TP1 at M = 1)."""
-    tiles = cdiv(n, BN90) * max(1, cdiv(m, nt_for(max(m, 1))))
+    nt = nt_for(max(m, 1))
+    return choose_split_tiles(k, cdiv(n, BN90) * max(1, cdiv(m, nt)), nt, sms, max_split)
+
+
+def k_range(rank, split, kb):
+    """K blocks [kb0, kb0 + nk) of split rank `rank`: the wgmma kernel's `rank * KB / split`, also
+    traced by the tcgen05 TMA kernel (ints or DSL Int32 alike)."""
+    kb0 = rank * kb // split
+    return kb0, (rank + 1) * kb // split - kb0
+
+
+def choose_split_tiles(k: int, tiles: int, nt: int, sms: int, max_split: int = SPLIT90_MAX) -> int:
+    """choose_split90 given the output tile count and token tile (shared by both cluster kernels)."""
     split = max(1, min(max_split, cdiv(k, BLOCK), sms // tiles))
     # Short K (<= 16 blocks): the split-K reduction is amortized over few blocks per CTA. H200
     # sweeps 2026-11-30 (PDL on): o_proj TP8 (56 tiles, 12 blocks) runs fastest unsplit at every M
@@ -97,7 +114,7 @@ def choose_split90(n: int, k: int, m: int, sms: int, max_split: int = SPLIT90_MA
     if cdiv(k, BLOCK) <= 16:
         if tiles >= 48:
             return 1
-        if nt_for(max(m, 1)) >= 32:
+        if nt >= 32:
             return min(split, 2)
     return split
 
@@ -175,6 +192,9 @@ class Fp8BlockGemmSpec(OpSpec):
                             if (b >= 64 if self.recipe is ScaleRecipe.UE8M0 else b <= 64))
             if self.bm not in allowed:
                 raise SpecError("bm", self.bm, allowed, f"tcgen05 MMA N, {self.recipe.value} recipe")
+            if self.mma == "tcgen05_tma" and self.stages * BLOCK < 4 * self.bm:
+                raise SpecError("stages", self.stages, f">= {4 * self.bm // BLOCK}",
+                                f"the split-K partial (128 x bm FP32) reuses the W ring (bm {self.bm})")
         elif self.bm not in BM_CHOICES:
             raise SpecError("bm", self.bm, BM_CHOICES, "the wgmma kernel picks its token tile per launch")
         if self.stages not in STAGE_CHOICES:
@@ -204,7 +224,7 @@ class Fp8BlockGemmSpec(OpSpec):
 
     @property
     def mma(self) -> str:
-        """The chosen variant: "tcgen05" (CuTe DSL) or "wgmma" (NVRTC)."""
+        """The chosen variant: "tcgen05_tma" / "tcgen05" (CuTe DSL) or "wgmma" (NVRTC)."""
         return self.impl.name
 
     @property
@@ -249,12 +269,28 @@ class Fp8BlockGemmSpec(OpSpec):
         ring depth stages_nt(nt))."""
         if not isinstance(pf, int) or isinstance(pf, bool) or not 0 <= pf <= PF_MAX:
             raise SpecError("pf", pf, f"0..{PF_MAX}", "L2 prefetch distance in K blocks")
+        if self.mma == "tcgen05_tma":
+            return self._plan_tma(m, sms, split, ctas, pf)
         nt = nt_for(m)
         if split is None and ctas:
             ctas = min(ctas, work_items(self.n, self.k, m))
             return Plan(nt, 1, (ctas, 1, 1), self.smem_bytes_nt(nt), ctas, pf)
         split = split or choose_split90(self.n, self.k, m, sms)
         return Plan(nt, split, (split, cdiv(m, nt), cdiv(self.n, BN90)), self.smem_bytes_nt(nt), 0, pf)
+
+    def _plan_tma(self, m: int, sms: int, split: int | None, ctas: int | None, pf: int) -> Plan:
+        """The wgmma cluster plan with the token tile fixed at bm: grid (split, ceil(M / bm),
+        ceil(N / 128)), clusters (split, 1, 1) when split > 1. smem is the artifact's (CuTe sizes
+        it while tracing), so 0 here."""
+        if ctas:
+            raise SpecError("ctas", ctas, [0], "the tcgen05 TMA kernel has the cluster split only")
+        if pf:
+            raise SpecError("pf", pf, [0], "no L2 prefetch in the tcgen05 TMA kernel")
+        tiles = cdiv(self.n, TC_TILE_N) * max(1, cdiv(m, self.bm))
+        split = split or choose_split_tiles(self.k, tiles, self.bm, sms)
+        if not isinstance(split, int) or isinstance(split, bool) or not 1 <= split <= min(MAX_SPLIT, self.k_blocks):
+            raise SpecError("split", split, f"1..{min(MAX_SPLIT, self.k_blocks)}", "cluster size <= K blocks")
+        return Plan(self.bm, split, (split, cdiv(m, self.bm), cdiv(self.n, TC_TILE_N)), 0)
 
     @staticmethod
     def workspace_floats(max_ctas: int) -> int:

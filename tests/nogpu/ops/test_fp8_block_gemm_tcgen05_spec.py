@@ -2,7 +2,8 @@
 kernel there and only there, and the cubins built through the normal pipeline (k3gen.pipeline.build) are
 for the right arch, spill nothing, and are made of tcgen05 instructions: UTCQMMA fed from shared
 memory descriptors, block-scaled (scale factors copied to TMEM with UTCCP) for UE8M0, plain
-kind::f8f6f4 for FP32; cp.async loads, TMEM loads in the epilogue, no mma.sync."""
+kind::f8f6f4 for FP32; operands by TMA (UTMALDG, the "tcgen05_tma" variant: no cp.async left),
+TMEM loads in the epilogue, no mma.sync."""
 from __future__ import annotations
 
 import re
@@ -69,9 +70,19 @@ def test_tcgen05_cubin(built, name, recipe, n, k, bm):
     assert r.meta["arch"] == TC[name]
     abi = r.meta["params"]
     assert abi["block"] == [TC_THREADS, 1, 1]
-    assert [p["tensor"] for p in abi["params"]] == ["x_codes", "x_scales", "w_codes", "w_scales", "out"]
+    assert spec.mma == "tcgen05_tma"
+    names = ["x_codes", "x_scales", "w_codes", "w_scales", "out"]
+    assert [p["tensor"] for p in abi["params"]] == names + ["w_codes", "x_codes", "x_codes"]
+    # After the tensors: W's and x's tensor maps (128 bytes, 64-aligned, by value) and x's TMA
+    # coordinate tensor, whose one field is M.
+    w_map, x_map, x_crd = abi["params"][5:]
+    for p, box in ((w_map, [128, 128]), (x_map, [128, bm])):
+        assert p["size"] == 128 and p["offset"] % 64 == 0 and p["tma"]["box"] == box, p
+        assert [f["kind"] for f in p["fields"]] == ["tma"] and p["tma"]["swizzle"] == 128
+    assert x_crd["tma"] == {"role": "coord"}
+    assert [(f["kind"], f["symbol"], f["size"]) for f in x_crd["fields"]] == [("shape", "M", 4)]
     # M is the only runtime value: one 32-bit field in x_codes, x_scales and out, none in the weights.
-    for p in abi["params"]:
+    for p in abi["params"][:5]:
         dyn = [f for f in p["fields"] if f["kind"] != "ptr"]
         if p["tensor"].startswith("w_"):
             assert not dyn, p
@@ -93,9 +104,9 @@ def test_tcgen05_cubin(built, name, recipe, n, k, bm):
     else:
         assert all(mma.count("tmem[") == 2 for mma in mmas), mmas   # one fewer: no scale factors
         assert sass.get("UTCCP", 0) == 0, sass
-    tiles = 128 + bm                             # W rows + token rows per 128-column stage
-    assert sass.get("LDGSTS", 0) == tiles * 8 // 128, sass
-    assert "LDGSTS.E.BYPASS.128" in text
+    # One TMA box per operand per stage (issued by one warp), nothing by cp.async.
+    assert sass.get("UTMALDG", 0) == 2 and sass.get("LDGSTS", 0) == 0, sass
+    assert len(re.findall(r"UTMALDG\.2D", text)) == 2, re.findall(r"UTMALDG\S*", text)
     assert sass.get("LDTM", 0) >= bm // 32, sass
     assert sass.get("UTCBAR", 0) >= 2, sass       # tcgen05.commit to the empty and full barriers
     ptx = built_ptx(r)

@@ -233,7 +233,7 @@ def test_variants_by_target():
     assert s.mma == "wgmma" and s.lowering == "nvrtc" and s.threads == THREADS90
     assert '#include "k3gen/gemm/fp8_wgmma.cuh"' in lower(s).source
     for t in ("sm103-nvfp4", "sm107-nvfp4"):
-        assert Fp8BlockGemmSpec(target=TARGETS[t], n=256, k=256).mma == "tcgen05"
+        assert Fp8BlockGemmSpec(target=TARGETS[t], n=256, k=256).mma == "tcgen05_tma"
 
 
 def test_streaming_plan_is_opt_in():

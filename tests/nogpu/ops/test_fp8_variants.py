@@ -68,11 +68,11 @@ def test_every_variant_says_why_it_cannot(op):
 
 def test_fp8_block_gemm_variants_exclude_each_other():
     table = Fp8BlockGemmSpec.variants
-    assert table.names() == ("tcgen05", "wgmma")
+    assert table.names() == ("tcgen05_tma", "tcgen05", "wgmma")
     on90 = table.reasons(SPECS["fp8_block_gemm"])
-    assert on90["wgmma"] is None and "tcgen05" in on90["tcgen05"]
+    assert on90["wgmma"] is None and "tcgen05" in on90["tcgen05"] and "tcgen05" in on90["tcgen05_tma"]
     on103 = table.reasons(_moved(SPECS["fp8_block_gemm"], SM103))
-    assert on103["tcgen05"] is None and "wgmma" in on103["wgmma"]
+    assert on103["tcgen05_tma"] is None and on103["tcgen05"] is None and "wgmma" in on103["wgmma"]
     assert "TMA" in table.get("wgmma").can_implement(_moved(SPECS["fp8_block_gemm"], NO_TMA))
 
 
@@ -88,7 +88,7 @@ def test_construction_rejects_a_target_no_variant_fits(op):
 
 
 def test_mla_q_absorb_builds_on_the_targets_gemm():
-    for t, mma, lowering in ((SM90, "wgmma", "nvrtc"), (SM103, "tcgen05", "cute")):
+    for t, mma, lowering in ((SM90, "wgmma", "nvrtc"), (SM103, "tcgen05_tma", "cute")):
         s = MlaQAbsorbSpec(target=t, heads=12)
         g = s.gemm_spec
         assert (g.mma, g.lowering, g.n, g.k, g.recipe) == (mma, lowering, 12 * 192, 1536, s.recipe)
@@ -115,7 +115,7 @@ def test_auto_picks_what_the_committed_trees_record():
         if k["file"]:
             assert k["file"] == spec.file_stem + ".cu"
         if spec.op == "fp8_block_gemm":
-            assert spec.mma == {"cute": "tcgen05", "nvrtc": "wgmma"}[k["lowering"]]
+            assert spec.mma in {"cute": ("tcgen05", "tcgen05_tma"), "nvrtc": ("wgmma",)}[k["lowering"]]
         seen.add((target.name, spec.op))
     assert {op for _, op in seen} == set(OPS)
     assert {t for t, _ in seen} == {t.name for t in TARGETS.values()}
