@@ -125,8 +125,12 @@ def cute_source(spec) -> str:
     path = cute_module_path(spec.op)
     if not path.exists():
         raise CompileError(f"op {spec.op!r} has lowering 'cute' but no module {path}")
+    # Helper modules next to it (cute_*.py) are part of the kernel: hashed with it, so editing one
+    # invalidates the cached cubins.
+    parts = sorted(p for p in path.parent.glob("cute_*.py") if p != path)
     return (f"# k3gen CuTe DSL kernel {spec.file_stem} for {spec.target.arch}\n"
-            f"# spec: {spec.canonical()}\n" + path.read_text())
+            f"# spec: {spec.canonical()}\n" + path.read_text()
+            + "".join(f"\n# --- {p.name}\n" + p.read_text() for p in parts))
 
 
 def cute_flags(spec) -> list[str]:

@@ -1,33 +1,7 @@
-"""fp8_block_gemm for sm_103a / sm_107a in CuTe DSL: tcgen05.mma with the accumulator in TMEM.
-
-The contract (layouts, scales, edges, M = 1) is stated once in `k3gen/ops/fp8_block_gemm/spec.py`;
-this module is its "tcgen05" variant:
-
-- Swap-AB: the 128 weight rows of an N tile are the MMA's M side, the CTA's `bm` tokens its N
-  side, so M = 1 pays for a 128 x bm MMA tile but streams W once (small M is bound by W bytes).
-- Warp roles (288 threads): warps 0-3 load, warp 4-7 are the epilogue (warp w reads TMEM lanes
-  32 * (w % 4), so the four cover all 128 accumulator rows), warp 8 issues tcgen05.mma.
-- "tcgen05" (sm_100a, frozen): loads are cp.async (16-byte LDGSTS) into the K-major
-  128B-swizzled UMMA layout, one 128-column K block (= one scale block) per stage. The loaders
-  wait for their own copies with a lag of `stages - 2` blocks, fence the generic->async proxy
-  and arrive on the stage's full barrier.
-- "tcgen05_tma" (sm_103a / sm_107a, `kernel_tma`): warp 0 loads both tiles of a stage by TMA
-  (one mbarrier with the stage's transaction bytes; boxes zero-fill past N, M and K), the UE8M0
-  scale tiles keep their loader-warp expansion on a second ring in step with the first. Split-K
-  as the wgmma kernel: gridDim.x CTAs of a cluster share a tile's K blocks (`k_range`), each
-  leaves its FP32 partial in its W ring and CTA r sums every split-th slice over ranks 0..split-1
-  in rank order through DSMEM (deterministic); split 1 stores from registers.
-- UE8M0 recipe: block-scaled MMA (kind::mxf8f6f4, one UE8M0 per 32 K). The loaders expand the
-  scales into the stage's SF tiles in shared memory (a weight tile's scale repeats over its 128
-  rows and 4 K groups, a token's over its 4 K groups); the MMA warp copies them to TMEM
-  (tcgen05.cp) and the product of both scales is applied inside the MMA, so the accumulator is
-  the whole result and the epilogue only converts it.
-- FP32 recipe: plain kind::f8f6f4 MMA per K block into one of two TMEM accumulators; the
-  epilogue promotes each block with w_scale * x_scale into FP32 registers (DeepGEMM-style) while
-  the MMA fills the other accumulator.
-- Edges: rows past N or tokens past M are loaded from nowhere (their results are never stored);
-  columns past K in the last block are zero in both operands (stale shared memory could hold
-  E4M3 NaN codes, and 0 * NaN is NaN).
+"""fp8_block_gemm for sm_100a / sm_103a / sm_107a in CuTe DSL: tcgen05.mma with the accumulator in
+TMEM. The contract is `spec.py`'s; the design (swap-AB, warp roles, the cp.async "tcgen05" and the TMA
+"tcgen05_tma" loads, split-K through DSMEM, the UE8M0 and FP32 recipes, edges) is in TCGEN05.md.
+Constants and the DSMEM load helper live in cute_parts.py (hashed with this module).
 
 Importing this module imports cutlass; only the compile worker (k3gen.pipeline.cute) does.
 """
@@ -43,39 +17,13 @@ import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as bs_layout
 from cutlass import Float32, Int32, Uint8, Uint32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ops.fp8_block_gemm.spec import BLOCK, TC_TILE_N, Fp8BlockGemmSpec, k_range
-
-SF_VEC = 32                 # K elements per UE8M0 scale of the block-scaled MMA
-LOAD_WARPS = (0, 1, 2, 3)
-EPI_WARPS = (4, 5, 6, 7)
-MMA_WARP = 8
-THREADS = 32 * (len(LOAD_WARPS) + len(EPI_WARPS) + 1)
-TMEM_COLS = 256
-EPI_COLS = 32               # accumulator columns per tcgen05.ld (32 lanes x 32 bits x 32)
-ROW_CHUNKS = 8              # 16-byte chunks per 128-byte K row
-E8M0_ONE = 127
-# TMEM columns reserved for each SF tile: one tcgen05.cp.32x128b.warpx4 fills 4 columns
-# (128 bits per lane) per 128-column K block, on either MMA K (32 on sm_103a, 64 on sm_107a).
-SF_TMEM_COLS = 16
-
-
-@dsl_user_op
-def _ld_peer_f32(addr, rank, *, loc=None, ip=None):
-    """The FP32 at shared address `addr` of cluster CTA `rank` (the DSL's DSMEM pointers have no
-    plain load)."""
-    v = llvm.inline_asm(
-        Float32.mlir_type,
-        [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $1, $2;\n\t"
-        "ld.shared::cluster.f32 $0, [a];\n\t}",
-        "=f,r,r", has_side_effects=True, loc=loc, ip=ip)
-    return Float32(v)
+from k3gen.ops.fp8_block_gemm.cute_parts import (E8M0_ONE, EPI_COLS, EPI_WARPS, LOAD_WARPS, MMA_WARP, ROW_CHUNKS,
+                                                 SF_TMEM_COLS, SF_VEC, THREADS, TMEM_COLS, _ld_peer_f32)
 
 
 class Fp8BlockGemmKernel:
