@@ -178,3 +178,35 @@ def ngram_hits(seed: list[int], out: list[int], drafts: int, start: int = 24) ->
         while d and d[0] == out[k]:
             n, d, k = n + 1, d[1:], k + 1
     return n
+
+
+class CountingShard:
+    """A safetensors handle (safe_open's subset the readers use: keys, get_slice(name)[idx],
+    get_tensor, the context manager) whose every tensor read passes through `on_tensor` (which
+    returns it), and `on_close()` when it closes: how the streaming tests count host bytes."""
+
+    def __init__(self, path, framework, on_tensor, on_close=lambda: None):
+        from safetensors import safe_open
+        self._f, self._on_tensor, self._on_close = safe_open(path, framework=framework), on_tensor, on_close
+
+    def keys(self):
+        return self._f.keys()
+
+    def get_tensor(self, name):
+        return self._on_tensor(self._f.get_tensor(name))
+
+    def get_slice(self, name):
+        s, on_tensor = self._f.get_slice(name), self._on_tensor
+
+        class _Slice:
+            get_shape, get_dtype = s.get_shape, s.get_dtype
+
+            def __getitem__(self, idx):
+                return on_tensor(s[idx])
+        return _Slice()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self._on_close()

@@ -19,6 +19,7 @@ from model.checkpoint import INDEX, PREFIX, BadValueError, MissingTensorError, T
 from model.config import get_config
 from model.formats import ct_mxfp4 as C
 from model.weights import Fp8Linear
+from helpers import CountingShard
 
 CFG = get_config("tiny")
 SHARDS = 5
@@ -219,34 +220,12 @@ class _Live:
         self.live -= nb
 
     def opener(self, path, framework):
-        live, f = self, safe_open(path, framework=framework)
-        live.open += 1
-        live.max_open = max(live.max_open, live.open)
+        self.open += 1
+        self.max_open = max(self.max_open, self.open)
+        return CountingShard(path, framework, self.add, self._closed)
 
-        class _Slice:
-            def __init__(self, s):
-                self._s = s
-
-            def get_shape(self):
-                return self._s.get_shape()
-
-            def get_dtype(self):
-                return self._s.get_dtype()
-
-            def __getitem__(self, idx):
-                return live.add(self._s[idx])
-
-        class _File:
-            def keys(self):
-                return f.keys()
-
-            def get_slice(self, name):
-                return _Slice(f.get_slice(name))
-
-            def __exit__(self, *a):
-                live.open -= 1
-
-        return _File()
+    def _closed(self):
+        self.open -= 1
 
 
 def test_streaming_peak_memory(ckpt):

@@ -38,6 +38,7 @@ from model.formats import ct_mxfp4 as C
 from model.formats.ct_mxfp4 import layer_of
 from model.formats.detect import load_model_weights
 from model.reference import canonical_shapes
+from helpers import CountingShard
 
 CHUNK = 1 << 15
 
@@ -91,35 +92,7 @@ class HostBytes(TorchDispatchMode):
         return out
 
     def opener(self, path, framework):
-        f, hb = safe_open(path, framework=framework), self
-
-        class Slice:
-            def __init__(self, s):
-                self._s = s
-
-            def get_shape(self):
-                return self._s.get_shape()
-
-            def get_dtype(self):
-                return self._s.get_dtype()
-
-            def __getitem__(self, idx):
-                return hb.add(self._s[idx])
-
-        class File:
-            def keys(self):
-                return f.keys()
-
-            def get_slice(self, name):
-                return Slice(f.get_slice(name))
-
-            def get_tensor(self, name):
-                return hb.add(f.get_tensor(name))
-
-            def __exit__(self, *a):
-                pass
-
-        return File()
+        return CountingShard(path, framework, self.add)
 
 
 def _write_plain(cfg, folder):
