@@ -65,7 +65,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg) -> tuple[torch.Tensor, 
         for j in range(1, w.shape[1]):
             total = total + w[:, j]
         w = w / (total + 1e-20)[:, None]
-    return ids, w * torch.tensor(cfg.routed_scale, dtype=torch.float32, device=w.device)
+    # A Python scalar, not a new tensor: building one copies host to device, which CUDA graph
+    # capture forbids. The scalar is rounded to FP32 as the op's math type, so the product is the same.
+    return ids, w * float(cfg.routed_scale)
 
 
 def sigmoid_scores(logits: torch.Tensor) -> torch.Tensor:
