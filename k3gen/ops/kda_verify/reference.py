@@ -1,5 +1,8 @@
 """PyTorch reference of kda_verify (contract: the docstring of k3gen/ops/kda_verify/spec.py), built
-on the decode token loop, plus the host-side `commit` that is the only thing sampling changes."""
+on the decode token loop, plus the host-side `commit` that is the only thing sampling changes.
+
+Token t runs kda_decode's step (kda_step) on the state token t - 1 left, rounded to the SSM
+storage dtype as kda_decode stores and reloads it: verify + commit == serial decode, bit for bit."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +10,11 @@ import torch
 from k3gen.ir.dtypes import GateKind
 from k3gen.ir.layouts import KDA_DK
 from k3gen.ops.kda_decode.reference import KdaWeights, kda_token_loop, live_rows, zeroed_out
+
+
+def storage_round(ssm_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype the per-token state is rounded to (None: FP32 storage, no rounding)."""
+    return None if ssm_dtype == torch.float32 else ssm_dtype
 
 
 def start_of(ssm, draft_rec, conv_ext, pending, idx):
@@ -33,8 +41,11 @@ def kda_verify(qkvg, fa, beta_logit, ssm, draft_rec, conv_ext, pending, slots, w
         return out
     q3 = qkvg.reshape(B, T, -1)[live]
     state, window = start_of(ssm, draft_rec, conv_ext, pending, idx)
+    # Plain decoding stores the state in the SSM dtype after every token and the next token reloads
+    # it: verify rounds the same way after every token (a no-op for FP32), so the records hold the
+    # BF16-rounded states exactly and an accepted path is bit for bit the serial one (SPEC.md s. 3).
     o, _, _, states = kda_token_loop(q3, fa.reshape(B, T, -1)[live], beta_logit.reshape(B, T, -1)[live], state,
-                                     window, w, gate=gate, return_states=True)
+                                     window, w, gate=gate, return_states=True, state_round=storage_round(ssm.dtype))
     ssm[idx] = states[:, 0].to(ssm.dtype)
     draft_rec[idx] = states[:, 1:].to(draft_rec.dtype)
     raw = q3[..., :3 * D].float().transpose(1, 2)                        # [n, 3D, T]
