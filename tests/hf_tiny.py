@@ -54,6 +54,35 @@ def random_like(name: str, shape, g):
     return torch.randn(shape, generator=g) * shape[-1] ** -0.5
 
 
+def torch_path_transformers():
+    """transformers with Kimi-Linear's modeling bound to its own torch KDA path. The modeling module
+    binds FLA's chunk_kda / fused_recurrent_kda when `fla` imports when it is first imported
+    (hub_kernels.use_kernel_func_from_hub_with_fallback); FLA's Triton kernels reject the CPU
+    tensors the oracle runs on, and the oracle is transformers' own formulas, not another kernel.
+    So `fla` is hidden while that module is imported and restored afterwards."""
+    import importlib
+    import sys
+    import transformers
+    name = "transformers.models.kimi_linear.modeling_kimi_linear"
+    if name not in sys.modules:
+        saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.")}
+        for k in saved:
+            del sys.modules[k]
+        sys.modules["fla"] = None          # import fla raises ImportError: the torch fallback is bound
+        try:
+            importlib.import_module(name)
+        finally:
+            del sys.modules["fla"]
+            sys.modules.update(saved)
+    mod = sys.modules[name]
+    for fn in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"):
+        cells = getattr(getattr(mod, fn, None), "__closure__", None) or ()
+        bound = [c.cell_contents for c in cells if callable(c.cell_contents)]
+        if any((getattr(f, "__module__", "") or "").split(".")[0] == "fla" for f in bound):
+            raise RuntimeError(f"{name}.{fn} is bound to FLA (the module was imported before hf_tiny hid it)")
+    return transformers
+
+
 def build(q_lora, seed: int, stable_routing: bool = False, **heads):
     """The FP32 transformers model with random weights. stable_routing: correction biases spaced
     by 2 (> the sigmoid scores' whole range), so every token picks the same experts by bias and
@@ -62,7 +91,7 @@ def build(q_lora, seed: int, stable_routing: bool = False, **heads):
     logits by O(1)); the exact FP32 oracle keeps the data-dependent routing. heads: kda_heads /
     mla_heads (2 each by default)."""
     import torch
-    import transformers
+    transformers = torch_path_transformers()
     torch.manual_seed(seed)
     m = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**kwargs(q_lora, **heads))).float().eval()
     g = torch.Generator().manual_seed(seed + 1)

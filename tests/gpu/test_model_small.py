@@ -118,7 +118,14 @@ def test_groups_with_graphs_deterministic_and_equal_to_eager(kv, ssm):
 # path-to-path difference is rounding noise that the random model's discrete choices (router
 # top-k, FP8/FP4 code flips) amplify, so the top-1 and KL floors are this model's measured values
 # with a margin of a few tokens in 256, not the floors of the pre-AttnRes model (0.99 / 0.97).
-TOP1_FLOOR = {"bf16": 0.95, "nvfp4": 0.94}
+# With the short-cycle LM head (model/checkpoint.py) the same run measured top-1 0.941 (BF16 KV):
+# a floor on top-1 is a fact about the random model's margins, not about the kernels. What does hold
+# for any model is that a top-1 flip is explained by the logits' measured error: a row whose
+# reference top-2 margin exceeds FLIP_SIGMAS x its own RMS logit error cannot flip but through an
+# error concentrated on its two top logits (for errors spread like the rest of the row, a > 4 sigma
+# event per row). Every flip must be at such a near-tie; the floor stays as a coarse guard.
+TOP1_FLOOR = {"bf16": 0.90, "nvfp4": 0.90}
+FLIP_SIGMAS = 6.0
 KL_CEILING = {"bf16": 0.05, "nvfp4": 0.06}
 TF_REL_RMS = {"bf16": 0.15, "nvfp4": 0.15}
 
@@ -151,6 +158,15 @@ def test_teacher_forced_logits_vs_reference(kv, ssm):
                                     reduction="batchmean").item()
     print(f"\n[{kv} KV, {ssm} SSM] teacher-forced top-1 agreement {top1:.4f}, mean KL {kl:.3e}, rel RMS "
           f"{rel_rms(got, want):.3e} over {len(got)} tokens")
+    top2 = want.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    row_err = (got - want).pow(2).mean(-1).sqrt()
+    flips = got.argmax(-1) != want.argmax(-1)
+    ratio = margin[flips] / row_err[flips]
+    print(f"[{kv} KV, {ssm} SSM] {int(flips.sum())} flips at margin / row RMS error "
+          f"{[round(x, 2) for x in ratio.tolist()]}; median row margin / error "
+          f"{(margin / row_err).median().item():.1f}")
+    assert (ratio <= FLIP_SIGMAS).all(), "a top-1 flip where the reference margin is no near-tie"
     assert top1 >= TOP1_FLOOR[kv]
     assert kl < KL_CEILING[kv]
     _check_teacher_forced(kv, got, want)
