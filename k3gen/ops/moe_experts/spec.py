@@ -103,16 +103,22 @@ class GemmPlan:
         return 32 * self.wm * self.wk
 
     @property
+    def min_blocks(self) -> int:
+        """__launch_bounds__ minimum CTAs per SM: 16 warps' worth, i.e. <= 128 registers a thread (ptxas
+        left alone took 252 for the FP8 gate_up: one 8-warp CTA per SM, too few loads in flight)."""
+        return max(1, 512 // self.threads)
+
+    @property
     def grid_x(self) -> int:
         return self.mtiles // self.wm
 
 
-def gemm_plan(rows: int, k: int) -> GemmPlan:
+def gemm_plan(rows: int, k: int, max_kc: int = MAX_KC) -> GemmPlan:
     """Fewest K-split warps that keep <= MAX_KC chunks per warp (every weight byte of a warp is
     loaded before the first MMA: the bytes in flight per SM are what a memory-bound decode needs),
     then as many m-tiles per CTA as divide the expert's and fit 8 warps."""
     chunks = cdiv(k, CHUNK)
-    wk = cdiv(chunks, MAX_KC)
+    wk = cdiv(chunks, max_kc)
     kc = cdiv(chunks, wk)
     mtiles = rows // 16
     wm = next(w for w in (4, 2, 1) if w * wk <= MAX_WARPS and mtiles % w == 0)

@@ -136,13 +136,37 @@ __device__ __forceinline__ u32 load_scales(const u8* srow, int kseg) {
   return __ldg(reinterpret_cast<const unsigned short*>(srow + kseg / 16));
 }
 
-__device__ __forceinline__ float situ(float g, float u, float beta, float lbeta) {
-  const float sg = __fdiv_rn(1.f, 1.f + expf(-g));
-  return beta * tanhf(__fdiv_rn(g, beta)) * sg * (lbeta * tanhf(__fdiv_rn(u, lbeta)));
+// The 8 k-steps of one chunk: decode word j of both rows (values 8j..8j+7), two MMAs per word.
+// B: 16 bf16x2 words (value pairs), or with kFp8 8 words of raw E4M3 codes (4 values each).
+template <bool kFp8>
+__device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& a0, const uint4& a1, u32 lo0, u32 hi0,
+                                          u32 lo1, u32 hi1, const u32 (&B)[16], u32 z) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 b[4];
+    if (kFp8) {
+      e4m3x4_to_bf16(B[2 * j], b[0], b[1]);
+      e4m3x4_to_bf16(B[2 * j + 1], b[2], b[3]);
+    } else {
+      b[0] = B[4 * j]; b[1] = B[4 * j + 1]; b[2] = B[4 * j + 2]; b[3] = B[4 * j + 3];
+    }
+    u32 q0[4], q1[4];
+    decode_word(word(a0, j) ^ z, j < 2 ? lo0 : hi0, q0);
+    decode_word(word(a1, j) ^ z, j < 2 ? lo1 : hi1, q1);
+    mma_bf16(d, q0[0], q1[0], q0[1], q1[1], b[0], b[1]);
+    mma_bf16(d, q0[2], q1[2], q0[3], q1[3], b[2], b[3]);
+  }
 }
 
-__device__ __forceinline__ float silu_glu(float g, float u) {
-  return __fdiv_rn(g, 1.f + expf(-g)) * u;
+// The gated activations in FP32 (the reference's formulas; ulp-level differences from torch's tanh /
+// sigmoid). sigmoid(g) = (1 + tanh(g / 2)) / 2: no division, whose slow-path subroutine calls
+// cost the FP8 kernel a stack frame and spills.
+template <class C>
+__device__ __forceinline__ float glu_act(float g, float u) {
+  const float sg = fmaf(0.5f, tanhf(0.5f * g), 0.5f);
+  if (!C::kSitu) return g * sg * u;
+  constexpr float kInvBeta = 1.f / C::kBeta, kInvLinearBeta = 1.f / C::kLinearBeta;
+  return C::kBeta * tanhf(g * kInvBeta) * sg * (C::kLinearBeta * tanhf(u * kInvLinearBeta));
 }
 
 // One grouped GEMM. G: the GEMM's geometry (kRows per expert, kK, kWM, kWK, kKC); C: the op's.
@@ -187,11 +211,17 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
     }
   }
 
-  float acc[C::kNTiles][4];
-#pragma unroll
-  for (int nt = 0; nt < C::kNTiles; ++nt) {
-    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    if (nt * 8 >= it.n) continue;   // CTA-uniform
+  // One 8-token tile at a time (a rolled loop: its trip count is CTA-uniform, and the tile's K-split
+  // sum and epilogue run inside it, so only one tile's accumulators are live).
+  __shared__ float red[G::kWK > 1 ? G::kWK : 1][G::kWM][4][32];
+  const int ntiles = (it.n + 7) / 8;
+#pragma unroll 1
+  for (int nt = 0; nt < ntiles; ++nt) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    // An opaque zero, new every tile, XORed into the codes: it keeps the compiler from hoisting the
+    // (tile-invariant) decode of all kKC chunks out of the loop, which needs 32 registers a chunk.
+    u32 z;
+    asm volatile("mov.u32 %0, 0;\n" : "=r"(z));
     // B source row of MMA column g (a padding column repeats the last valid one: discarded).
     const int p = it.p0 + min(nt * 8 + g, it.n - 1);
     const u8* brow;
@@ -217,15 +247,12 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
 #pragma unroll
       for (int i = 0; i < 16; ++i) B[i] = 0u;
       if (kseg < kK) {
-        if (kFp8) {
+        if (kFp8) {   // raw codes in B[0..7]: decoded word by word in mma_chunk (fewer live registers)
           const uint4* src = reinterpret_cast<const uint4*>(brow + kseg);
 #pragma unroll
           for (int v = 0; v < 2; ++v) {
             const uint4 u = src[v];
-            e4m3x4_to_bf16(u.x, B[8 * v + 0], B[8 * v + 1]);
-            e4m3x4_to_bf16(u.y, B[8 * v + 2], B[8 * v + 3]);
-            e4m3x4_to_bf16(u.z, B[8 * v + 4], B[8 * v + 5]);
-            e4m3x4_to_bf16(u.w, B[8 * v + 6], B[8 * v + 7]);
+            B[4 * v] = u.x; B[4 * v + 1] = u.y; B[4 * v + 2] = u.z; B[4 * v + 3] = u.w;
           }
         } else {
           const uint4* src = reinterpret_cast<const uint4*>(brow + kseg * 2);
@@ -237,17 +264,13 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
         }
       }
       u32 lo0, hi0, lo1, hi1;
-      segment_scales<kMx>(S0[c], lo0, hi0);
-      segment_scales<kMx>(S1[c], lo1, hi1);
+      segment_scales<kMx>(S0[c] ^ z, lo0, hi0);   // z: not hoisted either (4 registers a chunk)
+      segment_scales<kMx>(S1[c] ^ z, lo1, hi1);
       float part[4] = {0.f, 0.f, 0.f, 0.f};
-      float (&d)[4] = kFp8 ? part : acc[nt];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        u32 q0[4], q1[4];
-        decode_word(word(A0[c], j), j < 2 ? lo0 : hi0, q0);
-        decode_word(word(A1[c], j), j < 2 ? lo1 : hi1, q1);
-        mma_bf16(d, q0[0], q1[0], q0[1], q1[1], B[4 * j], B[4 * j + 1]);
-        mma_bf16(d, q0[2], q1[2], q0[3], q1[3], B[4 * j + 2], B[4 * j + 3]);
+      if (kFp8) {
+        mma_chunk<true>(part, A0[c], A1[c], lo0, hi0, lo1, hi1, B, z);
+      } else {
+        mma_chunk<false>(acc, A0[c], A1[c], lo0, hi0, lo1, hi1, B, z);
       }
       if (kFp8) {
         float xs[2];
@@ -257,56 +280,50 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
           xs[q] = C::kUe8m0Act ? ue8m0_value(static_cast<const u8*>(a.xs)[at])
                                : static_cast<const float*>(a.xs)[at];
         }
-        acc[nt][0] = fmaf(part[0], xs[0], acc[nt][0]);
-        acc[nt][1] = fmaf(part[1], xs[1], acc[nt][1]);
-        acc[nt][2] = fmaf(part[2], xs[0], acc[nt][2]);
-        acc[nt][3] = fmaf(part[3], xs[1], acc[nt][3]);
+        acc[0] = fmaf(part[0], xs[0], acc[0]);
+        acc[1] = fmaf(part[1], xs[1], acc[1]);
+        acc[2] = fmaf(part[2], xs[0], acc[2]);
+        acc[3] = fmaf(part[3], xs[1], acc[3]);
       }
     }
-  }
 
-  // K split: the partial sums of the kWK warps of an m-tile added in warp order (deterministic).
-  if (G::kWK > 1) {
-    __shared__ float red[G::kWK][G::kWM][C::kNTiles][4][32];
+    // K split: the partial sums of the kWK warps of an m-tile added in warp order (deterministic).
+    if (G::kWK > 1) {
 #pragma unroll
-    for (int nt = 0; nt < C::kNTiles; ++nt)
+      for (int i = 0; i < 4; ++i) red[wk][wm][i][lane] = acc[i];
+      __syncthreads();
+      if (wk == 0) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) red[wk][wm][nt][i][lane] = acc[nt][i];
-    __syncthreads();
-    if (wk != 0) return;
+        for (int i = 0; i < 4; ++i) {
+          float v = red[0][wm][i][lane];
 #pragma unroll
-    for (int nt = 0; nt < C::kNTiles; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float v = red[0][wm][nt][i][lane];
-#pragma unroll
-        for (int k = 1; k < G::kWK; ++k) v += red[k][wm][nt][i][lane];
-        acc[nt][i] = v;
+          for (int k = 1; k < G::kWK; ++k) v += red[k][wm][i][lane];
+          acc[i] = v;
+        }
       }
-  }
-
-#pragma unroll
-  for (int nt = 0; nt < C::kNTiles; ++nt) {
+      __syncthreads();   // red is rewritten by the next tile
+      if (wk != 0) continue;
+    }
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int col = nt * 8 + 2 * t + q;
       if (col >= it.n) continue;
       const int p = it.p0 + col;
       if (kGateUp) {
-        float gv = acc[nt][q], uv = acc[nt][2 + q];
+        float gv = acc[q], uv = acc[2 + q];
         if (!kMx) {
           gv *= a.gs[2 * it.e];
           uv *= a.gs[2 * it.e + 1];
         }
-        const float h = C::kSitu ? situ(gv, uv, C::kBeta, C::kLinearBeta) : silu_glu(gv, uv);
+        const float h = glu_act<C>(gv, uv);
         static_cast<__nv_bfloat16*>(a.out)[static_cast<size_t>(p) * C::kInter + mt * 8 + g] = __float2bfloat16_rn(h);
       } else {
         const int f = a.perm[p];
         if (f < 0 || f >= a.nslots) continue;
-        const float gsc = kMx ? 1.f : a.gs[it.e];
         float* y = static_cast<float*>(a.out) + static_cast<size_t>(f) * C::kHidden;
-        y[mt * 16 + g] = kMx ? acc[nt][q] : acc[nt][q] * gsc;
-        y[mt * 16 + 8 + g] = kMx ? acc[nt][2 + q] : acc[nt][2 + q] * gsc;
+        const float gsc = kMx ? 1.f : a.gs[it.e];
+        y[mt * 16 + g] = kMx ? acc[q] : acc[q] * gsc;
+        y[mt * 16 + 8 + g] = kMx ? acc[2 + q] : acc[2 + q] * gsc;
       }
     }
   }
