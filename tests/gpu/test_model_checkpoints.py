@@ -58,7 +58,13 @@ TORCH_OK = {"torch:mla_prefill_attention", "torch:moe_torch_dequant", "torch:den
 @functools.lru_cache(maxsize=None)
 def _hf(case: str):
     """(folder, tokens, transformers' logits, e_noise) of the stable-routing tiny model."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    try:
+        # Before any attribute lookup of the model class: that lazily imports the modeling module,
+        # which would bind FLA where it is importable (hf_tiny.torch_path_transformers).
+        transformers = hf_tiny.torch_path_transformers()
+    except ModuleNotFoundError:
+        transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "KimiLinearForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no KimiLinearForCausalLM (5.23 has)")
     from k3gen.ir.dtypes import ScaleRecipe
