@@ -348,3 +348,28 @@ def model_hf_tiny() -> list:
 
 
 LISTS["model_hf_tiny"] = model_hf_tiny
+
+
+def moe_experts() -> list:
+    """tests/gpu/test_moe_experts.py (its SPECS and K3 dicts) and `k3gen bench --op moe_experts`
+    (bench/cases/moe_experts.py: K3 TP8 and EP8, MXFP4 and NVFP4, BF16 and FP8 activations)."""
+    from k3gen.ops.moe_experts.spec import ActFormat, GluAct, MoeExpertsSpec, WeightFormat
+    mx, nv, fp8 = WeightFormat.MXFP4, WeightFormat.NVFP4, ActFormat.FP8
+    small = dict(hidden=512, inter=128, experts=32, top_k=4)
+    tp8 = dict(hidden=3584, inter=384, experts=896, top_k=16)
+    ep8 = dict(hidden=3584, inter=3072, experts=112, route_experts=896, top_k=16)
+    out = [
+        MoeExpertsSpec(target=SM90, weights=mx, **small),
+        MoeExpertsSpec(target=SM90, weights=nv, **small),
+        MoeExpertsSpec(target=SM90, weights=mx, act=fp8, recipe=ScaleRecipe.FP32, **small),
+        MoeExpertsSpec(target=SM90, weights=nv, act=fp8, recipe=ScaleRecipe.UE8M0, **small),
+        MoeExpertsSpec(target=SM90, weights=nv, hidden=384, inter=96, experts=16, top_k=6, glu=GluAct.SILU, n_tiles=1),
+        MoeExpertsSpec(target=SM90, weights=mx, hidden=512, inter=128, experts=8, route_experts=32, top_k=4),
+    ]
+    for shape in (tp8, ep8):
+        for w in (mx, nv):
+            out += [MoeExpertsSpec(target=SM90, weights=w, **shape), MoeExpertsSpec(target=SM90, weights=w, act=fp8, **shape)]
+    return out
+
+
+LISTS["moe_experts"] = moe_experts

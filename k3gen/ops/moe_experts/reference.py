@@ -62,20 +62,23 @@ def glu(spec, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def moe_experts(spec, x, w13, s13, w2, s2, ids, weights, *, gs13=None, gs2=None, x_scales=None,
                 expert_base: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out BF16 [T, W], out FP32 [T, W]) on the CPU."""
-    W13, W2 = dequantize_experts(spec, w13, s13, w2, s2, gs13, gs2)
+    """(out BF16 [T, W], out FP32 [T, W]) on the CPU. Only the routed experts are dequantized (the
+    weights may stay on the GPU: each one used is copied over alone)."""
     xf = activations(spec, x, x_scales)
     ids, weights = ids.cpu().long(), weights.cpu().float()
     T, k = ids.shape
     I = spec.inter
+    nv = spec.weights is WeightFormat.NVFP4
     y = torch.zeros(T, k, spec.hidden, dtype=torch.float32)
     local = ids - expert_base
     ok = (local >= 0) & (local < spec.experts)
     for e in torch.unique(local[ok]).tolist():
+        W13 = dequantize(spec.weights, w13[e], s13[e], w13_globals(gs13[e:e + 1], I)[0] if nv else None)
+        W2 = dequantize(spec.weights, w2[e], s2[e], gs2[e].cpu().float().expand(spec.hidden) if nv else None)
         t_idx, j_idx = ((local == e) & ok).nonzero(as_tuple=True)
-        gu = xf[t_idx] @ W13[e].T                                   # [n, 2I]
+        gu = xf[t_idx] @ W13.T                                      # [n, 2I]
         h = glu(spec, gu[:, :I], gu[:, I:]).to(torch.bfloat16).float()
-        y[t_idx, j_idx] = h @ W2[e].T
+        y[t_idx, j_idx] = h @ W2.T
     out = torch.zeros(T, spec.hidden, dtype=torch.float32)
     for j in range(k):
         term = torch.where(ok[:, j:j + 1], weights[:, j:j + 1] * y[:, j], torch.zeros(()))
