@@ -7,6 +7,7 @@
 
 #include "k3gen/common/pdl.cuh"
 #include "k3gen/common/sm90_async.cuh"
+#include "k3gen/kda/token_math.cuh"
 
 namespace k3gen {
 namespace kda {
@@ -16,7 +17,6 @@ enum class Gate { kBounded, kSoftplus };
 constexpr int kDim = 128;              // K = V
 constexpr float kBoundedLower = -5.0f;
 constexpr float kL2Eps = 1e-6f;
-constexpr float kNormEps = 1e-5f;
 
 __device__ __forceinline__ float bf16_bits_to_float(unsigned bits16) { return __uint_as_float(bits16 << 16); }
 
@@ -54,15 +54,12 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&x)[8]) {
   }
 }
 
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);  // round to nearest even
-  return *reinterpret_cast<const unsigned*>(&p);
-}
-
-// One state row (128 K values of S^T[v, :]) seen by a half-warp: lane l of the half owns 8 K
-// values. FP32 rows: two float4 at K = 4l and 64 + 4l, so each 16-lane LDG.128 covers 256
-// contiguous bytes. BF16 rows: one 16-byte chunk at K = 8l. Streaming hints (.cs): the state is
-// touched once per step and must not push the f_b weights out of L2.
+// One state row (128 K values of S^T[v, :]) seen by a half-warp: lane l of the half owns the 8 K
+// values of kda/token_math.cuh's lane slice, K = 4l .. 4l+3 and 64+4l .. 64+4l+3, whatever the
+// storage dtype (the multi-token kernels hold their register rows so too: same partial sums, same
+// bits). FP32 rows: two float4, each 16-lane LDG.128 covering 256 contiguous bytes; BF16 rows: two
+// 8-byte words, each 16-lane LDG.64 covering 128 contiguous bytes. Streaming hints (.cs): the state
+// is touched once per step and must not push the f_b weights out of L2.
 template <bool kBf16>
 struct StateRow;
 
@@ -70,8 +67,8 @@ template <>
 struct StateRow<false> {
   using Elem = float;
   struct Frag { float4 a, b; };
-  static __device__ __forceinline__ int k0(int l) { return 4 * l; }
-  static __device__ __forceinline__ int k1(int l) { return 64 + 4 * l; }
+  static __device__ __forceinline__ int k0(int l) { return lane_k0(l); }
+  static __device__ __forceinline__ int k1(int l) { return lane_k1(l); }
   static __device__ __forceinline__ Frag load(const float* row, int l) {
     const float4* p = reinterpret_cast<const float4*>(row);
     return Frag{__ldcs(p + l), __ldcs(p + 16 + l)};
@@ -94,20 +91,29 @@ struct StateRow<false> {
 template <>
 struct StateRow<true> {
   using Elem = __nv_bfloat16;
-  struct Frag { uint4 a; };
-  static __device__ __forceinline__ int k0(int l) { return 8 * l; }
-  static __device__ __forceinline__ int k1(int l) { return 8 * l + 4; }
+  struct Frag { uint2 a, b; };  // BF16 pairs at K = 4l .. 4l+3 (a) and 64+4l .. 64+4l+3 (b)
+  static __device__ __forceinline__ int k0(int l) { return lane_k0(l); }
+  static __device__ __forceinline__ int k1(int l) { return lane_k1(l); }
   static __device__ __forceinline__ Frag load(const __nv_bfloat16* row, int l) {
-    return Frag{__ldcs(reinterpret_cast<const uint4*>(row) + l)};
+    const uint2* p = reinterpret_cast<const uint2*>(row);
+    return Frag{__ldcs(p + l), __ldcs(p + 16 + l)};
   }
   static __device__ __forceinline__ Frag load_shared(const __nv_bfloat16* row, int l) {
-    return Frag{reinterpret_cast<const uint4*>(row)[l]};
+    const uint2* p = reinterpret_cast<const uint2*>(row);
+    return Frag{p[l], p[16 + l]};
   }
-  static __device__ __forceinline__ void unpack(const Frag& f, float (&x)[8]) { unpack_bf16x8(f.a, x); }
+  static __device__ __forceinline__ void unpack(const Frag& f, float (&x)[8]) {
+    const unsigned w[4] = {f.a.x, f.a.y, f.b.x, f.b.y};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
   static __device__ __forceinline__ void store(__nv_bfloat16* row, int l, const float (&x)[8]) {
-    const uint4 u = make_uint4(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]), pack_bf16x2(x[4], x[5]),
-                               pack_bf16x2(x[6], x[7]));
-    __stcs(reinterpret_cast<uint4*>(row) + l, u);
+    uint2* p = reinterpret_cast<uint2*>(row);
+    __stcs(p + l, make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3])));
+    __stcs(p + 16 + l, make_uint2(pack_bf16x2(x[4], x[5]), pack_bf16x2(x[6], x[7])));
   }
 };
 
@@ -257,23 +263,19 @@ __device__ __forceinline__ unsigned cluster_ctarank() {
 }
 
 // Gated RMSNorm of token tok by one warp: lane's O values o_at(i) (O[4 lane + i], i < 4), y = o *
-// rstd * nw(i) * gate(i) in that order, to tk.out ([tok][H][kDim] BF16). The functors keep each
-// caller's loads where they were (its parameters are read at first use, as written out before).
+// rstd * nw(i) * gate(i) in that order, to tk.out ([tok][H][kDim] BF16): kda/token_math.cuh's
+// expressions, which kda_decode follows too. The functors keep each caller's loads where they were
+// (its parameters are read at first use, as written out before).
 template <int H, class T, class OAt, class Nw, class Gate>
 __device__ __forceinline__ void gated_rmsnorm(const T& tk, long long tok, int h, int lane, OAt o_at, Nw nw,
                                               Gate gate) {
-  float o[4], ssq = 0.0f;
+  float o[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    o[i] = o_at(i);
-    ssq = fmaf(o[i], o[i], ssq);
-  }
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, m);
-  const float rstd = rsqrtf(ssq * (1.0f / kDim) + kNormEps);
+  for (int i = 0; i < 4; ++i) o[i] = o_at(i);
+  const float rstd = rms_rstd(warp_allsum(rms_quad(o[0], o[1], o[2], o[3])));
   float y[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) y[i] = o[i] * rstd * nw(i) * gate(i);
+  for (int i = 0; i < 4; ++i) y[i] = o[i] * rstd * nw(i) * gate(i);  // gated_y, loads in this order
   *reinterpret_cast<uint2*>(tk.out + (tok * H + h) * kDim + 4 * lane) =
       make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
 }
@@ -490,11 +492,13 @@ __device__ __forceinline__ void store_rows_bf16(__nv_bfloat16* head, const float
 // d = e^g S[v,:], a = d.k, c = d.q, u = beta (v - a), S[v,:] = d + k u, o = c + (q.k) u).
 // Writes o of the token to sm.o[t]; no barrier. Any shared layout with q, k, eg (all 128 key
 // channels), v, o (by row_of) and beta: the split verify kernel keeps only its 64 rows' v and o.
-template <class Sm>
+// kBf16: BF16 storage, each row rounded right after its update (round_rows_bf16's rounding, fewer
+// values live at once than a pass after the token).
+template <bool kBf16, class Sm>
 __device__ __forceinline__ void recur(float (&d)[kRows][8], Sm& sm, int t) {
   const int tid = threadIdx.x, half = (tid >> 4) & 1, hl = tid & 15;
   float qv[8], kv[8], ev[8];
-  const float qk = load_qk_norm(sm.q[t], sm.k[t], sm.eg[t], 4 * hl, 64 + 4 * hl, qv, kv, ev);
+  const float qk = load_qk_norm(sm.q[t], sm.k[t], sm.eg[t], lane_k0(hl), lane_k1(hl), qv, kv, ev);
   const float beta = sm.beta[t];
   // Rows in two groups of 4: each group's 8 dot products (a_j, c_j) are reduce-scattered together,
   // so only 8 partial sums are live next to the 64 row values (the same shuffle count as one
@@ -504,31 +508,25 @@ __device__ __forceinline__ void recur(float (&d)[kRows][8], Sm& sm, int t) {
   for (int g = 0; g < 2; ++g) {
     float red[2 * G];  // a_j (index j), c_j (index G + j) of rows g G + j
 #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      red[j] = 0.0f;
-      red[G + j] = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        d[g * G + j][e] *= ev[e];
-        red[j] = fmaf(d[g * G + j][e], kv[e], red[j]);
-        red[G + j] = fmaf(d[g * G + j][e], qv[e], red[G + j]);
-      }
-    }
+    for (int j = 0; j < G; ++j) row_decay_dots(d[g * G + j], ev, kv, qv, red[j], red[G + j]);
     half_reduce_scatter<2 * G>(red, hl);  // lane hl holds sum hl / 2
     const int idx = hl >> 1;
     const bool a_lane = idx < G;
     const int jr = g * G + (idx & (G - 1));
-    const float u_own = beta * (sm.v[t][row_of(jr)] - red[0]);  // valid in a-lanes
+    const float u_own = row_u(beta, sm.v[t][row_of(jr)], red[0]);  // valid in a-lanes
     const float u_c = __shfl_sync(0xffffffffu, u_own, half * 16 + 2 * (idx & (G - 1)));
-    if (!a_lane && (hl & 1) == 0) sm.o[t][row_of(jr)] = fmaf(qk, u_c, red[0]);
+    if (!a_lane && (hl & 1) == 0) sm.o[t][row_of(jr)] = row_o(qk, u_c, red[0]);
 #pragma unroll
     for (int j = 0; j < G; ++j) {
-      const float u = __shfl_sync(0xffffffffu, u_own, half * 16 + 2 * j);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) d[g * G + j][e] = fmaf(kv[e], u, d[g * G + j][e]);
+      row_rank1(d[g * G + j], kv, __shfl_sync(0xffffffffu, u_own, half * 16 + 2 * j));
+      if constexpr (kBf16) round_bf16x8(d[g * G + j]);
     }
   }
 }
+
+// recur<true>: with BF16 storage the register rows are rounded as a BF16 store and reload would
+// (kda/token_math.cuh) after every token, so the next token and every record see what serial
+// decoding sees.
 
 // Gated RMSNorm of tokens t0 .. t0+n-1 (after a barrier): warp t takes token t.
 template <int H>

@@ -58,8 +58,8 @@ struct __align__(128) Smem {
   float v[kDim];               // post-conv v of this CTA's rows
   float eg[kDim];              // exp(g) of all key channels (chunk r written by cluster CTA r)
   float o[kDim];               // o of this CTA's rows
-  float warp_ssq[kWarps];
-  float cta_ssq[8];            // sum of o^2 of each cluster CTA, indexed by rank
+  float gs[kDim];              // sigmoid(g_out) of this CTA's rows (by the thread owning the row)
+  float xs[32];                // S > 1: o^2 of the head's 32 row quads, pushed by the CTA owning each
   unsigned long long bar[3];   // kBarFb: bulk copy; S > 1: kBarEg, kBarSsq (peer pushes)
 };
 
@@ -71,14 +71,13 @@ __device__ __forceinline__ void conv_weights(uint2 cw, float (&w)[4]) {
 }
 
 // The update of the rows a half-warp owns, shared by the row and stream schedules so both do the
-// same arithmetic: q, k (post-conv, before the L2 norm) and exp(g) of all 128 channels, and v and o
-// by local row, in shared memory; the rows' old values in `frag`, new values stored to
-// rows + local_row * kDim. Returns o of the row this lane reports (where o_lane).
+// same arithmetic (kda/token_math.cuh's, as kda_verify's recur): q, k (post-conv, before the L2
+// norm) and exp(g) of all 128 channels, and v and o by local row, in shared memory; the rows' old
+// values in `frag`, new values stored to rows + local_row * kDim, o to so[local_row].
 template <class Row, int RP>
-__device__ __forceinline__ float head_update(const typename Row::Frag (&frag)[RP], const float* sq, const float* sk,
-                                             const float* seg, const float* sv, float* so, float beta,
-                                             typename Row::Elem* rows, int row_base, int half, int hl,
-                                             bool& o_lane) {
+__device__ __forceinline__ void head_update(const typename Row::Frag (&frag)[RP], const float* sq, const float* sk,
+                                            const float* seg, const float* sv, float* so, float beta,
+                                            typename Row::Elem* rows, int row_base, int half, int hl) {
   // ---- per-lane K slice of q, k, exp(g); head-wide norms from half-warp sums ------------------
   float qv[8], kv[8], ev[8];
   const float qk = load_qk_norm(sq, sk, seg, Row::k0(hl), Row::k1(hl), qv, kv, ev);
@@ -93,33 +92,28 @@ __device__ __forceinline__ float head_update(const typename Row::Frag (&frag)[RP
 #pragma unroll
   for (int j = 0; j < RP; ++j) {
     Row::unpack(frag[j], d[j]);
-    red[j] = 0.0f;
-    red[RP + j] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      d[j][e] *= ev[e];
-      red[j] = fmaf(d[j][e], kv[e], red[j]);
-      red[RP + j] = fmaf(d[j][e], qv[e], red[RP + j]);
-    }
+    row_decay_dots(d[j], ev, kv, qv, red[j], red[RP + j]);
   }
   half_reduce_scatter<NV>(red, hl);
   const int idx = hl / GROUP;               // which sum this lane holds
   const bool a_lane = idx < RP;
   const int jr = a_lane ? idx : idx - RP;   // its row pair
-  const float u_own = beta * (sv[row_base + 2 * jr] - red[0]);  // valid in a-lanes
+  const float u_own = row_u(beta, sv[row_base + 2 * jr], red[0]);  // valid in a-lanes
   const float u_c = __shfl_sync(0xffffffffu, u_own, half * 16 + jr * GROUP);
-  const float o = fmaf(qk, u_c, red[0]);    // valid in c-lanes
-  o_lane = !a_lane && (hl % GROUP) == 0;
-  if (o_lane) so[row_base + 2 * jr] = o;
+  const float o = row_o(qk, u_c, red[0]);   // valid in c-lanes
+  if (!a_lane && (hl % GROUP) == 0) so[row_base + 2 * jr] = o;
 #pragma unroll
   for (int j = 0; j < RP; ++j) {
-    const float u = __shfl_sync(0xffffffffu, u_own, half * 16 + j * GROUP);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) d[j][e] = fmaf(kv[e], u, d[j][e]);
+    row_rank1(d[j], kv, __shfl_sync(0xffffffffu, u_own, half * 16 + j * GROUP));
     Row::store(rows + (row_base + 2 * j) * kDim, hl, d[j]);
   }
+}
 
-  return o;
+// The gated RMSNorm sum of a head whose o rows are all in `o` (visible to the calling warp): lane l
+// sums quad l, the butterfly the 32 quads (kda/token_math.cuh). Whole warps only.
+__device__ __forceinline__ float head_rstd(const float* o, int lane) {
+  const float* q = o + 4 * lane;
+  return rms_rstd(warp_allsum(rms_quad(q[0], q[1], q[2], q[3])));
 }
 
 // L2 warming of one CTA's reads (common/pdl.cuh), by warp 0 from the slot in lane 0: the CTA's state
@@ -194,7 +188,7 @@ __device__ __forceinline__ void step(const Params& p, Smem& sm) {
     bulk_g2s(sm.dtb, p.dt_bias + h * kDim + v0, R * 4, &sm.bar[kBarFb]);
     if constexpr (S > 1) {
       mbar_arrive_expect_tx(&sm.bar[kBarEg], kDim * 4);  // exp(g) of all 128 channels
-      mbar_arrive_expect_tx(&sm.bar[kBarSsq], S * 4);    // one o^2 sum per cluster CTA
+      mbar_arrive_expect_tx(&sm.bar[kBarSsq], 32 * 4);   // the o^2 sums of all 32 row quads
     }
   }
   // No thread may poll an mbarrier before tid 0 has initialised it: the shared memory may still
@@ -316,37 +310,35 @@ __device__ __forceinline__ void step(const Params& p, Smem& sm) {
   }
 
   const float beta = sigmoidf_(beta_logit);
-  const float out_scale = nw * sigmoidf_(__bfloat162float(x_go));  // norm weight x output gate
-  bool o_lane;
-  const float o = head_update<Row, RP>(frag, sm.q, sm.k, sm.eg, sm.v, sm.o, beta, head + v0 * kDim, row_base, half,
-                                       hl, o_lane);
+  if (has_row) sm.gs[tid] = sigmoidf_(__bfloat162float(x_go));  // output gate, read back by this thread
+  head_update<Row, RP>(frag, sm.q, sm.k, sm.eg, sm.v, sm.o, beta, head + v0 * kDim, row_base, half, hl);
 
   // ---- gated RMSNorm over the 128 outputs of the head -----------------------------------------
-  float ssq_o = o_lane ? o * o : 0.0f;
+  // kda/token_math.cuh's sum whatever the split (and so kda_verify's): the sum of squares of each
+  // quad of 4 rows, then the 32 quads by one warp butterfly. With S > 1 each CTA pushes its R / 4
+  // quads to every CTA of the cluster (itself included). A CTA leaves only after every push to it
+  // arrived, and it reads no peer memory: no trailing cluster barrier is needed.
+  __syncthreads();  // o of this CTA's rows visible
+  if constexpr (S > 1) {
+    constexpr int Q = R / 4;
+    if (tid < Q) {
+      const float* oq = sm.o + 4 * tid;
+      const float part = rms_quad(oq[0], oq[1], oq[2], oq[3]);
 #pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) ssq_o += __shfl_xor_sync(0xffffffffu, ssq_o, m);
-  if (lane == 0) sm.warp_ssq[warp] = ssq_o;
-  __syncthreads();
-  float total = 0.0f;
-  if constexpr (S == 1) {
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += sm.warp_ssq[w];
-  } else {
-    if (tid < S) {
-      float part = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) part += sm.warp_ssq[w];
-      st_async(cluster_map(&sm.cta_ssq[rank], tid), part, cluster_map(&sm.bar[kBarSsq], tid));
+      for (int r = 0; r < S; ++r)
+        st_async(cluster_map(&sm.xs[rank * Q + tid], r), part, cluster_map(&sm.bar[kBarSsq], r));
     }
-    // A CTA leaves only after every peer's push reached it, and it reads no peer memory: no
-    // trailing cluster barrier is needed. All CTAs sum the pushes in rank order: same rstd.
     mbar_wait(&sm.bar[kBarSsq], 0);
-#pragma unroll
-    for (int i = 0; i < S; ++i) total += sm.cta_ssq[i];
   }
-  if (has_row) {
-    const float rstd = rsqrtf(total * (1.0f / kDim) + kNormEps);
-    p.out[(static_cast<long long>(b) * H + h) * kDim + v0 + tid] = __float2bfloat16(sm.o[tid] * rstd * out_scale);
+  if (warp * 32 < R) {  // warp-uniform: the butterfly needs whole warps
+    float rstd;
+    if constexpr (S == 1)
+      rstd = head_rstd(sm.o, lane);
+    else
+      rstd = rms_rstd(warp_allsum(sm.xs[lane]));
+    if (has_row)
+      p.out[(static_cast<long long>(b) * H + h) * kDim + v0 + tid] = __float2bfloat16(gated_y(sm.o[tid], rstd, nw,
+                                                                                               sm.gs[tid]));
   }
 }
 

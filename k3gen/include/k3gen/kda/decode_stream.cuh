@@ -66,7 +66,7 @@ struct __align__(128) StreamSmem {
   float dtb[FB][kDim];
   StreamStage<Elem> st[NS];
   float q[kDim], k[kDim], v[kDim], eg[kDim], o[kDim];
-  float warp_ssq[kWarps];
+  float gs[kDim];   // sigmoid(g_out) by row, read back by the thread that wrote it
   StreamMeta meta[NS];
   StreamProducerState prod;
   unsigned long long full[NS];
@@ -218,8 +218,6 @@ __device__ __forceinline__ void decode_stream(const StreamParams& sp) {
     const StreamMeta meta = sm.meta[s];
     const StreamStage<Elem>& st = sm.st[s];
     const bool valid = meta.slot >= 0 && meta.slot < p.num_slots;
-    float o = 0.0f, out_scale = 0.0f;
-    bool o_lane = false;
     if (valid) {
       __nv_bfloat16* conv = p.conv + static_cast<long long>(meta.slot) * (3 * D) * 3;
       // ---- conv + SiLU of q, k (all channels) and v; windows shift by one -------------------
@@ -248,7 +246,7 @@ __device__ __forceinline__ void decode_stream(const StreamParams& sp) {
         wd[0] = u1;
         wd[1] = u2;
         wd[2] = __bfloat16_as_ushort(x);
-        out_scale = nw * sigmoidf_(__bfloat162float(st.x[3][tid]));
+        sm.gs[tid] = sigmoidf_(__bfloat162float(st.x[3][tid]));
       }
       // ---- forget gate: half-warp hw takes channels hw + 16 j ---------------------------------
       float fa[8];
@@ -283,23 +281,16 @@ __device__ __forceinline__ void decode_stream(const StreamParams& sp) {
     if (valid) {
       const float beta = sigmoidf_(beta_logit);
       Elem* head = static_cast<Elem*>(p.ssm) + (static_cast<long long>(meta.slot) * H + h) * (kDim * kDim);
-      o = head_update<Row, RP>(frag, sm.q, sm.k, sm.eg, sm.v, sm.o, beta, head, row_base, half, hl, o_lane);
+      head_update<Row, RP>(frag, sm.q, sm.k, sm.eg, sm.v, sm.o, beta, head, row_base, half, hl);
     }
     fa_pk = fa_n;
     beta_logit = bl_n;
-    float ssq_o = o_lane ? o * o : 0.0f;
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) ssq_o += __shfl_xor_sync(0xffffffffu, ssq_o, m);
-    if (lane == 0) sm.warp_ssq[warp] = ssq_o;
-    __syncthreads();
+    __syncthreads();  // o of every row visible
     __nv_bfloat16* out = p.out + (static_cast<long long>(b) * H + h) * kDim;
-    if (has_row) {
+    if (has_row) {  // warps 0-3, whole warps (the butterfly of head_rstd)
       if (valid) {
-        float total = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) total += sm.warp_ssq[w];
-        const float rstd = rsqrtf(total * (1.0f / kDim) + kNormEps);
-        out[tid] = __float2bfloat16(sm.o[tid] * rstd * out_scale);
+        const float rstd = head_rstd(sm.o, lane);
+        out[tid] = __float2bfloat16(gated_y(sm.o[tid], rstd, nw, sm.gs[tid]));
       } else {
         out[tid] = __float2bfloat16(0.0f);
       }

@@ -12,6 +12,12 @@
 // The conv cache conv_ext[slot, c, 0 .. 2+M] (FP32) holds (w1, w2, x_0, ..., x_M) afterwards, where
 // (w0, w1, w2) are the start columns pending .. pending+2: the window after token t is columns
 // t .. t+2, which is what the next step reads once the host commits pending = t.
+//
+// Lossless (SPEC.md section 3): each token is kda_decode's token, bit for bit. The per-token math
+// is kda/token_math.cuh's (recur, the same row expressions and lane K slices as kda_decode's
+// head_update; emit, the same RMSNorm sum), and with BF16 storage the register rows are rounded to
+// BF16 after every token as decode's store + reload rounds them, so a record is the state decode
+// would hold after that token and verify + commit == serial decode over any accepted pattern.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -71,21 +77,39 @@ __device__ __forceinline__ void body(const Params& p_, Smem& sm, const Tokens& t
 
   const float a_gate = expf(__ldg(p_.w.a_log + h));
   float d[kRows][8];
-  // The rows leave after each token: a typed store of the golden state, FP32 records after.
+  // The rows leave after each token: a typed store of the golden state, FP32 records after. With
+  // BF16 storage the rows are rounded first, and the next token runs on the rounded rows, exactly
+  // as kda_decode stores and reloads them (so the records hold BF16 values, exact in FP32).
+  // The golden token is peeled: the ssm pointer is dead before the records' loop (with the BF16
+  // rounding in the loop, keeping both pointers live spilled at 128 registers).
+  // The frozen original kernel (FP32 only) keeps its one loop: its SASS is recorded (golden.py).
   auto recur_chunk = [&](int t0, int n) {
+    int t = 0;
+    if constexpr (C::kOriginal) {
+#pragma unroll 1
+      for (; t < n; ++t) {
+        recur<false>(d, sm, t);
+        const int tt = t0 + t;
+        if (tt == 0)
+          store_rows_f32(static_cast<float*>(p_.ssm) + (static_cast<long long>(slot) * H + h) * kHead, d);
+        else
+          store_rows_f32(rec_slot + (static_cast<long long>(tt - 1) * H + h) * kHead, d);
+      }
+      return;
+    }
+    if (t0 == 0) {
+      recur<C::kBf16State>(d, sm, 0);
+      if constexpr (C::kBf16State)
+        store_rows_bf16(static_cast<__nv_bfloat16*>(p_.ssm) + (static_cast<long long>(slot) * H + h) * kHead, d);
+      else
+        store_rows_f32(static_cast<float*>(p_.ssm) + (static_cast<long long>(slot) * H + h) * kHead, d);
+      t = 1;
+    }
     // Not unrolled: unrolled tokens let ptxas hoist later tokens' shared loads next to the rows.
 #pragma unroll 1
-    for (int t = 0; t < n; ++t) {
-      recur(d, sm, t);
-      const int tt = t0 + t;
-      if (tt == 0) {
-        if constexpr (C::kBf16State)
-          store_rows_bf16(static_cast<__nv_bfloat16*>(p_.ssm) + (static_cast<long long>(slot) * H + h) * kHead, d);
-        else
-          store_rows_f32(static_cast<float*>(p_.ssm) + (static_cast<long long>(slot) * H + h) * kHead, d);
-      } else {
-        store_rows_f32(rec_slot + (static_cast<long long>(tt - 1) * H + h) * kHead, d);
-      }
+    for (; t < n; ++t) {
+      recur<C::kBf16State>(d, sm, t);
+      store_rows_f32(rec_slot + (static_cast<long long>(t0 + t - 1) * H + h) * kHead, d);
     }
   };
   // First chunk peeled: the start words die once unpacked, before any later staging.

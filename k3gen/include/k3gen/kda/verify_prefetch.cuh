@@ -384,7 +384,7 @@ __device__ __forceinline__ void run_prefetch(const Params& p_, int batch, int wa
     float* rec_slot = p_.draft_rec + static_cast<long long>(slot) * M * H * kHead;
 #pragma unroll 1
     for (int t = 0; t < T; ++t) {
-      recur(d, sm, t);
+      recur<C::kBf16State>(d, sm, t);  // BF16: rounded as decode's store + reload (verify.cuh)
       if (t == 0) {
         if constexpr (C::kBf16State)
           store_rows_bf16(static_cast<__nv_bfloat16*>(p_.ssm) + (static_cast<long long>(slot) * H + it.h) * kHead, d);

@@ -227,7 +227,7 @@ __device__ __forceinline__ void run_split(const Params& p_, int batch) {
     float* rec = p_.draft_rec + static_cast<long long>(slot) * M * H * kHead + it.h * kHead + v0 * kDim;
 #pragma unroll 1
     for (int t = 0; t < T; ++t) {
-      recur(d, sm, t);
+      recur<C::kBf16State>(d, sm, t);  // BF16: rounded as decode's store + reload (verify.cuh)
       if (t == 0) {
         if constexpr (C::kBf16State)
           store_rows_bf16(static_cast<__nv_bfloat16*>(p_.ssm) + at, d);
@@ -243,13 +243,10 @@ __device__ __forceinline__ void run_split(const Params& p_, int batch) {
     const unsigned xph = (nx_ex >> 1) & 1;
     ++nx_ex;
     float o[4];
-    if (warp < T && lane < 16) {  // emit's per-lane partial of lane 16 rank + lane
-      float ssq = 0.0f;
+    if (warp < T && lane < 16) {  // emit's per-lane partial (rms_quad) of lane 16 rank + lane
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        o[e] = sm.o[warp][4 * lane + e];
-        ssq = fmaf(o[e], o[e], ssq);
-      }
+      for (int e = 0; e < 4; ++e) o[e] = sm.o[warp][4 * lane + e];
+      const float ssq = rms_quad(o[0], o[1], o[2], o[3]);
       float* slot_x = &sm.xs[xb][warp][16 * rank + lane];
       *slot_x = ssq;
       st_async(cluster_map(slot_x, peer), ssq, cluster_map(&sm.xbar[xb], peer));
@@ -258,14 +255,11 @@ __device__ __forceinline__ void run_split(const Params& p_, int batch) {
     __syncthreads();               // own partials visible; nobody polls this phase any more
     if (tid == 0) mbar_arrive_expect_tx(&sm.xbar[xb], kXBytes);  // for exchange nx_ex + 1
     if (warp < T) {
-      float ssq = sm.xs[xb][warp][lane];
-#pragma unroll
-      for (int m = 16; m >= 1; m >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, m);
-      const float rstd = rsqrtf(ssq * (1.0f / kDim) + kNormEps);
+      const float rstd = rms_rstd(warp_allsum(sm.xs[xb][warp][lane]));
       if (lane < 16) {
         float y[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) y[e] = o[e] * rstd * sm.nw[4 * lane + e] * sm.gsig[warp][4 * lane + e];
+        for (int e = 0; e < 4; ++e) y[e] = gated_y(o[e], rstd, sm.nw[4 * lane + e], sm.gsig[warp][4 * lane + e]);
         *reinterpret_cast<uint2*>(tk.out + ((tk.tok0 + warp) * H + it.h) * kDim + v0 + 4 * lane) =
             make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
       }
