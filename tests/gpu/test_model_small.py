@@ -202,11 +202,12 @@ def check_spec_logits(kv, greedy, spec, spy) -> tuple[int, list]:
 
 
 def cycling_prompts(g, n=4) -> list[list[int]]:
-    """Prompts on which the n-gram drafter is right: of 8 seeds, the n whose greedy continuation
+    """Prompts on which the n-gram drafter is right: of 32 seeds, the n whose greedy continuation
     (tokens 24..56) ngram_drafts would predict best (simulated, no model call), as seed + its first
-    24 tokens. A random model's greedy walk tends to settle into short cycles."""
-    seeds = [p[:8] * 2 for p in prompts(8, seed=7)]
-    outs = [r.out for r in g.generate([Request(p, 56) for p in seeds])]
+    24 tokens. A random model's greedy walk tends to settle into short cycles, but not every walk
+    within 56 tokens: on the H200 (2026-12-02) none of 8 seeds gave the BF16-KV model a hit."""
+    seeds = [p[:8] * 2 for p in prompts(32, seed=7, length=40)]
+    outs = [r.out for i in range(0, len(seeds), 8) for r in g.generate([Request(p, 56) for p in seeds[i:i + 8]])]
 
     best = sorted(range(len(seeds)), key=lambda i: -ngram_hits(seeds[i], outs[i], DRAFTS))[:n]
     return [seeds[i] + outs[i][:24] for i in best]
@@ -339,7 +340,8 @@ class Trace:
     def __init__(self, model, monkeypatch, isolate: bool):
         import model.layers as L
         from model.ops import RefOps
-        self.layer, self.ops, self.h, self.sel, self.iso = 0, [], [], [], []
+        self.layer, self.ops, self.h, self.sel, self.iso, self.ids = 0, [], [], [], [], []
+        self.force = None
         ref = RefOps(model.tcfg.recipe)
         for name in self.OPS:
             monkeypatch.setattr(model.ops, name, self._wrap(name, getattr(model.ops, name),
@@ -374,6 +376,10 @@ class Trace:
             sel, wts = route(w, xn, cfg)
             if Trace.active is self:
                 self.sel.append(torch.sort(sel, dim=1).values.clone())
+                self.ids.append(sel.clone())
+                if self.force is not None:      # the other path's choice, this path's weights
+                    sel = self.force.ids[len(self.ids) - 1].to(sel.device)
+                    wts = forced_weights(L._mm(xn, w.router.T), sel, cfg)
             return sel, wts
         monkeypatch.setattr(L, "route", traced_route)
 
@@ -416,6 +422,19 @@ class Trace:
         return traced
 
 
+def forced_weights(logits, ids, cfg):
+    """arch.route's weights for the experts `ids` (pick order): the unbiased sigmoid scores,
+    renormalized in slot order, times routed_scale."""
+    from model.arch import sigmoid_scores
+    w = sigmoid_scores(logits).gather(1, ids)
+    if cfg.renormalize:
+        total = w[:, 0]
+        for j in range(1, w.shape[1]):
+            total = total + w[:, j]
+        w = w / (total + 1e-20)[:, None]
+    return w * float(cfg.routed_scale)
+
+
 def _pair(tr_k: Trace, tr_r: Trace, cfg, what: str, logits_k, logits_r) -> dict:
     """Prints the per-layer and per-op table of one step; returns the numbers asserted on."""
     first = {cfg.kda_layer_ids[0], cfg.mla_layer_ids[0]}
@@ -432,7 +451,8 @@ def _pair(tr_k: Trace, tr_r: Trace, cfg, what: str, logits_k, logits_r) -> dict:
                     print(f"    {name:14s} isolated   " + ", ".join(f"{k} {v:.2e}" for k, v in d.items()))
     print(f"logits: {rel_rms(logits_k, logits_r):.2e}; top-1 agreement "
           f"{float((logits_k.argmax(-1) == logits_r.argmax(-1)).float().mean()):.3f}")
-    print("MoE rows routed to a different expert set, per MoE layer: "
+    print(("MoE rows whose own choice differs (the reference ran the kernel path's), per MoE layer: "
+           if tr_r.force is not None else "MoE rows routed to a different expert set, per MoE layer: ")
           + " ".join(f"{float((a != b).any(1).float().mean()):.3f}" for a, b in zip(tr_k.sel, tr_r.sel)))
     return {"residual": [rel_rms(a, b) for a, b in zip(tr_k.h, tr_r.h)],
             "iso": [(l, n, k, v) for l, n, d in tr_k.iso for k, v in d.items()],
@@ -448,6 +468,12 @@ def test_layerwise_agreement(kv, ssm, monkeypatch):
     mk, _ = make(kv, ssm)
     mr, _ = make(kv, ssm, path="reference")
     tk, tr = Trace(mk, monkeypatch, isolate=True), Trace(mr, monkeypatch, isolate=False)
+    # The router's top-k is a discontinuous function of its input: a 1e-3 difference at a near-tie
+    # picks another expert and the random model carries that into a different stream (the H200,
+    # 2026-12-02: every op within 2e-3 of its reference, 25-75% of the 4 decode rows routed
+    # differently by layer 6, residual 0.19). The reference path therefore runs the kernel path's
+    # expert choice with its own routing weights; how many rows chose otherwise is printed.
+    tr.force = tk
     ps = prompts(4, seed=300, length=20)
     ids = [0, 1, 2, 3]
     Trace.active = tk
@@ -456,7 +482,7 @@ def test_layerwise_agreement(kv, ssm, monkeypatch):
     lr = mr.prefill(ids, ps)
     pre = _pair(tk, tr, CFG, "prefill", lk, lr)
     for t in (tk, tr):
-        t.layer, t.ops, t.h, t.sel, t.iso = 0, [], [], [], []
+        t.layer, t.ops, t.h, t.sel, t.iso, t.ids = 0, [], [], [], [], []
     tok = lr.argmax(-1).tolist()                # the same next tokens into both paths
     Trace.active = tk
     dk = mk.decode(ids, tok)
