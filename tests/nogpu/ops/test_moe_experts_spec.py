@@ -275,3 +275,55 @@ def test_reference_dequantization_is_the_numerics_decoders(weights):
     want = np_dequant(weights, c["w13"], c["s13"], w13_rows(c["gs13"], s.inter).numpy() if nv else None)
     # numpy's FP64 product rounded once to FP32 = the FP32 product of an exact e2m1 * scale
     assert np.array_equal(got.numpy(), want.astype(np.float32))
+
+
+# -- the launcher's metadata checks (CPU tensors: each bad argument fails before the device check) --
+def _args(s: MoeExpertsSpec, T: int = 3) -> dict:
+    E, W, I, k, gsz = s.experts, s.hidden, s.inter, s.top_k, s.group
+    u8 = torch.uint8
+    return dict(x=torch.zeros(T, W, dtype=torch.bfloat16), w13=torch.zeros(E, 2 * I, W // 2, dtype=u8),
+                s13=torch.zeros(E, 2 * I, W // gsz, dtype=u8), w2=torch.zeros(E, W, I // 2, dtype=u8),
+                s2=torch.zeros(E, W, I // gsz, dtype=u8),
+                route={"ids": torch.zeros(T, k, dtype=torch.int32), "weights": torch.zeros(T, k),
+                       "offsets": torch.zeros(s.route_experts + 1, dtype=torch.int32),
+                       "perm": torch.zeros(T * k, dtype=torch.int32)},
+                out=torch.zeros(T, W, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("arg,bad,field", [
+    ("x", lambda a: a["x"].float(), "x"),
+    ("w13", lambda a: a["w13"][:, :-1], "w13"),
+    ("s2", lambda a: a["s2"].float(), "s2.dtype"),
+    ("route", lambda a: {k: v for k, v in a["route"].items() if k != "perm"}, "route"),
+    ("route", lambda a: {**a["route"], "offsets": a["route"]["offsets"][:-1]}, "route['offsets']"),
+    ("out", lambda a: a["out"][:, :-8], "out"),
+])
+def test_launcher_rejects_bad_arguments_with_typed_errors(arg, bad, field):
+    from k3gen.ops.moe_experts.launcher import MoeExperts
+    s = spec(hidden=256, inter=64, experts=4, top_k=2)
+    a = _args(s)
+    a[arg] = bad(a)
+    op = MoeExperts(s)
+    with pytest.raises(SpecError) as e:
+        op.check(a["x"], a["w13"], a["s13"], a["w2"], a["s2"], a["route"], a["out"], None, None, None, None, None, 0)
+    assert e.value.field == field
+
+
+def test_launcher_checks_globals_scales_and_the_expert_base():
+    from k3gen.ops.moe_experts.launcher import MoeExperts
+    nv = spec(weights=WeightFormat.NVFP4, hidden=256, inter=64, experts=4, route_experts=8, top_k=2)
+    a = _args(nv)
+    with pytest.raises(SpecError, match="global"):
+        MoeExperts(nv).check(a["x"], a["w13"], a["s13"], a["w2"], a["s2"], a["route"], a["out"],
+                             None, None, None, None, None, 0)
+    gs = (torch.ones(4, 2), torch.ones(4, 1))
+    with pytest.raises(SpecError) as e:
+        MoeExperts(nv).check(a["x"], a["w13"], a["s13"], a["w2"], a["s2"], a["route"], a["out"],
+                             *gs, None, None, None, 5)
+    assert e.value.field == "expert_base"
+    fp8 = spec(hidden=256, inter=64, experts=4, top_k=2, act=ActFormat.FP8)
+    a = _args(fp8)
+    with pytest.raises(SpecError) as e:
+        MoeExperts(fp8).check(torch.zeros(3, 256, dtype=torch.uint8), a["w13"], a["s13"], a["w2"], a["s2"], a["route"],
+                              a["out"], None, None, None, None, None, 0)
+    assert e.value.field == "x_scales"
