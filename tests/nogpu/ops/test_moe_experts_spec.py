@@ -327,3 +327,46 @@ def test_launcher_checks_globals_scales_and_the_expert_base():
         MoeExperts(fp8).check(torch.zeros(3, 256, dtype=torch.uint8), a["w13"], a["s13"], a["w2"], a["s2"], a["route"],
                               a["out"], None, None, None, None, None, 0)
     assert e.value.field == "x_scales"
+
+
+# -- the swap-AB fragment mapping of expert_gemm (include/k3gen/moe/experts.cuh), replayed ---------
+def mma_m16n8k16(d, regs_a, regs_b):
+    """PTX m16n8k16 fragments of all 32 lanes -> D += A B: regs_a[lane] = 4 (lo, hi) pairs,
+    regs_b[lane] = 2 pairs; pair halves are (lower K, upper K)."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for r, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            A[row, col:col + 2] = regs_a[lane][r]
+        for r, k0 in enumerate((2 * t, 2 * t + 8)):
+            B[k0:k0 + 2, g] = regs_b[lane][r]
+    return d + A @ B
+
+
+def test_swap_ab_fragments_compute_the_dot_products():
+    """Each lane's 32-value segment per row and chunk (rows g, g+8; K c*128 + 32t ..), decoded as
+    word j -> pairs q[0..3], fed as {q0[0], q1[0], q0[1], q1[1]} x {B[4j], B[4j+1]} then
+    {q0[2], q1[2], q0[3], q1[3]} x {B[4j+2], B[4j+3]} (B[i] = values 2i, 2i+1 of the token's
+    segment): the accumulator rows are weight rows, columns tokens, and equal W X^T."""
+    rng = np.random.default_rng(1)
+    K, chunks = 256, 2
+    Wm, X = rng.integers(-6, 7, (16, K)).astype(float), rng.integers(-3, 4, (8, K)).astype(float)
+    D = np.zeros((16, 8))
+    for c in range(chunks):
+        def seg(mat, row, t):
+            return mat[row, c * 128 + 32 * t: c * 128 + 32 * t + 32]
+        for j in range(4):
+            regs_a, regs_b = [None] * 32, [None] * 32
+            for half in range(2):
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    q0 = [seg(Wm, g, t)[8 * j + 2 * i: 8 * j + 2 * i + 2] for i in range(4)]
+                    q1 = [seg(Wm, g + 8, t)[8 * j + 2 * i: 8 * j + 2 * i + 2] for i in range(4)]
+                    b = [seg(X, g, t)[2 * i: 2 * i + 2] for i in range(16)]
+                    i0 = 2 * half
+                    regs_a[lane] = (q0[i0], q1[i0], q0[i0 + 1], q1[i0 + 1])
+                    regs_b[lane] = (b[4 * j + i0], b[4 * j + i0 + 1])
+                D = mma_m16n8k16(D, regs_a, regs_b)
+    assert np.array_equal(D, Wm @ X.T)
+    # the lane holding accumulator (row g, cols 2t, 2t+1) also holds (row g + 8, same cols): the
+    # gate_up tile puts gate row i at A row g and up row i at g + 8, so SiTU needs no shuffle.
