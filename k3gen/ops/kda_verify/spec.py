@@ -22,10 +22,13 @@ Output: `out[B, T, H, 128]` BF16, contiguous (8-byte aligned).
 
 Per live sequence: start state S = ssm[s] if P == 0 else draft_rec[s, P-1] (explicit FP32 loads
 of records whatever the SSM dtype); window = conv_ext[s, :, P..P+2]; run the kda_decode step for
-t = 0..M with the FP32 state kept across tokens; then ssm[s] = state after token 0 (typed store:
-FP32, or BF16 round-to-nearest-even), draft_rec[s, t-1] = FP32 state after token t (t >= 1), and
-conv_ext[s, :, 0 .. 2+M] = (w1, w2, x_0, ..., x_M) where (w0, w1, w2) was the start window, so the
-window after token t is columns t .. t+2. pending is not written: after sampling the host sets
+t = 0..M, each token on the state the previous one left rounded to the SSM storage dtype, exactly
+as kda_decode stores and reloads it (BF16: round to nearest even after every token; FP32: no
+rounding), with kda_decode's own per-token expressions (include/k3gen/kda/token_math.cuh), so that
+verify + commit == serial decode bit for bit (SPEC.md section 3); then ssm[s] = state after token 0
+(typed store), draft_rec[s, t-1] = the state after token t (t >= 1) in FP32 (with BF16 storage a
+BF16 value, held exactly), and conv_ext[s, :, 0 .. 2+M] = (w1, w2, x_0, ..., x_M) where
+(w0, w1, w2) was the start window, so the window after token t is columns t .. t+2. pending is not written: after sampling the host sets
 pending[s] = max(accepted_tokens - 1, 0) (reference.commit), nothing is replayed, and a
 rejected draft never changes the committed state.
 

@@ -117,8 +117,9 @@ def _committed(p: Pools, slot):
 def test_verify_then_commit_equals_decode(M, ssm_dtype):
     """Row b accepts (b + r) % (M + 1) drafts in round r: every count 0..M, mixed pending values in
     the second and third rounds. The committed state and window must equal decoding the accepted
-    tokens one by one (FP32 storage: to FP32 rounding; BF16: within BF16 rounding, as the records
-    skip the per-token rounding); the window exactly."""
+    tokens one by one (here the decode runs one row at a time, so only the row-count-dependent
+    BLAS rounding separates them: FP32 to FP32 rounding, BF16 within BF16 rounding); the window
+    exactly. Bit for bit at equal batch shapes: test_kda_verify_lossless.py."""
     H, T = 2, 1 + M
     B = M + 1
     g = torch.Generator().manual_seed(100 + M)
