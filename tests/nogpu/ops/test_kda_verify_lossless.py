@@ -120,3 +120,63 @@ def test_bf16_records_hold_rounded_states():
             assert torch.equal(rec, rec.to(torch.bfloat16).float())
         else:
             assert not torch.equal(rec, rec.to(torch.bfloat16).float())
+
+
+# -- model level, on the reference path ----------------------------------------------------------------
+@pytest.mark.slow
+def test_model_reference_speculative_bitwise_equals_greedy(monkeypatch):
+    """The small K3 preset on the FP32 reference path (RefOps, CPU), NVFP4 KV + BF16 SSM (the H200
+    failure of issue 27): speculative decoding with a drafter forced to reject (6 steps), then to
+    accept (2 steps), then to fail at a rotating position gives plain greedy's tokens and logits bit
+    for bit. The LM head runs as FP64 products rounded to FP32 (model/layers.py _mm): its FP32 GEMM
+    rounds by the row count (B * T rows in verify, B in decode), which is not the KDA path's doing.
+    Measured: with verify carrying unrounded FP32 states between drafts (the bug), this run's logits
+    leave greedy's at token 12 of 40."""
+    import tempfile
+    from pathlib import Path
+
+    import model.generate as G
+    import model.layers as L
+    import model.model as MM
+    from model.cache import HybridCache
+    from model.checkpoint import write_random_checkpoint
+    from model.config import TargetConfig, small_config
+    from model.weights import load_weights
+    cfg, new, M = small_config(), 24, 3
+    d = Path(tempfile.mkdtemp(prefix="k3gen-small-lossless-"))
+    write_random_checkpoint(cfg, d, seed=11)
+    t = TargetConfig(kv="nvfp4", ssm="bf16", max_drafts=M, path="reference")
+    cache = HybridCache(cfg, t, num_slots=2, num_pages=8, max_seq_len=24 + new + 8)
+    m = MM.K3Model(load_weights(d, cfg), t, cache)
+    gen = G.Generator(m)
+    rows: dict[int, list] = {}
+    real_sample = G.sample
+
+    def logits(self, h):
+        return L._mm(L.rms_norm(h, self.w.final_norm, self.cfg.eps).float(), self.w.lm_head.float().T)
+
+    def sample(lg, req, g):
+        rows.setdefault(id(req), []).append(lg.clone())
+        return real_sample(lg, req, g)
+    monkeypatch.setattr(MM.K3Model, "_logits", logits)
+    monkeypatch.setattr(G, "sample", sample)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, cfg.vocab, (24 - 3 * i,), generator=g).tolist() for i in range(2)]
+    greedy = gen.generate([G.Request(p, new) for p in prompts])
+    steps: dict[int, int] = {}
+
+    def drafter(i, history, m_):
+        n, k = len(history) - len(prompts[i]), steps.get(i, 0)
+        steps[i] = k + 1
+        dr = (greedy[i].out[n:n + m_] + [0] * m_)[:m_]
+        wrong = 0 if k < 6 else (m_ if k < 8 else (k + i) % (m_ + 1))
+        if wrong < m_:
+            dr[wrong] = (dr[wrong] + 1) % cfg.vocab
+        return dr
+    spec = gen.generate([G.Request(p, new) for p in prompts], speculative=True, drafter=drafter)
+    assert {0, M} <= set(gen.accepted), gen.accepted
+    for i, (a, b) in enumerate(zip(greedy, spec)):
+        la, lb = rows[id(a)], rows[id(b)]
+        for tok in range(new):
+            assert torch.equal(la[tok], lb[tok]), f"request {i} token {tok}: logits differ"
+        assert a.out == b.out
