@@ -21,7 +21,8 @@ from k3gen.ir.target import Target
 # Every op a full K3 rank launches, in build order; adding an op = one line here.
 K3_MENU = ("kv_cache_write", "kda_decode", "kda_verify", "kda_prefill", "act_quant_fp8", "fp8_block_gemm",
            "mla_q_absorb", "mla_vb_gate", "mla_decode",
-           "moe_experts")   # sm90 only so far: the fp4_cvt targets' tcgen05 variant is not built (its spec says why)
+           "moe_experts",   # sm90 only so far: the fp4_cvt targets' tcgen05 variant is not built (its spec says why)
+           "moe_route", "attn_res", "glu_act")
 
 
 def _nvfp4(name: str, arch: str, sm: int) -> Target:
@@ -128,6 +129,54 @@ KDA_FAB_ALIGN = 16
 
 
 @dataclass(frozen=True, kw_only=True)
+class FfnShape:
+    """What the FFN and residual-stream kernels depend on (model/config.py ModelConfig's fields of the
+    same names; `shared_inter` = moe_inter * shared_experts, 0 without shared experts)."""
+    layers: int
+    eps: float = 1e-5
+    attn_res_block: int | None = None
+    moe: bool = True                  # has MoE layers
+    dense: bool = True                # has dense MLP layers
+    experts: int = 0
+    top_k: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = True
+    routed_scale: float = 1.0
+    moe_latent: int | None = None
+    latent_norm: bool = False
+    shared_inter: int = 0
+    dense_inter: int = 0
+    act: str = "situ"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+
+    @property
+    def max_sources(self) -> int:
+        """AttnRes sources of a forward: the embedding (sealed at layer 0) and one per block; 1 plain."""
+        return 1 if self.attn_res_block is None else 1 + -(-self.layers // self.attn_res_block)
+
+
+def ffn_shape(f: dict) -> FfnShape:
+    """The FfnShape of ModelConfig fields (a dict: k3gen.hf_config.config_fields, or a config's __dict__)."""
+    kinds = tuple(f["mlp_kinds"])
+    return FfnShape(layers=f["layers"], eps=float(f.get("eps", 1e-5)), attn_res_block=f.get("attn_res_block"),
+                    moe="moe" in kinds, dense="dense" in kinds, experts=f["experts"], top_k=f["top_k"],
+                    n_group=f.get("n_group", 1), topk_group=f.get("topk_group", 1),
+                    renormalize=bool(f.get("renormalize", True)), routed_scale=float(f.get("routed_scale", 1.0)),
+                    moe_latent=f.get("moe_latent"), latent_norm=bool(f.get("latent_norm", False)),
+                    shared_inter=f["moe_inter"] * f["shared_experts"], dense_inter=f["dense_inter"],
+                    act=f.get("act", "situ"), situ_beta=float(f.get("situ_beta", 4.0)),
+                    situ_linear_beta=float(f.get("situ_linear_beta", 25.0)))
+
+
+def glu_width(inter: int, tp: int) -> int:
+    """Rows of gate (and of up) in a rank's fused [gate | up] FP8 weight: its share of the
+    intermediate, zero-padded to whole 128-row tiles (model/formats/assemble.py pads the same)."""
+    return -(-(inter // tp) // 128) * 128
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """What a model's kernels depend on (its full config is model/config.py's ModelConfig, whose
     `kernel_shape()` gives this). Head counts are the whole model's (TP1)."""
@@ -139,6 +188,7 @@ class ModelShape:
     kda: bool = True                  # has KDA layers
     mla: bool = True                  # has MLA layers
     gate: GateKind = GateKind.BOUNDED
+    ffn: FfnShape | None = None       # None: no FFN / residual-stream kernels enumerated (attention only)
 
     def heads_at(self, tp: int) -> tuple[int, int]:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -161,7 +211,7 @@ def get_model(name: str) -> ModelShape:
         raise SpecError("model", name, sorted(PRESETS) + ["a config.json path or checkpoint folder"])
     return ModelShape(name=f["name"], hidden=f["hidden"], kda_heads=f["kda_heads"], mla_heads=f["mla_heads"],
                       q_lora=f["q_lora"], kda="kda" in f["layer_kinds"], mla="mla" in f["layer_kinds"],
-                      gate=f["kda_gate"])
+                      gate=f["kda_gate"], ffn=ffn_shape(f))
 
 
 def _shape(model) -> ModelShape:
@@ -191,7 +241,64 @@ def model_gemm_shapes(model, tp: int = 1) -> list[tuple[int, int]]:
         # Q-B (H * 192, q_lora) runs as its own GEMM in the unabsorbed prefill (decode fuses it into
         # mla_q_absorb, whose gemm_spec is the same kernel).
         out |= {(m.q_lora + MLA_A_PAD + hm * 128, m.hidden), (hm * 192, m.q_lora), (m.hidden, hm * 128)}
+    f = m.ffn
+    if f is not None:
+        # The FFN's FP8 linears: the latent projections (replicated), the fused [gate | up] and down of
+        # the shared experts and the dense MLP (by intermediate over the ranks, padded to whole tiles).
+        if f.moe and f.moe_latent is not None:
+            out |= {(f.moe_latent, m.hidden), (m.hidden, f.moe_latent)}
+        for on, inter in ((f.moe, f.shared_inter), (f.dense, f.dense_inter)):
+            if on and inter:
+                w = glu_width(inter, tp)
+                out |= {(2 * w, m.hidden), (m.hidden, w)}
     return sorted(out)
+
+
+def _act_quant_ks(m: ModelShape, tp: int):
+    """K of the GEMMs whose BF16 input goes through act_quant_fp8 (None: all, without FFN kernels).
+    With them, the layers' inputs come quantized from attn_res, the GLU down inputs from glu_act and
+    routed_expert_up_proj's from routed_expert_norm (an attn_res over the latent); what remains is
+    o_proj (the attention output), the prefill's Q-B input and a latent without its norm."""
+    f = m.ffn
+    if f is None:
+        return None
+    hk, hm = m.heads_at(tp)
+    ks = set()
+    if m.kda:
+        ks.add(hk * 128)
+    if m.mla:
+        ks.add(hm * 128)
+        if m.q_lora is not None:
+            ks.add(m.q_lora)
+    if f.moe and f.moe_latent is not None and not f.latent_norm:
+        ks.add(f.moe_latent)
+    return ks
+
+
+def ffn_specs(target: Target, m: ModelShape, tp: int, recipe: ScaleRecipe) -> list[OpSpec]:
+    """The FFN and residual-stream kernels of a rank (model/ops.py KernelOps launches them): the
+    router (moe_route), the AttnRes mix + RMSNorm + FP8 quantization for each delta kind it fuses
+    (none: layer 0's input; bf16: an attention output; fp32: an FFN output), routed_expert_norm as a
+    one-source attn_res over the latent, and glu_act of the shared experts and the dense MLP."""
+    from k3gen.ops.attn_res.spec import AttnResSpec, ResDelta
+    from k3gen.ops.glu_act.spec import GluActSpec, GluKind
+    from k3gen.ops.moe_route.spec import MoeRouteSpec
+    f = m.ffn
+    if f is None:
+        return []
+    out: list[OpSpec] = []
+    if f.moe:
+        out.append(MoeRouteSpec(target=target, experts=f.experts, top_k=f.top_k, n_group=f.n_group,
+                                topk_group=f.topk_group, renormalize=f.renormalize, routed_scale=f.routed_scale))
+    out += [AttnResSpec(target=target, hidden=m.hidden, max_sources=f.max_sources, eps=f.eps, recipe=recipe, delta=d)
+            for d in ResDelta]
+    if f.moe and f.moe_latent is not None and f.latent_norm:
+        out.append(AttnResSpec(target=target, hidden=f.moe_latent, max_sources=1, eps=f.eps, recipe=recipe))
+    act = GluKind(f.act)
+    betas = dict(beta=f.situ_beta, linear_beta=f.situ_linear_beta) if act is GluKind.SITU else {}
+    for w in sorted({glu_width(i, tp) for on, i in ((f.moe, f.shared_inter), (f.dense, f.dense_inter)) if on and i}):
+        out.append(GluActSpec(target=target, inter=w, act=act, recipe=recipe, **betas))
+    return out
 
 
 def _need_q_lora(m: ModelShape) -> None:
@@ -226,10 +333,13 @@ def mla_decode_spec(target: Target, heads: int, layout: KvLayout, tokens: int) -
 
 
 def rank_specs(target: Target, *, kda_heads: int | None, mla_heads: int | None, gemm_shapes,
-               serving: ServingOptions, gate: GateKind = GateKind.BOUNDED, q_absorb: bool = True) -> list[OpSpec]:
+               serving: ServingOptions, gate: GateKind = GateKind.BOUNDED, q_absorb: bool = True,
+               act_quant_ks=None) -> list[OpSpec]:
     """The specs one rank launches, from its per-rank head counts (None: no such layers) and the
     (N, K) of its FP8 linears: model_specs' core, also what KernelOps built from heads reads.
-    q_absorb=False: an MLA without a q LoRA, which never launches mla_q_absorb."""
+    q_absorb=False: an MLA without a q LoRA, which never launches mla_q_absorb. `act_quant_ks`: the
+    K of every act_quant_fp8 launched (None: every GEMM's K; model_specs passes fewer when the
+    AttnRes stream, routed_expert_norm and glu_act quantize the other GEMMs' inputs themselves)."""
     from k3gen.ops.act_quant_fp8.spec import ActQuantFp8Spec
     from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
     from k3gen.ops.kda_decode.spec import KdaDecodeSpec
@@ -254,7 +364,8 @@ def rank_specs(target: Target, *, kda_heads: int | None, mla_heads: int | None, 
         out += [mla_decode_spec(t, mla_heads, lay, T) for T in attention_tokens(lay.kv, m)]
     shapes = sorted(set(gemm_shapes))
     out += [Fp8BlockGemmSpec(target=t, n=n, k=k, recipe=r) for n, k in shapes]
-    out += [ActQuantFp8Spec(target=t, k=k, recipe=r) for k in sorted({k for _, k in shapes})]
+    ks = {k for _, k in shapes} if act_quant_ks is None else set(act_quant_ks)
+    out += [ActQuantFp8Spec(target=t, k=k, recipe=r) for k in sorted(ks)]
     return _unique(_on_menu(t, out))
 
 
@@ -262,15 +373,19 @@ def model_specs(target: Target, model, tp: int = 1, ep: int = 1,
                 serving: ServingOptions | None = None) -> list[OpSpec]:
     """Exactly the specs one rank of `model` (a ModelShape, preset name or ModelConfig) launches at
     tensor-parallel degree `tp` with `serving` (default: the target's first KV and SSM dtypes, no
-    drafts). `ep` is validated only: the MoE runs in PyTorch until its kernels land."""
+    drafts). `ep` is validated only: the routed experts run in PyTorch (model/ops.py `moe_experts`)
+    until their grouped GEMM is wired in; the router, latent and shared projections, glu_act and the
+    AttnRes stream are listed (`ffn_specs`)."""
     m = _shape(model)
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise SpecError("ep", ep, "a positive int")
     serving = serving or ServingOptions(kv=target.kv_dtypes[0], ssm=target.ssm_dtypes[0])
     hk, hm = m.heads_at(tp)
     shapes = model_gemm_shapes(m, tp)
-    return rank_specs(target, kda_heads=hk if m.kda else None, mla_heads=hm if m.mla else None,
-                      gemm_shapes=shapes, serving=serving, gate=m.gate, q_absorb=m.q_lora is not None)
+    specs = rank_specs(target, kda_heads=hk if m.kda else None, mla_heads=hm if m.mla else None,
+                       gemm_shapes=shapes, serving=serving, gate=m.gate, q_absorb=m.q_lora is not None,
+                       act_quant_ks=_act_quant_ks(m, tp))
+    return _unique(specs + _on_menu(target, ffn_specs(target, m, tp, check_serving(target, serving).recipe)))
 
 
 def serving_sweep(target: Target, kv: KvDtype | None = None, ssm: SsmDtype | None = None,

@@ -9,13 +9,13 @@ gate (`kda_gate`, `kda_out_gate`), the MLA output gate (`mla_out_gate`), the rou
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from k3gen.errors import SpecError
 from k3gen.ir.dtypes import GateKind, KvDtype, ScaleRecipe, SsmDtype
 from k3gen.ir.layouts import KDA_DK, MLA_LATENT, MLA_ROPE, KvLayout, StatePoolLayout
 from k3gen.ir.target import Target
-from k3gen.targets import ModelShape, ServingOptions, check_serving, get_target, serving_kv_layout
+from k3gen.targets import ModelShape, ServingOptions, check_serving, ffn_shape, get_target, serving_kv_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +142,7 @@ class ModelConfig:
         """What k3gen's enumerator (targets.model_specs) reads of this model."""
         return ModelShape(name=self.name, hidden=self.hidden, kda_heads=self.kda_heads, mla_heads=self.mla_heads,
                           q_lora=self.q_lora, kda=bool(self.kda_layer_ids), mla=bool(self.mla_layer_ids),
-                          gate=self.kda_gate)
+                          gate=self.kda_gate, ffn=ffn_shape({f.name: getattr(self, f.name) for f in fields(self)}))
 
 
 @dataclass(frozen=True)

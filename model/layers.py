@@ -4,7 +4,8 @@ the router are model/arch.py's formulas.
 
 Shapes: a step carries B sequences of T tokens each (decode T = 1, verify T = 1 + M), rows
 ordered b * T + t; prefill carries N tokens of varlen sequences (cu_seqlens). The residual stream
-is FP32; every projection input is BF16.
+is FP32; every projection input is BF16, a layer's input (`xn`) comes as a QAct (model/ffn_ops.py:
+BF16 rows and their FP8 quantization, made by the stream's mix).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from k3gen.ops.mla_q_absorb.reference import rms_norm_bf16
 
 from model import arch
 from model.config import ModelConfig
+from model.moe_torch import _mm  # noqa: F401  (FP64 products rounded to FP32: tests' row-invariant LM head)
+from model.ffn_ops import QAct, bf16, rows as n_rows
 from model.mla_attention import prefill_attention
 from model.ops import Ops
 from model.weights import DenseMlpWeights, KdaLayerWeights, MlaLayerWeights, MoeWeights
@@ -70,7 +73,7 @@ def kda_step(ops: Ops, w: KdaLayerWeights, xn, pools: dict, st: Step):
         o = ops.kda_decode(qkvg, fa, beta, pools, st.slots, w.kda)
     else:
         o = ops.kda_verify(qkvg, fa, beta, pools, st.slots, w.kda)
-    return ops.linear(o.reshape(xn.shape[0], -1), w.o_proj)
+    return ops.linear(o.reshape(n_rows(xn), -1), w.o_proj)
 
 
 def kda_prefill(ops: Ops, w: KdaLayerWeights, xn, pools: dict, pf: Prefill):
@@ -80,7 +83,7 @@ def kda_prefill(ops: Ops, w: KdaLayerWeights, xn, pools: dict, pf: Prefill):
         sl = pf.slots.long()
         pools["conv_ext"][sl, :, :3] = pools["conv"][sl].float()
         pools["pending"][sl] = 0
-    return ops.linear(o.reshape(xn.shape[0], -1), w.o_proj)
+    return ops.linear(o.reshape(n_rows(xn), -1), w.o_proj)
 
 
 # -- MLA -------------------------------------------------------------------------------------------
@@ -121,14 +124,14 @@ def mla_step(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float, s
     q = _mla_q_latent(ops, w, xn, a)                                              # [BT, H, 576]
     o_lat = ops.mla_attention(layout, q.view(st.B, st.T, H, -1), kv, st.block_table, st.start, st.slots, scale)
     y = ops.vb_gate(o_lat.reshape(st.B * st.T, H, KV_LORA), w.w_uv, a[:, _mla_offsets(w)[1]:])
-    return ops.linear(y.reshape(xn.shape[0], H * 128), w.o_proj)
+    return ops.linear(y.reshape(n_rows(xn), H * 128), w.o_proj)
 
 
 def mla_prefill(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float, pf: Prefill, eps: float):
     """Unabsorbed: c_kv expanded with kv_b into per-head k_nope / v; the cache rows written are
     exactly the decode path's."""
     H = w.w_uk.shape[0]
-    N = xn.shape[0]
+    N = n_rows(xn)
     a = ops.linear(xn, w.a_proj)
     rows = _mla_rows(w, a, eps)
     start = torch.zeros_like(pf.slots)
@@ -149,69 +152,38 @@ def mla_prefill(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float
 
 
 # -- MoE and MLP -----------------------------------------------------------------------------------
-# The PyTorch stand-ins multiply in FP64 and round to FP32: cuBLAS picks its FP32 reduction order by
-# the number of rows, so an FP32 row of a verify step (B*T rows) could differ in its last bits from
-# the same row of a decode step (B rows), and a random model amplifies that into different tokens.
-# FP64 products rounded to FP32 are row-invariant but for values within ~1e-16 of a rounding edge
-# (the 2026-11-30 H200 run: speculative == greedy fails with FP32 stand-ins, holds with row-by-row
-# ones; tools/diag_spec_greedy.py). The generated kernels are row-invariant by construction.
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a.double() @ b.double()).float()
-
-
-def _ein(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.einsum(eq, a.double(), b.double()).float()
-
-
-def _glu(x, gate_w, up_w, down_w, act):
-    """down(act(gate(x), up(x))): the activation in FP32 on FP32 products, BF16 into down."""
-    h = act(_mm(x, gate_w.T), _mm(x, up_w.T))
-    return _mm(h.to(BF16), down_w.T)
-
-
-def route(w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig):
-    """arch.route on FP32 router logits (noaux_tc: groups, correction bias for the choice,
-    renormalize, routed_scale). Returns (expert ids [M, k], weights [M, k] FP32)."""
-    return arch.route(_mm(xn, w.router.T), w.bias, cfg)
-
-
-def moe(ops: Ops, w: MoeWeights, xn: torch.Tensor, cfg: ModelConfig, part=None) -> torch.Tensor:
+def moe(ops: Ops, w: MoeWeights, xn: QAct, cfg: ModelConfig, part=None) -> torch.Tensor:
     """The (latent) MoE: lat = routed_expert_down_proj(x); y = sum_e w_e expert_e(lat);
     y = RMSNorm(y) * routed_expert_norm (latent_moe_use_norm); out = routed_expert_up_proj(y) +
     shared_experts(x) (SGLang kimi_k3 `_forward_unfused`, vLLM KimiMoE.forward; k3_facts 2.4).
-    Without a latent the experts read and write the hidden width.
+    Without a latent the experts read and write the hidden width. Returns FP32 [M, hidden].
 
-    Experts through PyTorch on weights dequantized here from their packed form
-    (`moe_torch_dequant`): every expert is computed for every token and masked by the routing
-    weights, so the step has static shapes (graph-safe) and no host sync. A grouped NVFP4 GEMM
-    replaces it. BF16 rounding points: the latent input, the expert hidden (into w2), the summed
-    expert output (into the norm / the up projection).
+    xn: the FFN input, normed and FP8-quantized by the stream's mix (its BF16 rows feed the router).
+    The router logits and the routed experts run in PyTorch (`ops.router_logits`, `ops.moe_experts`:
+    model/moe_torch.py); moe_route, the latent and shared projections (FP8 GEMMs), glu_act and
+    routed_expert_norm (attn_res over the latent, fused with the up projection's FP8 quantization)
+    are kernels on the kernel path. BF16 rounding points: the latent input, the expert hidden, the
+    normed sum, every GEMM output.
 
     `part` (model/model.py MoePart; None: the whole model): this rank holds experts `part.experts`,
-    each with a slice of its intermediate, and a slice of the shared experts' intermediate; its
-    partial sums go through `part.reduce` (over the ranks) before routed_expert_norm and the add."""
-    ops._mark("moe_torch_dequant", "torch" if ops.kind == "kernel" else "ref")
-    act = arch.act_fn(cfg)
-    sel, wts = route(w, xn, cfg)
-    dense = torch.zeros(xn.shape[0], cfg.experts, dtype=torch.float32, device=xn.device).scatter(1, sel, wts)
-    x = xn.float()
-    xl = x if w.latent_down is None else _mm(x, w.latent_down.T).to(BF16).float()      # [M, W]
-    w13, w2 = w.experts.dequant()                                                     # [E, 2I, W], [E, W, I]
-    I = w13.shape[1] // 2
-    gu = _ein("mw,ejw->mej", xl, w13)
-    h = act(gu[..., :I], gu[..., I:])
-    ye = _ein("mei,ewi->mew", h.to(BF16), w2)
-    y = _ein("me,mew->mw", dense if part is None else dense[:, part.experts], ye)
+    each with a slice of its intermediate, and a slice of the shared experts' intermediate; the
+    experts' partial sum goes through `part.reduce` (over the ranks) before routed_expert_norm, the
+    shared experts' down projection is row-parallel (RankOps sums it)."""
+    routing = ops.route(ops.router_logits(xn, w.router), w.bias, cfg)
+    xl = bf16(xn) if w.latent_down is None else ops.linear(xn, w.latent_down)          # [M, W] BF16
+    y = ops.moe_experts(xl, routing, w.experts, cfg, None if part is None else part.experts)
     if part is not None:
         y = part.reduce(y)
-    y = rms_norm(y, w.latent_norm, cfg.eps) if w.latent_norm is not None else y.to(BF16)
-    out = y.float() if w.latent_up is None else _mm(y.float(), w.latent_up.T)
-    if w.shared_gate is not None:
-        sh = _glu(x, w.shared_gate, w.shared_up, w.shared_down, act)
-        out = out + (sh if part is None else part.reduce(sh))
+    if w.latent_up is None:
+        out = y.to(BF16).float()
+    else:
+        ya = ops.latent_norm(y, w.latent_norm, cfg.eps) if w.latent_norm is not None else y.to(BF16)
+        out = ops.linear(ya, w.latent_up).float()
+    if w.shared is not None:
+        out = out + ops.glu(xn, w.shared, cfg).float()
     return out
 
 
-def dense_mlp(ops: Ops, w: DenseMlpWeights, xn: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    ops._mark("dense_mlp", "torch" if ops.kind == "kernel" else "ref")
-    return _glu(xn.float(), w.gate, w.up, w.down, arch.act_fn(cfg))
+def dense_mlp(ops: Ops, w: DenseMlpWeights, xn, cfg: ModelConfig) -> torch.Tensor:
+    """The dense MLP (FP32 [M, hidden] of its BF16 GEMM output)."""
+    return ops.glu(xn, w, cfg).float()

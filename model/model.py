@@ -19,9 +19,9 @@ from k3gen.ops.kda_verify.reference import commit as kda_commit
 from k3gen.targets import model_gemm_shapes
 
 from model import layers as L
-from model.arch import AttnResStream
 from model.cache import HybridCache
 from model.config import TargetConfig
+from model.ffn_ops import QAct, ResStream
 from model.ops import make_ops
 from model.shard import RowParallel, check_rank_weights
 from model.weights import DenseMlpWeights, KdaLayerWeights, ModelWeights
@@ -55,17 +55,22 @@ class RankOps:
     def __getattr__(self, name):
         return getattr(self._ops, name)
 
-    def linear(self, x: torch.Tensor, w):
+    def linear(self, x, w):
         if not isinstance(w, RowParallel):
             return self._ops.linear(x, w)
         if self._ops.kind == "ref":
             from k3gen.ops.act_quant_fp8.reference import act_quant_fp8, dequantize
             self._ops._mark("fp8_linear")
-            xd = dequantize(*act_quant_fp8(x, self._ops.recipe), self._ops.recipe)
+            q = (x.codes, x.scales) if isinstance(x, QAct) else act_quant_fp8(x, self._ops.recipe)
+            xd = dequantize(*q, self._ops.recipe)
             part = xd @ w.dequant().to(xd.device).T
         else:
             part = self._ops.linear(x, w).float()
         return self._par.reduce_sum(part).to(BF16)
+
+    def glu(self, x, w, cfg):
+        """The GLU with its row-parallel down projection summed over the ranks (`linear`)."""
+        return self.linear(QAct(None, *self._ops.glu_hidden(x, w, cfg)), w.down)
 
 
 class K3Model:
@@ -90,9 +95,14 @@ class K3Model:
     def gemm_shapes(self) -> list[tuple[int, int]]:
         out = []
         for lw in self.w.layers:
-            a = lw.attn
+            a, f = lw.attn, lw.ffn
             lins = [a.qkvg, a.fab, a.o_proj] if isinstance(a, KdaLayerWeights) else [a.a_proj, a.q_b, a.o_proj]
-            out += [(x.n, x.k) for x in lins]
+            if isinstance(f, DenseMlpWeights):
+                lins += [f.gate_up, f.down]
+            else:
+                lins += [x for x in (f.latent_down, f.latent_up) if x is not None]
+                lins += [f.shared.gate_up, f.shared.down] if f.shared is not None else []
+            out += [(x.n, x.k) for x in lins if x is not None]
         return out
 
     def _shapes_arg(self):
@@ -112,13 +122,11 @@ class K3Model:
         if self.ops.kind == "kernel":
             self.ops.load_all(self._shapes_arg(), self.tcfg.graph_batch_sizes, self.max_tokens())
 
-    def _ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """The FFN's output (not added to the stream) for the FFN input h [M, hidden] FP32."""
+    def _ffn(self, i: int, xn: QAct) -> torch.Tensor:
+        """The FFN's output (not added to the stream) for its normed, quantized input xn."""
         lw = self.w.layers[i]
-        xn = L.rms_norm(h, lw.post_norm, self.cfg.eps)
         if isinstance(lw.ffn, DenseMlpWeights):
-            out = L.dense_mlp(self.ops, lw.ffn, xn, self.cfg)
-            return out if self.par is None else self.par.reduce_sum(out)
+            return L.dense_mlp(self.ops, lw.ffn, xn, self.cfg)     # TP: the down GEMM's partials summed (RankOps)
         if self.par is None:
             return L.moe(self.ops, lw.ffn, xn, self.cfg)
         return L.moe(self.ops, lw.ffn, xn, self.cfg, part=self._moe_part)
@@ -133,21 +141,22 @@ class K3Model:
         return self.par.reduce_sum(torch.where(mine[:, None], e, torch.zeros_like(e)))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head (FP32, PyTorch) of the output mix h [M, hidden] FP32."""
         x = L.rms_norm(h, self.w.final_norm, self.cfg.eps)
         logits = x.float() @ self.w.lm_head.float().T
         return logits if self.par is None else self.par.gather_cat(logits, dim=-1)
 
     def _run(self, tokens: torch.Tensor, attn) -> torch.Tensor:
-        """The residual stream (arch.AttnResStream: Attention Residuals over blocks of
-        cfg.attn_res_block layers, the plain sum when None): each layer's attention and FFN read
-        a mix of the stream through their own pseudo-query, and write their output back; the
-        output query mixes once more before the final norm."""
-        s = AttnResStream(self._embed(tokens), self.cfg.attn_res_block, self.cfg.eps)
+        """The residual stream (ffn_ops.ResStream, arch.AttnResStream's protocol: Attention Residuals
+        over blocks of cfg.attn_res_block layers, the plain sum when None): each layer's attention
+        and FFN read a mix of the stream through their own pseudo-query, normed by the layer's
+        RMSNorm and quantized for its first GEMMs in the same op (attn_res), and write their output
+        back (the next mix adds it); the output query mixes once more, normed by the final norm."""
+        s = ResStream(self.ops, self._embed(tokens), self.cfg)
         for i, lw in enumerate(self.w.layers):
-            xn = L.rms_norm(s.inputs(lw.attn_res), lw.input_norm, self.cfg.eps)
-            s.add_attn(i, attn(i, lw, xn))
-            s.add_ffn(self._ffn(i, s.inputs(lw.mlp_res)))
-        return self._logits(s.output(self.w.output_res))
+            s.add_attn(i, attn(i, lw, s.attn_input(lw.attn_res, lw.input_norm)))
+            s.add_ffn(self._ffn(i, s.ffn_input(lw.mlp_res, lw.post_norm)))
+        return self._logits(s.output(self.w.output_res, self.w.final_norm))
 
     # -- device core (graph-safe on the kernel path) ----------------------------------------------
     def step_core(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, T: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from k3gen.targets import ServingOptions, SpecMenu, attention_tokens, mla_decode
 import k3gen.api as api
 import k3gen.library as library
 from model import mla_attention as attn
+from model.ffn_ops import KernelFfnOps, QAct, RefFfnOps
 from model.weights import Fp8Linear
 
 BF16 = torch.bfloat16
@@ -43,6 +44,7 @@ class Ops:
     def __init__(self, recipe: ScaleRecipe, gate: GateKind = GateKind.BOUNDED):
         self.recipe, self.gate = recipe, gate
         self.ran: collections.Counter = collections.Counter()
+        self._queries: dict = {}     # AttnRes pseudo-queries (and zero queries) by weight / width
 
     def _mark(self, op: str, kind: str | None = None) -> None:
         # Not inside torch.compile: dynamo would guard on the count and recompile every step. What
@@ -58,12 +60,13 @@ class Ops:
         return attn.paged_mla_attention(layout, q, cache, block_table, start, ring_slot, scale).to(BF16)
 
 
-class RefOps(Ops):
+class RefOps(RefFfnOps, Ops):
     kind = "ref"
 
-    def linear(self, x: torch.Tensor, w: Fp8Linear) -> torch.Tensor:
+    def linear(self, x, w: Fp8Linear) -> torch.Tensor:
+        """x BF16 [M, K] (quantized here) or a QAct (quantized by the op before) times w."""
         self._mark("fp8_linear")
-        codes, scales = ref_act_quant(x, self.recipe)
+        codes, scales = (x.codes, x.scales) if isinstance(x, QAct) else ref_act_quant(x, self.recipe)
         xd = ref_act_dequant(codes, scales, self.recipe)
         # FP64 products rounded to FP32: row-invariant (an FP32 GEMM's reduction order depends on
         # the row count), so a verify row equals the decode row and speculative == greedy holds
@@ -104,7 +107,7 @@ class RefOps(Ops):
         return ref_vb_gate(o_lat, w_uv, gate).to(BF16)
 
 
-class KernelOps(Ops):
+class KernelOps(KernelFfnOps, Ops):
     """The generated kernels of `target`, called through the `k3gen::` torch.library ops
     (k3gen.api), so a step traces under torch.compile(fullgraph=True) with no graph break: each
     call looks its kernel handle (the spec's canonical JSON, a str) up in a dict filled when the
@@ -223,8 +226,12 @@ class KernelOps(Ops):
             return (op, spec.n, spec.k)
         if op == "mla_decode":
             return (op, spec.tokens)
-        if op == "kv_cache_write":
+        if op in ("kv_cache_write", "moe_route"):
             return (op,)
+        if op == "attn_res":
+            return (op, spec.hidden, spec.max_sources, spec.delta.value)
+        if op == "glu_act":
+            return (op, spec.inter)
         return (op, spec.heads)
 
     def _get(self, op: str, **kw):
@@ -243,11 +250,14 @@ class KernelOps(Ops):
 
     # -- ops --------------------------------------------------------------------------------------
     def linear(self, x, w: Fp8Linear):
+        """x BF16 [M, K] through act_quant_fp8, or a QAct (quantized by the op before), then the GEMM."""
         self._mark("fp8_linear")
+        gemm = self._handle(("fp8_block_gemm", w.n, w.k), n=w.n, k=w.k, recipe=self.recipe)
+        if isinstance(x, QAct):
+            return api.fp8_block_gemm(gemm, x.codes, x.scales, w.codes, w.scales)
         x = x.contiguous()
         k = x.shape[1]
         quant = self._handle(("act_quant_fp8", k), k=k, recipe=self.recipe)
-        gemm = self._handle(("fp8_block_gemm", w.n, w.k), n=w.n, k=w.k, recipe=self.recipe)
         return api.fp8_linear(quant, gemm, x, w.codes, w.scales)
 
     def _kda_args(self, w: KdaWeights):

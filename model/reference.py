@@ -366,8 +366,7 @@ def canonical_from_weights(w) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         m = p + ("mlp." if cfg.is_dense(i) else "block_sparse_moe.")
         ffn = lw.ffn
         if cfg.is_dense(i):
-            for n in ("gate", "up", "down"):
-                t[f"{m}{n}_proj.weight"] = getattr(ffn, n).to(f)
+            t.update(_glu_tensors(m, ffn))
             continue
         t[m + "gate.weight"], t[m + "gate.e_score_correction_bias"] = ffn.router.to(f), ffn.bias.to(f)
         w13, w2 = ffn.experts.dequant()
@@ -375,12 +374,21 @@ def canonical_from_weights(w) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         for e in range(ffn.experts.experts):
             t[f"{m}experts.{e}.w1.weight"], t[f"{m}experts.{e}.w3.weight"] = w13[e, :I].to(f), w13[e, I:].to(f)
             t[f"{m}experts.{e}.w2.weight"] = w2[e].to(f)
-        for n, v in (("routed_expert_down_proj", ffn.latent_down), ("routed_expert_up_proj", ffn.latent_up),
-                     ("routed_expert_norm", ffn.latent_norm), ("shared_experts.gate_proj", ffn.shared_gate),
-                     ("shared_experts.up_proj", ffn.shared_up), ("shared_experts.down_proj", ffn.shared_down)):
+        for n, v in (("routed_expert_down_proj", ffn.latent_down), ("routed_expert_up_proj", ffn.latent_up)):
             if v is not None:
-                t[m + n + ".weight"] = v.to(f)
+                t[m + n + ".weight"] = v.dequant()
+        if ffn.latent_norm is not None:
+            t[m + "routed_expert_norm.weight"] = ffn.latent_norm.to(f)
+        if ffn.shared is not None:
+            t.update(_glu_tensors(m + "shared_experts.", ffn.shared))
     return cfg, t
+
+
+def _glu_tensors(m: str, w) -> dict[str, torch.Tensor]:
+    """gate/up/down of a weight_types.GluWeights without its tile padding (FP32 values)."""
+    gu, I, W = w.gate_up.dequant(), w.inter, w.width
+    return {m + "gate_proj.weight": gu[:I], m + "up_proj.weight": gu[W:W + I],
+            m + "down_proj.weight": w.down.dequant()[:, :I]}
 
 
 __all__ = ["Fp32Reference", "canonical_shapes", "check_tensors", "check_shape", "a_log_shapes",

@@ -7,7 +7,9 @@ format's loader output) into what rank `place` of a `model.dist.Layout` holds, b
   heads; W_UK / W_UV of its heads. `o_proj` row-parallel (`RowParallel`: the columns of its heads; the
   model sums the partial products over the ranks before the BF16 rounding).
 - Vocabulary-parallel embedding and LM head (rows [rank * V / world, ...)).
-- Dense MLP and shared experts by intermediate over all ranks (gate/up rows, down columns).
+- Dense MLP and shared experts by intermediate over all ranks (FP8 [gate | up] rows, down columns as a
+  `RowParallel`: the model sums its partial products like o_proj's); a rank's share must be whole
+  128-row tiles (`ShardAlignmentError` otherwise).
 - Routed experts by id over the EP slot and by intermediate over the MoE TP slot, in their packed form.
 - Replicated: norms, AttnRes queries, f_a, q_a, kv_a, the router and its bias, the latent projections and
   routed_expert_norm (it normalizes the sum over every rank's experts).
@@ -144,6 +146,10 @@ def check_shardable(cfg: ModelConfig, layout: Layout, expert_fmt: str | None = N
             _col_check(c0, c1, cfg.mla_heads * DK, "mla o_proj", r)
         if expert_fmt is not None and "moe" in cfg.mlp_kinds:
             _expert_inter(expert_fmt, cfg.moe_inter, p)
+    if "dense" in cfg.mlp_kinds:
+        _glu_check(cfg.dense_inter, layout, "dense_inter")
+    if "moe" in cfg.mlp_kinds and cfg.shared_experts:
+        _glu_check(cfg.shared_inter, layout, "shared_inter")
 
 
 # -- slicing ---------------------------------------------------------------------------------------
@@ -172,10 +178,22 @@ def _mla(w: MlaLayerWeights, cfg: ModelConfig, place: Place) -> MlaLayerWeights:
                                o_proj=_fp8_cols(w.o_proj, c0, c1, "mla o_proj", r))
 
 
-def _glu_rows(gate, up, down, place: Place):
-    """gate/up rows and down columns of this rank's share of the intermediate."""
-    s = place.part(gate.shape[0], place.tp)
-    return gate[s].clone(), up[s].clone(), down[:, s].clone()
+def _glu_rows(w, place: Place, what: str):
+    """The fused [gate | up] rows and down columns of this rank's share of the intermediate (whole
+    128-row tiles: check_shardable), the same type (DenseMlpWeights or GluWeights)."""
+    s = place.part(w.inter, place.tp)
+    W, r = w.width, place.rank
+    gate_up = _fp8_rows(w.gate_up, [(s.start, s.stop), (W + s.start, W + s.stop)], 0, f"{what} [gate | up]", r)
+    return type(w)(gate_up=gate_up, down=_fp8_cols(w.down, s.start, s.stop, f"{what} down_proj", r),
+                   inter=s.stop - s.start)
+
+
+def _glu_check(inter: int, layout: Layout, what: str) -> None:
+    """A rank's share of an FP8 GLU's intermediate is whole 128-row tiles (its gate/up rows and down
+    columns keep TP1's tile scales, its glu_act groups TP1's activation groups)."""
+    if layout.world > 1 and (inter // layout.world) % TILE:
+        raise ShardAlignmentError(what, f"{inter // layout.world} of {inter} per rank",
+                                  "multiples of 128 (whole FP8 tiles)", f"TP{layout.world}")
 
 
 def shard_experts(x: ExpertWeights, place: Place) -> ExpertWeights:
@@ -199,9 +217,8 @@ def shard_experts(x: ExpertWeights, place: Place) -> ExpertWeights:
 
 
 def _moe(w: MoeWeights, place: Place) -> MoeWeights:
-    sh = (None,) * 3 if w.shared_gate is None else _glu_rows(w.shared_gate, w.shared_up, w.shared_down, place)
-    return dataclasses.replace(w, experts=shard_experts(w.experts, place), shared_gate=sh[0], shared_up=sh[1],
-                               shared_down=sh[2])
+    sh = None if w.shared is None else _glu_rows(w.shared, place, "shared_experts")
+    return dataclasses.replace(w, experts=shard_experts(w.experts, place), shared=sh)
 
 
 def shard_weights(w: ModelWeights, place: Place) -> ModelWeights:
@@ -217,7 +234,7 @@ def shard_weights(w: ModelWeights, place: Place) -> ModelWeights:
     for i, lw in enumerate(w.layers):
         attn = _kda(lw.attn, cfg, place) if cfg.kind(i) == "kda" else _mla(lw.attn, cfg, place)
         if isinstance(lw.ffn, DenseMlpWeights):
-            ffn = DenseMlpWeights(*_glu_rows(lw.ffn.gate, lw.ffn.up, lw.ffn.down, place))
+            ffn = _glu_rows(lw.ffn, place, "mlp")
         else:
             ffn = _moe(lw.ffn, place)
         layers.append(dataclasses.replace(lw, attn=attn, ffn=ffn))

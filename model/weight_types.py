@@ -149,23 +149,35 @@ class MlaLayerWeights:
 
 
 @dataclass
+class GluWeights:
+    """A gated MLP down(act(gate(x), up(x))) in the FP8 kernels' formats: `gate_up` the fused
+    [gate | up] block weight, each part `width` rows (the real `inter` rows, zero rows up to a
+    whole 128-row tile, so up starts on a tile and glu_act reads gate | up at columns 0 | width);
+    `down` [hidden, width] with zero columns past `inter` (a RowParallel at TP > 1: this rank's
+    share of the intermediate). The zero rows give act(0, 0) = 0 (SiTU and SiLU), so the padding is exact."""
+    gate_up: Fp8Linear
+    down: Fp8Linear
+    inter: int
+
+    @property
+    def width(self) -> int:
+        return self.gate_up.n // 2
+
+
+@dataclass
 class MoeWeights:
     router: torch.Tensor                    # [E, hidden] FP32 (BF16 values)
     bias: torch.Tensor                      # [E] FP32 correction bias (selection only)
     experts: ExpertWeights                  # packed, [w1 | w3] stacked as w13
-    latent_down: torch.Tensor | None        # [latent, hidden] BF16 (routed_expert_down_proj); None: no latent
-    latent_up: torch.Tensor | None          # [hidden, latent] BF16 (routed_expert_up_proj)
+    latent_down: Fp8Linear | None           # [latent, hidden] (routed_expert_down_proj); None: no latent
+    latent_up: Fp8Linear | None             # [hidden, latent] (routed_expert_up_proj)
     latent_norm: torch.Tensor | None        # [latent] BF16 (routed_expert_norm), None without latent_moe_use_norm
-    shared_gate: torch.Tensor | None        # [shared_inter, hidden] BF16; None: no shared experts
-    shared_up: torch.Tensor | None
-    shared_down: torch.Tensor | None        # [hidden, shared_inter]
+    shared: GluWeights | None               # the shared experts as one MLP of shared_inter; None: none
 
 
 @dataclass
-class DenseMlpWeights:
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+class DenseMlpWeights(GluWeights):
+    """The dense MLP (layer 0 of K3)."""
 
 
 @dataclass
@@ -208,5 +220,5 @@ def _map_tensors(obj, fn):
     return obj
 
 
-__all__ = ["Fp8Linear", "ExpertWeights", "KdaLayerWeights", "MlaLayerWeights", "MoeWeights", "DenseMlpWeights",
+__all__ = ["Fp8Linear", "GluWeights", "ExpertWeights", "KdaLayerWeights", "MlaLayerWeights", "MoeWeights", "DenseMlpWeights",
            "LayerWeights", "ModelWeights", "KdaWeights", "AttnResWeights", "KV_A_PAD"]

@@ -18,6 +18,8 @@ This module owns every conversion the kernels need, so the three layouts cannot 
   doubled (`_ungated_o_proj`: exact).
 - `kv_b` as BF16 per-head W_UK (rows 0..127) and W_UV (128..255); `f_b_proj` BF16 (the fused KDA
   kernel applies it itself).
+- The latent projections, the shared experts and the dense MLP as FP8 block weights too (the FFN's
+  kernels: fp8_block_gemm and glu_act), [gate | up] fused with each part padded to whole tiles.
 - BF16 / FP32 sources quantized at load to the caller's FP8 recipe; FP8 sources re-quantized only
   for the UE8M0 recipe (power-of-two scales, SPEC.md section 6).
 - `A_log` narrowed to the first H entries of its padded storage (or read from [1, 1, H, 1]), then
@@ -50,7 +52,7 @@ from model.arch import AttnResWeights
 from model.checkpoint import CheckpointError, UnsupportedCheckpointError
 from model.config import ModelConfig
 from model.dist import Layout, Place
-from model.weight_types import (DenseMlpWeights, ExpertWeights, Fp8Linear, KdaLayerWeights, LayerWeights,
+from model.weight_types import (DenseMlpWeights, ExpertWeights, Fp8Linear, GluWeights, KdaLayerWeights, LayerWeights,
                                 MlaLayerWeights, ModelWeights, MoeWeights, _map_tensors)
 
 BF16 = torch.bfloat16
@@ -303,29 +305,45 @@ def _mla(src: Source, i: int, recipe: ScaleRecipe, rank: Rank) -> MlaLayerWeight
                            o_proj=o_proj, q_proj=q_proj)
 
 
-def _bf(x: Fp8Linear | torch.Tensor) -> torch.Tensor:
-    return values(x, BF16)
+def pad_cols(x: Fp8Linear, k: int) -> Fp8Linear:
+    """x with zero columns up to k (inside its last 128-column tile, whose scale serves zeros)."""
+    if k == x.k:
+        return x
+    if -(-k // 128) != x.scales.shape[1]:
+        raise CheckpointError(f"padding {x.k} columns to {k} leaves the {x.scales.shape[1]} scale tiles")
+    codes = torch.cat([x.codes, torch.zeros(x.n, k - x.k, dtype=x.codes.dtype)], dim=1)
+    return Fp8Linear(codes.contiguous(), x.scales, x.recipe)
 
 
-def _glu(src: Source, m: str, inter: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (_bf(src.linear(m + "gate_proj", inter)), _bf(src.linear(m + "up_proj", inter)),
-            _bf(src.linear(m + "down_proj", FULL, inter)))
+def glu(gate: Fp8Linear, up: Fp8Linear, down: Fp8Linear, rank: "Rank") -> tuple[Fp8Linear, Fp8Linear, int]:
+    """(gate_up, down, inter) of weight_types.GluWeights from the rank's FP8 gate/up rows and down
+    columns: [gate | up] fused with each part zero-padded to whole 128-row tiles, down padded to
+    the same columns (row-parallel at world > 1)."""
+    inter = gate.n
+    width = -(-inter // 128) * 128
+    gate_up = fuse([gate, up], pad_rows={0: width}, pad_to=128)
+    return gate_up, _row_parallel(pad_cols(down, width), rank), inter
 
 
-def _moe(src: Source, i: int, place: Place) -> MoeWeights:
-    cfg = src.cfg
+def _glu(src: Source, m: str, inter: slice, recipe: ScaleRecipe, rank: "Rank") -> tuple[Fp8Linear, Fp8Linear, int]:
+    q = [as_fp8(src.linear(m + n, inter), recipe) for n in ("gate_proj", "up_proj")]
+    return glu(*q, as_fp8(src.linear(m + "down_proj", FULL, inter), recipe), rank)
+
+
+def _moe(src: Source, i: int, recipe: ScaleRecipe, rank: "Rank") -> MoeWeights:
+    cfg, place = src.cfg, rank.place
     m = f"model.layers.{i}.block_sparse_moe."
     lat = cfg.moe_latent is not None
     es = place.part(cfg.experts, place.ep)
-    sh = _glu(src, m + "shared_experts.", place.part(cfg.shared_inter, place.tp)) if cfg.shared_experts else None
+    sh = (GluWeights(*_glu(src, m + "shared_experts.", place.part(cfg.shared_inter, place.tp), recipe, rank))
+          if cfg.shared_experts else None)
     return MoeWeights(router=src.tensor(m + "gate.weight").float(),
                       bias=src.tensor(m + "gate.e_score_correction_bias").float(),
                       experts=src.experts(m, range(es.start, es.stop), place.part(cfg.moe_inter, place.moe_tp)),
-                      latent_down=_bf(src.linear(m + "routed_expert_down_proj")) if lat else None,
-                      latent_up=_bf(src.linear(m + "routed_expert_up_proj")) if lat else None,
+                      latent_down=as_fp8(src.linear(m + "routed_expert_down_proj"), recipe) if lat else None,
+                      latent_up=as_fp8(src.linear(m + "routed_expert_up_proj"), recipe) if lat else None,
                       latent_norm=src.tensor(m + "routed_expert_norm.weight").to(BF16) if cfg.latent_norm else None,
-                      shared_gate=sh[0] if sh else None, shared_up=sh[1] if sh else None,
-                      shared_down=sh[2] if sh else None)
+                      shared=sh)
 
 
 def _attn_res(src: Source, p: str) -> AttnResWeights:
@@ -341,9 +359,9 @@ def layer(src: Source, i: int, recipe: ScaleRecipe, rank: Rank | None = None) ->
     p = f"model.layers.{i}."
     attn = (_kda if cfg.kind(i) == "kda" else _mla)(src, i, recipe, rank)
     if cfg.is_dense(i):
-        ffn = DenseMlpWeights(*_glu(src, p + "mlp.", place.part(cfg.dense_inter, place.tp)))
+        ffn = DenseMlpWeights(*_glu(src, p + "mlp.", place.part(cfg.dense_inter, place.tp), recipe, rank))
     else:
-        ffn = _moe(src, i, place)
+        ffn = _moe(src, i, recipe, rank)
     res = cfg.attn_res_block is not None
     return LayerWeights(input_norm=src.tensor(p + "input_layernorm.weight").to(BF16),
                         post_norm=src.tensor(p + "post_attention_layernorm.weight").to(BF16), attn=attn, ffn=ffn,
@@ -385,4 +403,4 @@ def assemble(src: Source, recipe: ScaleRecipe, rank: Rank | None = None, device=
 
 
 __all__ = ["Source", "Rank", "assemble", "layer", "as_fp8", "values", "fuse", "take_rows", "zeros_fp8", "quantize_blocks",
-           "FULL", "CHUNK_ELEMENTS"]
+           "FULL", "CHUNK_ELEMENTS", "glu", "pad_cols"]
