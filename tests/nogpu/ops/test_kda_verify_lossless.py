@@ -130,8 +130,8 @@ def test_model_reference_speculative_bitwise_equals_greedy(monkeypatch):
     accept (2 steps), then to fail at a rotating position gives plain greedy's tokens and logits bit
     for bit. The LM head runs as FP64 products rounded to FP32 (model/layers.py _mm): its FP32 GEMM
     rounds by the row count (B * T rows in verify, B in decode), which is not the KDA path's doing.
-    Measured: with verify carrying unrounded FP32 states between drafts (the bug), this run's logits
-    leave greedy's at token 12 of 40."""
+    Measured: with verify carrying unrounded FP32 states between drafts (the bug), this test's
+    logits leave greedy's at token 8."""
     import tempfile
     from pathlib import Path
 
