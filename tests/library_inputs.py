@@ -187,4 +187,108 @@ def cases(device="cpu", heads=12, kv=KvDtype.BF16, ssm=SsmDtype.FP32, drafts=3, 
     gate = torch.randn(B, H * 128 + 64, generator=g).to(BF16)
     add("mla_vb_gate", vb, (o_lat, kv_b[:, 128:], gate), [((B, H, 128), BF16)])
     add("mla_vb_gate_out", vb, (o_lat, kv_b[:, 128:], gate, torch.empty(B, H, 128, dtype=BF16)), [], ("out",))
+    ffn_cases(add, tgt, g, kv)
     return out
+
+
+def _nan(*shape, dtype=F32):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def ffn_cases(add, tgt, g, kv) -> None:
+    """moe_route, attn_res, moe_experts at specs of tests/gpu/specs.py's moe_route(), attn_res() and
+    moe_experts() lists (the prebuilt bundle), chosen by the KV dtype so the three CPU combos of
+    tests/nogpu/library cover grouped / plain / unnormalized routing, FP8 / BF16 mixes with FP32 /
+    BF16 / no delta, and MXFP4 / NVFP4 experts with BF16 / FP8 activations and EP."""
+    from k3gen.ir.dtypes import ScaleRecipe
+    from k3gen.ops.act_quant_fp8.reference import act_quant_fp8
+    from k3gen.ops.attn_res.spec import AttnResSpec, ResDelta
+    from k3gen.ops.moe_experts.spec import ActFormat, MoeExpertsSpec, WeightFormat
+    from k3gen.ops.moe_route.reference import grouped_order
+    from k3gen.ops.moe_route.spec import MoeRouteSpec
+    nv, fp8 = kv is KvDtype.NVFP4, kv is KvDtype.FP8
+
+    # moe_route: strided logits rows (a row stride wider than E, a multiple of 4); the _out form
+    # into a workspace sized for more tokens than this call routes (zeros: rows past T stay)
+    if nv:
+        rs = MoeRouteSpec(target=tgt, experts=256, top_k=8, n_group=8, topk_group=4, routed_scale=2.5)
+    elif fp8:
+        rs = MoeRouteSpec(target=tgt, experts=64, top_k=6, renormalize=False, routed_scale=1.5)
+    else:
+        rs = MoeRouteSpec(target=tgt, experts=32, top_k=4)
+    E, k, T, T_max = rs.experts, rs.top_k, 5, 7
+    logits = (torch.randn(T, E + 8, generator=g) * 2)[:, :E]
+    bias = torch.randn(E, generator=g) * 0.1
+    outs = [((T, k), I32), ((T, k), F32), ((E,), I32), ((E + 1,), I32), ((T * k,), I32), ((T * k,), I32)]
+    add("moe_route", rs, (logits, bias), outs)
+    ws = (torch.zeros(T_max, k, dtype=I32), torch.zeros(T_max, k), torch.zeros(E, dtype=I32),
+          torch.zeros(E + 1, dtype=I32), torch.zeros(T_max * k, dtype=I32), torch.zeros(T_max * k, dtype=I32))
+    add("moe_route_out", rs, (logits, bias) + ws, [], ("ids", "weights", "counts", "offsets", "perm", "inv"))
+
+    # attn_res: a source buffer of more rows than M (the functional form mixes a row slice), n
+    # valid sources of max_sources; functional without seal, _out with it (a spec with delta)
+    if nv:
+        ar, n = AttnResSpec(target=tgt, hidden=7168, fp8=False, delta=ResDelta.BF16), 5
+    elif fp8:
+        ar, n = AttnResSpec(target=tgt, hidden=2304, max_sources=3, recipe=ScaleRecipe.UE8M0), 3
+    else:
+        ar, n = AttnResSpec(target=tgt, hidden=1024, max_sources=4, delta=ResDelta.FP32), 3
+    h, M = ar.hidden, 3
+    src = torch.randn(ar.max_sources, M + 2, h, generator=g) * (1 + torch.rand(ar.max_sources, 1, 1, generator=g))
+    query = torch.randn(h, generator=g) * 0.05
+    norm_w = (1 + 0.1 * torch.randn(h, generator=g)).to(BF16)
+    delta = None if ar.delta is ResDelta.NONE else \
+        (torch.randn(M, h, generator=g) * 0.5).to(BF16 if ar.delta is ResDelta.BF16 else F32)
+    rows = M if ar.fp8 else 0
+    sdt = F32 if not ar.fp8 or ar.recipe is ScaleRecipe.FP32 else torch.uint8
+    mixed = not nv
+    add("attn_res", ar, (src.clone()[:, :M], n, query, norm_w, delta, False, mixed),
+        [((M, h), BF16), ((rows, h), torch.uint8), ((rows, h // 128), sdt), ((M if mixed else 0, h), F32)], ("src",))
+    codes = torch.full((M, h), 0xFF, dtype=torch.uint8) if ar.fp8 else None
+    scales = (_nan(M, h // 128) if sdt is F32 else torch.full((M, h // 128), 0xFF, dtype=torch.uint8)) \
+        if ar.fp8 else None
+    add("attn_res_out", ar, (src, n, query, norm_w, delta, delta is not None, codes, scales,
+                             _nan(M, h) if mixed else None, _nan(M, h, dtype=BF16)), [],
+        ("src", "codes", "scales", "mixed", "out"))
+
+    # moe_experts: packed experts as loaded (random codes, scales keeping |w| ~ 0.01 .. 0.1), routing
+    # as moe_route writes it (k distinct experts per token)
+    small = dict(hidden=512, inter=128, experts=32, top_k=4)
+    if nv:
+        me = MoeExpertsSpec(target=tgt, weights=WeightFormat.NVFP4, act=ActFormat.FP8, recipe=ScaleRecipe.UE8M0,
+                            **small)
+        base = 0
+    elif fp8:   # EP: this rank's 8 experts of a 32-expert router
+        me = MoeExpertsSpec(target=tgt, weights=WeightFormat.MXFP4, hidden=512, inter=128, experts=8,
+                            route_experts=32, top_k=4)
+        base = 16
+    else:
+        me = MoeExpertsSpec(target=tgt, weights=WeightFormat.MXFP4, **small)
+        base = 0
+    E, W, I, k, R, gs, T = me.experts, me.hidden, me.inter, me.top_k, me.route_experts, me.group, 3
+    w13 = torch.randint(0, 256, (E, 2 * I, W // 2), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, W, I // 2), generator=g, dtype=torch.uint8)
+    lo, hi = (119, 123) if me.weights is WeightFormat.MXFP4 else (0x30, 0x60)
+    s13 = torch.randint(lo, hi, (E, 2 * I, W // gs), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(lo, hi, (E, W, I // gs), generator=g, dtype=torch.uint8)
+    gs13 = gs2 = None
+    if me.weights is WeightFormat.NVFP4:
+        # E4M3 scale bytes stay uint8: opcheck's schema check compares inputs with allclose, which
+        # float8_e4m3fn lacks (tests/nogpu/library/test_ffn_ops.py runs the float8 view)
+        gs13 = torch.rand(E, 2, generator=g) * 2e-3 + 5e-4
+        gs2 = torch.rand(E, 1, generator=g) * 2e-3 + 5e-4
+    x = (torch.randn(T, W, generator=g) * 2).to(BF16)
+    xs = None
+    if me.act is ActFormat.FP8:
+        x, xs = act_quant_fp8(x, me.recipe)
+    scores = torch.rand(T, R, generator=g)
+    scores[0, base] = 2.0                                  # token 0 picks this rank's first expert
+    ids = scores.topk(k, dim=1).indices.int()
+    _, offsets, perm, _ = grouped_order(ids, R)
+    weights = torch.rand(T, k, generator=g) / k
+    ws = (_nan(T * k + 4, I, dtype=BF16), _nan(T * k + 4, W))
+    margs = (x, w13, s13, w2, s2, ids, weights, offsets, perm, gs13, gs2, xs, base) + ws
+    f32 = not fp8
+    add("moe_experts", me, margs + (f32,), [((T, W), BF16), ((T if f32 else 0, W), F32)], ("ws_h", "ws_y"))
+    add("moe_experts_out", me, margs + (_nan(T, W) if nv else None, _nan(T, W, dtype=BF16)), [],
+        ("ws_h", "ws_y", "out_f32", "out"))
