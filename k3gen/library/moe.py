@@ -171,8 +171,8 @@ def check_experts(spec, x, w13, s13, w2, s2, ids, weights, offsets, perm, gs13, 
         raise SpecError("ws_h/ws_y", (ws_h is not None, ws_y is not None), "both or neither")
     if ws_h is not None:
         want("ws_h", ws_h, BF16, (None, I))
-        want("ws_y", ws_y, F32, (ws_h.shape[0], W))
         at_least("ws_h.shape[0]", ws_h.shape[0], T * k, "T * top_k slots (moe_experts_workspace(max_tokens))")
+        want("ws_y", ws_y, F32, (ws_h.shape[0], W))
     if T > max_tokens(spec):
         raise SpecError("x.shape[0]", T, f"<= {max_tokens(spec)}", "grid.y of the expert GEMMs")
     if out_f32 is not None:

@@ -118,6 +118,26 @@ BAD = [
     ("mla_decode", 7, lambda t: 0, "splits"),
     ("mla_vb_gate", 3, lambda t: t[:, :100], "gate"),
     ("mla_q_absorb", 1, lambda t: t[:, :1000], "q_a"),
+    ("moe_route", 1, lambda t: t.double(), "logits"),
+    ("moe_route", 2, lambda t: t[:-1], "bias"),
+    ("moe_route_out", 3, lambda t: t[:2], "ids"),                     # a workspace of fewer tokens than T
+    ("moe_route_out", 6, lambda t: t[:-1], "offsets"),
+    ("attn_res", 1, lambda t: t.double(), "src"),
+    ("attn_res", 2, lambda t: 0, "n"),
+    ("attn_res", 2, lambda t: 5, "n"),                                 # > max_sources (4)
+    ("attn_res", 5, lambda t: None, "delta"),                          # the spec fuses an FP32 delta
+    ("attn_res", 5, lambda t: t.to(torch.bfloat16), "delta"),
+    ("attn_res_out", 7, lambda t: None, "codes"),                      # an FP8 spec writes codes
+    ("attn_res_out", 8, lambda t: t.to(torch.uint8), "scales"),        # the other recipe's scale dtype
+    ("attn_res_out", 10, lambda t: t[:2], "delta"),                    # out's M rows, delta's 3
+    ("moe_experts", 1, lambda t: t.float(), "x"),
+    ("moe_experts", 3, lambda t: t.float(), "s13"),
+    ("moe_experts", 6, lambda t: t.long(), "ids"),
+    ("moe_experts", 9, lambda t: t[:-1], "perm"),
+    ("moe_experts", 10, lambda t: torch.ones(32, 2), "gs13"),          # MXFP4 has no global scales
+    ("moe_experts", 13, lambda t: 30, "expert_base"),
+    ("moe_experts", 14, lambda t: None, "ws_h"),                       # ws_y without ws_h
+    ("moe_experts_out", 14, lambda t: t[:5], "ws_h"),                  # fewer than T * top_k slots
 ]
 
 
