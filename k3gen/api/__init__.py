@@ -236,3 +236,123 @@ def mla_vb_gate(kernel, o_lat, w_uv, gate, *, out=None):
         return ops.mla_vb_gate(h, o_lat, w_uv, gate)
     ops.mla_vb_gate_out(h, o_lat, w_uv, gate, out)
     return out
+
+
+# -- MoE and Attention Residuals ---------------------------------------------------------------------
+__all__ += ["ROUTE_OUTPUTS", "moe_route_workspace", "moe_route", "AttnResOut", "attn_res", "moe_experts_workspace",
+            "moe_experts"]
+ROUTE_OUTPUTS = ("ids", "weights", "counts", "offsets", "perm", "inv")
+
+
+def moe_route_workspace(kernel, max_tokens: int, *, device=None) -> dict:
+    """moe_route's output buffers for up to `max_tokens` tokens (allocated once, outside capture):
+    ids [T_max, k] int32, weights [T_max, k] FP32, counts [E], offsets [E + 1], perm, inv [T_max k]."""
+    spec = spec_of(_h(kernel), "moe_route")
+    k, E = spec.top_k, spec.experts
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 < max_tokens * k < 2 ** 31:
+        raise SpecError("max_tokens", max_tokens, f"1..{(2 ** 31 - 1) // k}", "32-bit slot indices")
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    i32 = dict(dtype=torch.int32, device=device)
+    return {"ids": torch.empty(max_tokens, k, **i32), "weights": torch.empty(max_tokens, k, dtype=torch.float32,
+                                                                             device=device),
+            "counts": torch.empty(E, **i32), "offsets": torch.empty(E + 1, **i32),
+            "perm": torch.empty(max_tokens * k, **i32), "inv": torch.empty(max_tokens * k, **i32)}
+
+
+def moe_route(kernel, logits, bias, *, out: dict | None = None) -> dict:
+    """The noaux_tc sigmoid router and the grouped token order (spec moe_route: E experts, top_k k,
+    n_group / topk_group, renormalize, routed_scale).
+
+    logits [T, E] FP32 (unit inner stride, any row stride: a multiple of 4 when E % 128 == 0),
+    bias [E] FP32 (e_score_correction_bias). Returns a dict: ids [T, k] int32 (slot j = the j-th
+    pick, ties to the lower expert), weights [T, k] FP32, counts [E], offsets [E + 1] int32 (exclusive
+    prefix sum), perm [T k] (grouped position -> flat slot t * k + j), inv [T k] (its inverse): what
+    moe_experts takes. With `out` (moe_route_workspace(max_tokens), T <= max_tokens) writes it and
+    returns its views for this call's T (the rows past T untouched)."""
+    h = _h(kernel)
+    if out is None:
+        return dict(zip(ROUTE_OUTPUTS, ops.moe_route(h, logits, bias)))
+    if not isinstance(out, dict) or set(out) != set(ROUTE_OUTPUTS):
+        raise SpecError("out", sorted(out) if isinstance(out, dict) else type(out).__name__, list(ROUTE_OUTPUTS),
+                        "from k3gen.api.moe_route_workspace")
+    ops.moe_route_out(h, logits, bias, *(out[n] for n in ROUTE_OUTPUTS))
+    T, k = logits.shape[0], out["ids"].shape[1]
+    return {"ids": out["ids"][:T], "weights": out["weights"][:T], "counts": out["counts"], "offsets": out["offsets"],
+            "perm": out["perm"][:T * k], "inv": out["inv"][:T * k]}
+
+
+class AttnResOut(NamedTuple):
+    """attn_res's results: out [M, hidden] BF16 (the normed row), codes [M, hidden] uint8 and
+    scales [M, hidden/128] (act_quant_fp8 of out; [0, ...] for a spec without FP8), mixed
+    [M, hidden] FP32 (the mix before the norm; None unless asked for)."""
+    out: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mixed: Optional[torch.Tensor]
+
+
+def attn_res(kernel, src, n: int, query, norm_w, *, delta=None, seal: bool = False, mixed: bool = False, out=None,
+             codes=None, scales=None, mixed_out=None) -> AttnResOut:
+    """The Attention Residuals mix fused with the next RMSNorm and (fp8 spec) act_quant_fp8 (spec
+    attn_res: hidden, max_sources, eps, fp8 / recipe, delta).
+
+    src [>= n, >= M, hidden] FP32: the source buffer, allocated once (unit inner stride, strides
+    multiples of 4); sources 0..n-1 are mixed (n a plain int <= spec.max_sources), source n-1 being
+    the running partial sum. query [hidden] FP32 (res_norm.weight * res_proj), norm_w [hidden] BF16.
+    A spec with delta takes delta [M, hidden] (BF16 or FP32, the spec's) and first updates source n-1
+    in place: += delta, or = delta with seal=True (src is mutated). Functional form: M =
+    src.shape[1] (pass src[:, :M] for fewer rows), mixed=True also returns the FP32 mix. With `out`
+    [M, hidden] BF16 (and codes, scales for an fp8 spec; mixed_out optional) writes them, M =
+    out.shape[0]."""
+    h = _h(kernel)
+    if out is None:
+        if codes is not None or scales is not None or mixed_out is not None:
+            raise SpecError("out", None, ["a tensor"], "codes / scales / mixed_out are written only with out=")
+        o, c, s, x = ops.attn_res(h, src, n, query, norm_w, delta, bool(seal), bool(mixed))
+        return AttnResOut(o, c, s, x if mixed else None)
+    ops.attn_res_out(h, src, n, query, norm_w, delta, bool(seal), codes, scales, mixed_out, out)
+    return AttnResOut(out, codes, scales, mixed_out)
+
+
+def moe_experts_workspace(kernel, max_tokens: int, *, device=None) -> dict:
+    """moe_experts' intermediate buffers for up to `max_tokens` tokens (allocated once, outside
+    capture): h [T_max k, I] BF16 (the activated gate_up rows) and y [T_max k, W] FP32 (per-slot sums)."""
+    spec = spec_of(_h(kernel), "moe_experts")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 < max_tokens * spec.top_k < 2 ** 31:
+        raise SpecError("max_tokens", max_tokens, f"1..{(2 ** 31 - 1) // spec.top_k}", "32-bit slot indices")
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    n = max_tokens * spec.top_k
+    return {"h": torch.empty(n, spec.inter, dtype=torch.bfloat16, device=device),
+            "y": torch.empty(n, spec.hidden, dtype=torch.float32, device=device)}
+
+
+def moe_experts(kernel, x, w13, s13, w2, s2, route: dict, *, gs13=None, gs2=None, x_scales=None, expert_base: int = 0,
+                ws: dict | None = None, f32: bool = False, out=None, out_f32=None):
+    """The routed experts of a MoE layer on FP4 weights as loaded (spec moe_experts: MXFP4 / NVFP4
+    weights, BF16 / FP8 activations, W = hidden, I = inter, E local experts of the router's R).
+
+    x [T, W] BF16, or E4M3 codes uint8 [T, W] with x_scales [T, W/128] (act_quant_fp8's, the spec's
+    recipe). w13 uint8 [E, 2I, W/2] ([gate | up] rows, E2M1 pairs), w2 uint8 [E, W, I/2], s13 / s2
+    their scale bytes (uint8 or float8_e4m3fn; [.., K/32] UE8M0 for MXFP4, [.., K/16] E4M3 for NVFP4),
+    gs13 [E, 2] / gs2 [E, 1] FP32 (NVFP4 only). route: moe_route's dict (ids, weights, offsets, perm
+    are read). expert_base: the router's number of local expert 0 (EP). ws: moe_experts_workspace
+    (mutated; None: the call allocates one). Returns out [T, W] BF16 = sum_j weights[t, j] *
+    expert(x[t]); with f32 (or out_f32 [T, W] FP32 given) (out, out_f32), the FP32 sum before
+    rounding (for a TP / EP reduction). `out` [T, W] BF16 writes a caller's buffer."""
+    h = _h(kernel)
+    if not isinstance(route, dict) or any(n not in route for n in ("ids", "weights", "offsets", "perm")):
+        raise SpecError("route", sorted(route) if isinstance(route, dict) else type(route).__name__,
+                        ["ids", "weights", "offsets", "perm"], "the dict k3gen.api.moe_route returns")
+    if ws is not None and (not isinstance(ws, dict) or set(ws) != {"h", "y"}):
+        raise SpecError("ws", sorted(ws) if isinstance(ws, dict) else type(ws).__name__, ["h", "y"],
+                        "from k3gen.api.moe_experts_workspace")
+    wh, wy = (None, None) if ws is None else (ws["h"], ws["y"])
+    args = (x, w13, s13, w2, s2, route["ids"], route["weights"], route["offsets"], route["perm"], gs13, gs2, x_scales,
+            expert_base, wh, wy)
+    if out is None:
+        if out_f32 is not None:
+            raise SpecError("out", None, ["a tensor"], "out_f32 is written only with out=")
+        o, o32 = ops.moe_experts(h, *args, bool(f32))
+        return (o, o32) if f32 else o
+    ops.moe_experts_out(h, *args, out_f32, out)
+    return out if out_f32 is None else (out, out_f32)

@@ -111,3 +111,68 @@ def test_commit_sets_pending():
     pending = torch.zeros(5, dtype=torch.int32)
     api.kda_commit(pending, torch.tensor([3, -1, 0], dtype=torch.int32), torch.tensor([2, 4, 1], dtype=torch.int32))
     assert pending.tolist() == [0, 0, 0, 1, 0]
+
+
+def test_route_then_experts_and_the_workspace_forms():
+    """api.moe_route's dict feeds api.moe_experts as it is; the workspace (out=) forms give the
+    functional values (the route's views cover this call's T only)."""
+    from k3gen.ops.moe_experts.reference import moe_experts as experts_ref
+    from k3gen.ops.moe_route.spec import MoeRouteSpec
+    e = CASES["moe_experts"]
+    _, x, w13, s13, w2, s2, *_rest = e.args
+    gs13, gs2, xs = e.args[10:13]
+    rs = MoeRouteSpec(target=e.spec.target, experts=e.spec.route_experts, top_k=e.spec.top_k)
+    logits = torch.randn(x.shape[0], rs.experts, generator=torch.Generator().manual_seed(3))
+    bias = torch.zeros(rs.experts)
+    route = api.moe_route(rs, logits, bias)
+    ws = api.moe_route_workspace(rs, 8, device="cpu")
+    again = api.moe_route(api.prepare(rs, load=False), logits, bias, out=ws)
+    assert set(route) == set(api.ROUTE_OUTPUTS) and all(torch.equal(route[n], again[n]) for n in route)
+    assert again["ids"].data_ptr() == ws["ids"].data_ptr() and again["perm"].shape[0] == x.shape[0] * rs.top_k
+    got, got32 = api.moe_experts(e.spec, x, w13, s13, w2, s2, route, gs13=gs13, gs2=gs2, x_scales=xs, f32=True)
+    want, want32 = experts_ref(e.spec, x, w13, s13, w2, s2, route["ids"], route["weights"], gs13=gs13, gs2=gs2,
+                               x_scales=xs)
+    assert torch.equal(got, want) and torch.equal(got32, want32)
+    out = torch.full_like(got, float("nan"))
+    mws = api.moe_experts_workspace(e.spec, 4, device="cpu")
+    res = api.moe_experts(e.args[0], x, w13, s13, w2, s2, again, gs13=gs13, gs2=gs2, x_scales=xs, ws=mws, out=out)
+    assert res is out and torch.equal(out, got)
+
+
+def test_attn_res_forms_agree():
+    c, o = CASES["attn_res"], CASES["attn_res_out"]
+    h, src, n, query, norm_w, delta, seal, want_mixed = _clone(c.args)
+    src2 = src.clone()
+    got = api.attn_res(h, src, n, query, norm_w, delta=delta, seal=seal, mixed=True)
+    assert isinstance(got, api.AttnResOut) and got.mixed.shape == (src.shape[1], src.shape[2])
+    M = src.shape[1]
+    out = torch.full((M, src.shape[2]), float("nan"), dtype=torch.bfloat16)
+    codes, scales = (torch.empty(M, src.shape[2], dtype=torch.uint8), torch.empty(M, src.shape[2] // 128)) \
+        if o.spec.fp8 else (None, None)
+    res = api.attn_res(o.args[0], src2, n, query, norm_w, delta=delta, seal=seal, out=out, codes=codes,
+                       scales=scales)
+    assert res.out is out and torch.equal(out, got.out) and res.mixed is None and torch.equal(src, src2)
+    assert api.attn_res(h, src.clone(), n, query, norm_w, delta=delta).mixed is None
+
+
+def test_ffn_argument_errors_are_typed():
+    e, r, a = CASES["moe_experts"], CASES["moe_route"], CASES["attn_res"]
+    x, w13, s13, w2, s2, ids, weights, offsets, perm = e.args[1:10]
+    route = {"ids": ids, "weights": weights, "offsets": offsets, "perm": perm}
+    with pytest.raises(SpecError, match="route"):
+        api.moe_experts(e.args[0], x, w13, s13, w2, s2, {"ids": ids}, gs13=e.args[10], gs2=e.args[11])
+    with pytest.raises(SpecError, match="ws"):
+        api.moe_experts(e.args[0], x, w13, s13, w2, s2, route, gs13=e.args[10], gs2=e.args[11], ws={"h": None})
+    with pytest.raises(SpecError, match="out"):
+        api.moe_experts(e.args[0], x, w13, s13, w2, s2, route, gs13=e.args[10], gs2=e.args[11],
+                        out_f32=torch.empty(x.shape[0], e.spec.hidden))
+    with pytest.raises(SpecError, match="max_tokens"):
+        api.moe_route_workspace(r.args[0], 0, device="cpu")
+    with pytest.raises(SpecError, match="max_tokens"):
+        api.moe_experts_workspace(e.args[0], 0, device="cpu")
+    with pytest.raises(SpecError, match="out"):
+        api.moe_route(r.args[0], *r.args[1:], out={"ids": torch.empty(5, 8, dtype=torch.int32)})
+    with pytest.raises(SpecError, match="out"):
+        api.attn_res(a.args[0], *a.args[1:5], delta=a.args[5], codes=torch.empty(3, 7168, dtype=torch.uint8))
+    with pytest.raises(SpecError, match="handle"):
+        api.moe_route_workspace(e.args[0], 4, device="cpu")
