@@ -180,3 +180,45 @@ def test_model_reference_speculative_bitwise_equals_greedy(monkeypatch):
         for tok in range(new):
             assert torch.equal(la[tok], lb[tok]), f"request {i} token {tok}: logits differ"
         assert a.out == b.out
+
+
+# -- the kernels: compile, SASS ------------------------------------------------------------------------
+@pytest.mark.parametrize("target,drafts", [("sm90", m) for m in (1, 2, 4, 5, 6, 7)] + [("sm103-nvfp4", 1)])
+def test_bf16_verify_compiles_without_spills(target, drafts):
+    """The per-token BF16 rounding at every draft count (test_kda_verify_spec covers M = 3 and 7 on
+    every target): no local memory, within the launch bounds' registers."""
+    from k3gen.pipeline.build import build_one
+    from k3gen.ir.dtypes import SsmDtype
+    from k3gen.ops.kda_verify.spec import KdaVerifySpec
+    from k3gen.targets import TARGETS
+    spec = KdaVerifySpec(target=TARGETS[target], heads=12, drafts=drafts, ssm=SsmDtype.BF16)
+    r = build_one(spec)
+    assert r.resources and all(x["local"] == 0 and x["stack"] == 0 for x in r.resources), r.resources
+    assert not any(x["sass"].get("STL") or x["sass"].get("LDL") for x in r.resources), r.resources
+    rows = next(x for x in r.resources if x["function"] == "k3gen_kda_verify")
+    assert rows["registers"] <= 65536 // (256 * spec.blocks_per_sm), rows
+
+
+def test_sass_rounding_and_state_layout():
+    """BF16 verify rounds the register rows after every token (one F2FP pack per value pair: 32 per
+    token on top of the typed ssm store), FP32 verify packs only its outputs; BF16 decode moves its
+    rows as 8-byte words (the shared lane K slice), FP32 decode as 16-byte ones."""
+    import re
+
+    from k3gen.ir.dtypes import SsmDtype
+    from k3gen.ops.kda_decode.spec import KdaDecodeSpec
+    from k3gen.ops.kda_verify.spec import KdaVerifySpec
+    from k3gen.pipeline.build import build_one
+    from k3gen.pipeline.inspect import sass_text
+    from k3gen.targets import TARGETS
+    sm90 = TARGETS["sm90"]
+    f2fp = {}
+    for ssm in SsmDtype:
+        r = build_one(KdaVerifySpec(target=sm90, heads=12, drafts=3, ssm=ssm))
+        f2fp[ssm] = {x["function"]: x["sass"].get("F2FP", 0) for x in r.resources}
+    assert len(f2fp[SsmDtype.FP32]) == 3 and all(n <= 2 for n in f2fp[SsmDtype.FP32].values()), f2fp
+    assert all(n >= 2 * 32 + 2 for n in f2fp[SsmDtype.BF16].values()), f2fp
+    for ssm, width in ((SsmDtype.BF16, "64"), (SsmDtype.FP32, "128")):
+        sass = sass_text(build_one(KdaDecodeSpec(target=sm90, heads=12, ssm=ssm)).cubin)
+        moves = set(re.findall(r"\b(?:LDG|STG)\.E\.EF\.(\d+)", sass))
+        assert moves == {width}, (ssm, moves)

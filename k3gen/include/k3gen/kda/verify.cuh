@@ -109,7 +109,16 @@ __device__ __forceinline__ void body(const Params& p_, Smem& sm, const Tokens& t
 #pragma unroll 1
     for (; t < n; ++t) {
       recur<C::kBf16State>(d, sm, t);
-      store_rows_f32(rec_slot + (static_cast<long long>(t0 + t - 1) * H + h) * kHead, d);
+      float* rec = rec_slot;
+      if constexpr (C::kBf16State) {
+        // BF16: the record's address from an opaque copy of the slot, rebuilt here; the pointer
+        // held across the rounding recurrence spilled at 128 registers (sm_90a, M = 2). FP32 keeps
+        // rec_slot (the opaque copy spilled there instead: sm_107a, M = 1).
+        int s_op;
+        asm volatile("mov.b32 %0, %1;\n" : "=r"(s_op) : "r"(slot));
+        rec = p_.draft_rec + static_cast<long long>(s_op) * M * H * kHead;
+      }
+      store_rows_f32(rec + (static_cast<long long>(t0 + t - 1) * H + h) * kHead, d);
     }
   };
   // First chunk peeled: the start words die once unpacked, before any later staging.
