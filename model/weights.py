@@ -9,8 +9,9 @@ ModelOpt NVFP4 entry point (model/formats/modelopt.py, TP1, CPU) that the older 
 from __future__ import annotations
 
 from model.formats.modelopt import CheckpointReader, load_weights  # noqa: F401
-from model.weight_types import (KV_A_PAD, AttnResWeights, DenseMlpWeights, ExpertWeights, Fp8Linear, GluWeights,  # noqa: F401,E501
-                                KdaLayerWeights, KdaWeights, LayerWeights, MlaLayerWeights, ModelWeights, MoeWeights)
+from model.weight_types import (KV_A_PAD, AttnResWeights, DenseMlpWeights, ExpertWeights, Fp8Linear,  # noqa: F401
+                                GluWeights, KdaLayerWeights, KdaWeights, LayerWeights, MlaLayerWeights, ModelWeights, MoeWeights)
 
 __all__ = ["CheckpointReader", "load_weights", "ModelWeights", "LayerWeights", "KdaLayerWeights", "MlaLayerWeights",
-           "MoeWeights", "DenseMlpWeights", "GluWeights", "ExpertWeights", "Fp8Linear", "KV_A_PAD", "AttnResWeights", "KdaWeights"]
+           "MoeWeights", "DenseMlpWeights", "GluWeights", "ExpertWeights", "Fp8Linear", "KV_A_PAD", "AttnResWeights",
+           "KdaWeights"]

@@ -14,9 +14,9 @@ SEEDS = {"q_lora": 0, "q_proj": 10}
 PROMPT, DECODE = 12, 4
 
 
-def kwargs(q_lora, kda_heads: int = 2, mla_heads: int = 2) -> dict:
+def kwargs(q_lora, kda_heads: int = 2, mla_heads: int = 2, moe_inter: int = 128) -> dict:
     return dict(
-        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=5,
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=moe_inter, num_hidden_layers=5,
         num_attention_heads=mla_heads, num_key_value_heads=mla_heads, q_lora_rank=q_lora, kv_lora_rank=512,
         num_experts=8, num_experts_per_token=2, num_shared_experts=1, num_expert_group=2, topk_group=1,
         routed_scaling_factor=1.5, first_k_dense_replace=1, pad_token_id=None, bos_token_id=None, eos_token_id=None,
@@ -89,7 +89,7 @@ def build(q_lora, seed: int, stable_routing: bool = False, **heads):
     only their weights vary: a model whose logits move continuously with its weights, for tests of
     quantized paths (a near-tie in the top-k would otherwise flip on any rounding and move the
     logits by O(1)); the exact FP32 oracle keeps the data-dependent routing. heads: kda_heads /
-    mla_heads (2 each by default)."""
+    mla_heads (2 each by default), moe_inter (128)."""
     import torch
     transformers = torch_path_transformers()
     torch.manual_seed(seed)
@@ -128,8 +128,18 @@ FP8_LEAVES = ("q_proj", "k_proj", "v_proj", "g_proj", "g_a_proj", "g_b_proj", "f
               "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 
 
+# The FFN's FP8 projections (issue 21): the dense MLP, the shared experts, the latent projections; the
+# routed experts (".experts.") and the router ("gate") stay as stored.
+FFN_FP8_LEAVES = ("gate_proj", "up_proj", "down_proj", "routed_expert_down_proj", "routed_expert_up_proj")
+
+
 def fp8_weight(name: str) -> bool:
-    return ".self_attn." in name and name.endswith(".weight") and name.split(".")[-2] in FP8_LEAVES
+    if not name.endswith(".weight"):
+        return False
+    leaf = name.split(".")[-2]
+    if ".self_attn." in name:
+        return leaf in FP8_LEAVES
+    return ".experts." not in name and leaf in FFN_FP8_LEAVES
 
 
 def eps_e4m3(recipe) -> float:

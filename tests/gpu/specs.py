@@ -373,3 +373,34 @@ def moe_experts() -> list:
 
 
 LISTS["moe_experts"] = moe_experts
+
+
+def glu_act() -> list:
+    """tests/gpu/test_glu_act.py: SiTU at K3 TP8 (shared 768, dense 4224) and the small preset's width,
+    SiLU at 1024, both recipes."""
+    from k3gen.ops.glu_act.spec import GluActSpec, GluKind
+    return [GluActSpec(target=SM90, recipe=r, **kw) for r in ScaleRecipe
+            for kw in (dict(inter=768), dict(inter=4224), dict(inter=256), dict(inter=1024, act=GluKind.SILU))]
+
+
+LISTS["glu_act"] = glu_act
+
+
+def model_hf_tiny_ffn() -> list:
+    """tests/gpu/test_model_checkpoints.py since issue 21: model_hf_tiny's kernels plus its FFN and
+    residual-stream kernels (moe_route, attn_res, glu_act and the FFN GEMMs), enumerated from its config
+    dict with the FFN shape as the model resolves them."""
+    from k3gen.hf_config import config_fields
+    from k3gen.targets import ModelShape, ffn_shape
+    from tests.hf_tiny import CASES, config_dict
+    out = []
+    for q_lora in CASES.values():
+        f = config_fields(config_dict(q_lora))
+        shape = ModelShape(name=f["name"], hidden=f["hidden"], kda_heads=f["kda_heads"], mla_heads=f["mla_heads"],
+                           q_lora=f["q_lora"], gate=f["kda_gate"], ffn=ffn_shape(f))
+        out += [s for kv in KvDtype for ssm in SsmDtype
+                for s in model_specs(SM90, shape, 1, serving=ServingOptions(kv=kv, ssm=ssm))]
+    return out
+
+
+LISTS["model_hf_tiny_ffn"] = model_hf_tiny_ffn

@@ -41,17 +41,19 @@ from model.formats.detect import load_model_weights
 from model.generate import Generator, Request
 from model.model import K3Model
 from model.ops import RefOps
-from tests.gpu.specs import model_hf_tiny
+from tests.gpu.specs import model_hf_tiny_ffn
 
 pytestmark = pytest.mark.gpu
 # Named here so that the bundle check (tests/nogpu/pipeline/test_prebuild.py) sees them.
-HF_SPECS = model_hf_tiny()
+HF_SPECS = model_hf_tiny_ffn()
 KVS = [k.value for k in KvDtype]
 SSMS = [s.value for s in SsmDtype]
 NEW = 8
 KERNELS = {"kernel:fp8_linear", "kernel:kda_decode", "kernel:kda_prefill", "kernel:kv_cache_write",
-           "kernel:mla_vb_gate", "kernel:mla_decode"}
-TORCH_OK = {"torch:mla_prefill_attention", "torch:moe_torch_dequant", "torch:dense_mlp", "torch:mla_q_proj_absorb"}
+           "kernel:mla_vb_gate", "kernel:mla_decode", "kernel:moe_route", "kernel:attn_res", "kernel:glu_act"}
+# The routed experts (ops.moe_experts), the router logits, the prefill attention and Kimi-Linear's plain
+# q_proj absorption stay PyTorch stand-ins (test_model_small.py ALLOWED_TORCH says why).
+TORCH_OK = {"torch:mla_prefill_attention", "torch:moe_experts", "torch:router_logits", "torch:mla_q_proj_absorb"}
 
 
 # -- the tiny transformers Kimi-Linear --------------------------------------------------------------

@@ -4,8 +4,14 @@ at a 4K context, printed, and each layer's decode step against the reference pat
 same GPU, same weights, same cache contents) at tests/numerics.py's BF16 bound: the layer output,
 the KDA state it leaves and the MLA attention over a 4K context of random cache rows. Weights are
 random FP8 block weights (no checkpoint at this size); MLA attention is the generated mla_decode
-(its split plan made by the eager warm-up, before capture). No MoE layer: its only implementation
-is the PyTorch stand-in that both paths share (model/layers.py moe), so there is nothing to compare."""
+(its split plan made by the eager warm-up, before capture).
+
+The K3 TP8 MoE FFN (test_k3_tp8_moe_ffn_against_reference): the AttnRes mix into it (9 sources, 5
+valid, fused with post_attention_layernorm and the FP8 quantization), moe_route over 896 experts,
+the latent projections, routed_expert_norm, the shared experts (glu_act) on the kernels against
+RefOps on the same weights; the routed experts are the seam ops.moe_experts, replaced on both paths
+by one cheap deterministic function of moe_route's outputs (the PyTorch stand-in would dequantize
+all 896 experts: tools/bench_k3_layers.py times the layer without them)."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +28,7 @@ from model.config import TargetConfig, k3_config
 from model.model import gemm_shapes_for
 from model.ops import KernelOps, RefOps
 from numerics import assert_close, rel_rms
-from model.weights import KV_A_PAD, Fp8Linear, KdaLayerWeights, MlaLayerWeights
+from model.weights import KV_A_PAD, ExpertWeights, Fp8Linear, GluWeights, KdaLayerWeights, MlaLayerWeights, MoeWeights
 
 pytestmark = pytest.mark.gpu
 CFG = dataclasses.replace(k3_config(), layers=2, layer_kinds=("kda", "mla"), mlp_kinds=("dense", "dense"))
@@ -138,3 +144,72 @@ def test_k3_tp8_layer_decode_time(kv, ssm):
     assert not {k for k in ops.ran if k.startswith(("ref:", "torch:"))}, dict(ops.ran)
     assert ops.ran["kernel:mla_decode"] > 0 and ops.ran["kernel:kda_decode"] > 0
     print(f"\n[K3 TP8, kv={kv}, ssm={ssm}, context {CONTEXT}] " + "; ".join(report))
+
+
+def _experts_stub(xl, routing, experts, cfg, mine=None):
+    """A deterministic stand-in for the routed experts, a function of moe_route's ids and weights
+    (both paths run it: their difference is the kernels')."""
+    ids, w = routing["ids"].long(), routing["weights"].float()
+    gain = (w * (1.0 + ids.float() / cfg.experts)).sum(1, keepdim=True)
+    return torch.tanh(xl.float()) * gain
+
+
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_k3_tp8_moe_ffn_against_reference(B):
+    """The MoE FFN at K3 TP8 shapes on the kernels vs RefOps (same weights, same inputs): the
+    routing bit for bit (moe_route's contract is arch.route's), the FFN input within BF16, the
+    output within 0.05 relative RMS: each op is within its own bound (tests/gpu/test_glu_act.py,
+    test_attn_res.py, test_fp8_block_gemm.py), but glu_act and routed_expert_norm re-quantize to FP8
+    what a BF16 GEMM output gave, and a one-ulp BF16 difference flips E4M3 codes (the MLA layer's
+    composition argument above). The record: kernels only, but the stand-ins named."""
+    from model.ffn_ops import QAct
+    from model.arch import AttnResWeights
+    g = torch.Generator().manual_seed(B)
+    cfg = dataclasses.replace(k3_config())
+    t = _tc()
+    r = t.recipe
+    H, hid, W = 12, cfg.hidden, cfg.moe_latent
+    ops = KernelOps(t.target, r, t.ssm, t.kv_layout(), H, H, 0, model=cfg, tp=TP)
+    ops.load_all()
+    ref = RefOps(r)
+    for o in (ops, ref):
+        o.moe_experts = _experts_stub
+    sh = cfg.shared_inter // TP
+    dummy = torch.zeros(1, 2, 1, dtype=torch.uint8, device="cuda")
+    moe = MoeWeights(router=(torch.randn(cfg.experts, hid, generator=g) * hid ** -0.5).cuda(),
+                     bias=(torch.randn(cfg.experts, generator=g) * 0.01).cuda(),
+                     experts=ExpertWeights("mxfp4", dummy, dummy, None, dummy, dummy, None),
+                     latent_down=_lin(W, hid, g), latent_up=_lin(hid, W, g),
+                     latent_norm=(1 + 0.1 * torch.randn(W, generator=g)).to(torch.bfloat16).cuda(),
+                     shared=GluWeights(gate_up=_lin(2 * sh, hid, g), down=_lin(hid, sh, g), inter=sh))
+    res = AttnResWeights(proj=(torch.randn(hid, generator=g) * 0.02).cuda(),
+                         norm=(1 + 0.1 * torch.randn(hid, generator=g)).cuda())
+    norm = (1 + 0.1 * torch.randn(hid, generator=g)).to(torch.bfloat16).cuda()
+    src = torch.randn(9, B, hid, generator=g).cuda()
+    delta = torch.randn(B, hid, generator=g).to(torch.bfloat16).cuda()
+    src_k, src_r = src.clone(), src.clone()
+    xk = ops.attn_res_mix(src_k, 5, res, norm, cfg.eps, delta)
+    xr = ref.attn_res_mix(src_r, 5, res, norm, cfg.eps, delta)
+    assert isinstance(xk, QAct) and torch.equal(src_k[4], src_r[4])       # the fused partial-sum update
+    assert_close(xk.x, xr.x, torch.bfloat16, what=f"B={B} FFN input")
+    routes = {}
+    for name, o in (("kernel", ops), ("ref", ref)):
+        real = o.route
+
+        def traced(logits, bias, c, real=real, name=name):
+            routes[name] = real(logits, bias, c)
+            return routes[name]
+        o.route = traced
+    out_k = L.moe(ops, moe, xk, cfg)
+    out_r = L.moe(ref, moe, xk, cfg)           # the kernel's input on both: the FFN's own difference
+    assert torch.equal(routes["kernel"]["ids"].cpu(), routes["ref"]["ids"].cpu())
+    assert torch.equal(routes["kernel"]["weights"].cpu(), routes["ref"]["weights"].cpu())
+    for f in ("counts", "offsets", "perm", "inv"):
+        assert torch.equal(routes["kernel"][f].cpu(), routes["ref"][f].cpu()), f
+    err = rel_rms(out_k, out_r)
+    print(f"\n[K3 TP8 MoE FFN, B={B}] kernel vs reference: relative RMS {err:.3g}")
+    assert err <= 0.05, err
+    names = {k for k, v in ops.ran.items() if v}
+    assert {"kernel:attn_res", "kernel:moe_route", "kernel:fp8_linear", "kernel:glu_act",
+            "kernel:routed_expert_norm"} <= names, names
+    assert {n for n in names if n.startswith(("torch:", "ref:"))} <= {"torch:router_logits"}, names

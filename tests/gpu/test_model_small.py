@@ -3,8 +3,10 @@ reference path: NVFP4 KV (128-token pages) + BF16 SSM, and BF16 KV + FP32 SSM.
 
 - groups of 1, 2, 4, 8 requests with CUDA graphs: the same requests twice give identical tokens,
   graph replay gives the eager tokens, the pools have the target's dtypes, and the record of what
-  ran holds kernels only (mla_decode for decode and verify attention; besides the named PyTorch
-  stand-ins: the dequantized-expert MoE, the dense MLP and the prefill attention), eager and captured;
+  ran holds kernels only (mla_decode for decode and verify attention; moe_route, attn_res for the
+  residual stream, glu_act and routed_expert_norm for the FFN; besides the named PyTorch stand-ins:
+  the routed experts behind ops.moe_experts, the router logits and the prefill attention), eager
+  and captured;
 - teacher-forced logits vs the reference path: top-1 agreement, mean KL and relative RMS per KV
   dtype printed and floored at this random model's measured values; a relative-RMS bound that a decoder dropping the KDA state
   every step fails (run as a test that asserts the failure);
@@ -40,9 +42,14 @@ pytestmark = pytest.mark.gpu
 CFG = small_config()
 COMBOS = [("nvfp4", "bf16"), ("bf16", "fp32")]
 DRAFTS = 3
-ALLOWED_TORCH = {"torch:mla_prefill_attention", "torch:moe_torch_dequant", "torch:dense_mlp"}
+# The PyTorch stand-ins left on the kernel path (issue 21): the routed experts (the grouped FP4 GEMM
+# replaces them behind ops.moe_experts), the FP32 router logits (FP64 products: row-invariant; moe_route
+# takes FP32 logits) and the unabsorbed prefill attention. The embedding gather, the final norm and the
+# FP32 LM head are outside the ops and unrecorded.
+ALLOWED_TORCH = {"torch:mla_prefill_attention", "torch:moe_experts", "torch:router_logits"}
 KERNEL_OPS = {"kernel:fp8_linear", "kernel:kda_decode", "kernel:kv_cache_write", "kernel:mla_q_absorb",
-              "kernel:mla_vb_gate", "kernel:mla_decode"}
+              "kernel:mla_vb_gate", "kernel:mla_decode", "kernel:moe_route", "kernel:attn_res", "kernel:glu_act",
+              "kernel:routed_expert_norm"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -338,7 +345,6 @@ class Trace:
     OPS = ("linear", "kda_decode", "kda_prefill", "kv_write", "q_absorb", "mla_attention", "vb_gate")
 
     def __init__(self, model, monkeypatch, isolate: bool):
-        import model.layers as L
         from model.ops import RefOps
         self.layer, self.ops, self.h, self.sel, self.iso, self.ids = 0, [], [], [], [], []
         self.force = None
@@ -353,35 +359,40 @@ class Trace:
             self.layer = i + 1
             return out
         monkeypatch.setattr(model, "_ffn", traced_ffn)
-        # The stream after each layer as the next layer reads it: with Attention Residuals the
-        # mix of the sources through layer i + 1's attention query (model/arch.py AttnResStream;
-        # a block's raw partial sum would carry no embedding and is no residual). inputs() runs
-        # twice per layer (attention, FFN) and once more for the output query (calls 1, 3, .., 2L+1
-        # are attention-side mixes): calls 3, 5, .., 2L+1 are the stream after layers 1..L.
+        # The stream after each layer as the next layer reads it: layer i + 1's normed attention
+        # input (model/ffn_ops.py ResStream.attn_input: the AttnRes mix through its query, normed
+        # and quantized in the same op), and after the last layer the output query's FP32 mix.
         import model.model as MM
-        trace, base = self, MM.AttnResStream
+        trace, base = self, MM.ResStream
 
         class TracedStream(base):
-            def inputs(s, w):
-                out = super().inputs(w)
+            def attn_input(s, w, norm_w):
+                out = super().attn_input(w, norm_w)
                 if Trace.active is trace:     # the other Trace's subclass runs in super() too
                     s.calls = getattr(s, "calls", 0) + 1
-                    if s.calls % 2 == 1 and s.calls > 1:
-                        trace.h.append(out.clone())
+                    if s.calls > 1:
+                        trace.h.append(out.x.float().clone())
                 return out
-        monkeypatch.setattr(MM, "AttnResStream", TracedStream)
-        route = L.route
 
-        def traced_route(w, xn, cfg):
-            sel, wts = route(w, xn, cfg)
+            def output(s, w, norm_w):
+                out = super().output(w, norm_w)
+                if Trace.active is trace:
+                    trace.h.append(out.clone())
+                return out
+        monkeypatch.setattr(MM, "ResStream", TracedStream)
+        route = model.ops.route
+
+        def traced_route(logits, bias, cfg):
+            r = route(logits, bias, cfg)
             if Trace.active is self:
+                sel = r["ids"].long()
                 self.sel.append(torch.sort(sel, dim=1).values.clone())
                 self.ids.append(sel.clone())
                 if self.force is not None:      # the other path's choice, this path's weights
                     sel = self.force.ids[len(self.ids) - 1].to(sel.device)
-                    wts = forced_weights(L._mm(xn, w.router.T), sel, cfg)
-            return sel, wts
-        monkeypatch.setattr(L, "route", traced_route)
+                    r = {**r, "ids": sel.int(), "weights": forced_weights(logits, sel, cfg)}
+            return r
+        monkeypatch.setattr(model.ops, "route", traced_route)
 
     active = None
 

@@ -18,11 +18,14 @@ LOGITS = ("prefill", "decode1", "decode2", "verify", "after_commit")
 
 def tiny4_dict() -> dict:
     """The `tiny` preset with 4 KDA and 8 MLA heads (tiny's 2 do not split over 4 ranks; MLA's q_b has
-    192 rows per head, so a rank needs an even number of heads to own whole 128-row tiles)."""
+    192 rows per head, so a rank needs an even number of heads to own whole 128-row tiles) and a 512
+    expert intermediate (the shared experts' FP8 [gate | up] and down split in whole 128-row tiles
+    over 4 ranks: model/shard.py)."""
     d = preset_dict("tiny")
     t = d["text_config"]
     t["linear_attn_config"]["num_heads"] = 4
     t["num_attention_heads"] = 8
+    t["moe_intermediate_size"] = 512
     return d
 
 
@@ -147,36 +150,42 @@ def _blocks(n: int, parts: int, reverse: bool) -> list[slice]:
 @contextlib.contextmanager
 def order_variant(m, parts: int, reverse: bool):
     """TP1 with the sums a layout splits computed as `parts` block sums added in order (or reversed):
-    o_proj over its input columns (FP32 partials, as RankOps), the GLU down projection over the
-    intermediate and the routed experts' weighted sum over the experts (FP64 partials rounded to FP32)."""
-    import model.layers as L
+    the row-parallel projections over their input columns (FP32 partials, as RankOps): o_proj and the
+    down projections of the dense MLP and the shared experts; and the routed experts' weighted sum
+    over the experts (FP64 partials rounded to FP32)."""
+    import model.moe_torch as T
     from k3gen.ops.act_quant_fp8.reference import act_quant_fp8, dequantize
-    ops, glu, ein = m.ops, L._glu, L._ein
-    o_projs = {id(lw.attn.o_proj) for lw in m.w.layers}
+    from model.ffn_ops import QAct
+    from model.weights import DenseMlpWeights
+    ops, ein = m.ops, T._ein
+    split = {id(lw.attn.o_proj) for lw in m.w.layers}
+    for lw in m.w.layers:
+        f = lw.ffn
+        split |= {id(g.down) for g in ([f] if isinstance(f, DenseMlpWeights) else [f.shared]) if g is not None}
 
     class Ops:
         def __getattr__(self, name):
             return getattr(ops, name)
 
         def linear(self, x, w):
-            if id(w) not in o_projs:
+            if id(w) not in split:
                 return ops.linear(x, w)
-            xd, W = dequantize(*act_quant_fp8(x, ops.recipe), ops.recipe), w.dequant()
+            q = (x.codes, x.scales) if isinstance(x, QAct) else act_quant_fp8(x, ops.recipe)
+            xd, W = dequantize(*q, ops.recipe), w.dequant()
             return sum(xd[:, b] @ W[:, b].T for b in _blocks(w.k, parts, reverse)).to(torch.bfloat16)
 
-    def glu_blocks(x, gate_w, up_w, down_w, act):
-        h = act(L._mm(x, gate_w.T), L._mm(x, up_w.T)).to(torch.bfloat16)
-        return sum(L._mm(h[:, b], down_w[:, b].T) for b in _blocks(h.shape[1], parts, reverse))
+        def glu(self, x, w, cfg):
+            return self.linear(QAct(None, *ops.glu_hidden(x, w, cfg)), w.down)
 
     def ein_blocks(eq, a, b):
         if eq != "me,mew->mw":
             return ein(eq, a, b)
         return sum(ein(eq, a[:, s], b[:, s]) for s in _blocks(a.shape[1], parts, reverse))
-    m.ops, L._glu, L._ein = Ops(), glu_blocks, ein_blocks
+    m.ops, T._ein = Ops(), ein_blocks
     try:
         yield m
     finally:
-        m.ops, L._glu, L._ein = ops, glu, ein
+        m.ops, T._ein = ops, ein
 
 
 def order_bound(make, tp1: dict) -> float:

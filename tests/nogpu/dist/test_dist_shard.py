@@ -100,12 +100,16 @@ def test_rank_shares_put_back_are_the_whole_model(full, layout):
             back = _experts_back([p.ffn.experts for p in part], layout)
             for k, v in back.items():
                 assert torch.equal(v, getattr(f.experts, k)), k
-            g, u, d = f.shared_gate, f.shared_up, f.shared_down
-            pg, pu, pd = ([getattr(p.ffn, k) for p in part] for k in ("shared_gate", "shared_up", "shared_down"))
+            g, pg = f.shared, [p.ffn.shared for p in part]
         else:
-            g, u, d = f.gate, f.up, f.down
-            pg, pu, pd = ([getattr(p.ffn, k) for p in part] for k in ("gate", "up", "down"))
-        assert torch.equal(torch.cat(pg), g) and torch.equal(torch.cat(pu), u) and torch.equal(torch.cat(pd, 1), d)
+            g, pg = f, [p.ffn for p in part]
+        # the FP8 [gate | up] rows and down columns of the ranks put back (each part's own tiles)
+        W = g.width
+        gates = torch.cat([_rows(p.gate_up)[:p.inter] for p in pg])
+        ups = torch.cat([_rows(p.gate_up)[p.width:p.width + p.inter] for p in pg])
+        assert torch.equal(gates, _rows(g.gate_up)[:g.inter]) and torch.equal(ups, _rows(g.gate_up)[W:W + g.inter])
+        assert torch.equal(torch.cat([_cols(p.down)[:, :p.inter] for p in pg], 1), _cols(g.down)[:, :g.inter])
+        assert all(type(p.down).__name__ == "RowParallel" for p in pg) and sum(p.inter for p in pg) == g.inter
 
 
 def _counts(w) -> dict[str, int]:
@@ -131,12 +135,12 @@ def _counts(w) -> dict[str, int]:
         f = lw.ffn
         if isinstance(f, MoeWeights):
             c["router"] += f.router.numel() + f.bias.numel()
-            c["latent"] += f.latent_down.numel() + f.latent_up.numel() + f.latent_norm.numel()
-            c["shared_experts"] += f.shared_gate.numel() + f.shared_up.numel() + f.shared_down.numel()
+            c["latent"] += f.latent_down.codes.numel() + f.latent_up.codes.numel() + f.latent_norm.numel()
+            c["shared_experts"] += 3 * f.shared.inter * f.shared.gate_up.k
             x = f.experts
             c["routed_experts"] += x.experts * x.inter * x.width * 3
         else:
-            c["dense_mlp"] += f.gate.numel() + f.up.numel() + f.down.numel()
+            c["dense_mlp"] += 3 * f.inter * f.gate_up.k
     return c
 
 
@@ -184,17 +188,22 @@ def test_unrepresentable_splits_raise_typed_errors(full):
     # q_b has 192 rows per head: one MLA head per rank puts rank 1's rows across two stored tiles.
     with pytest.raises(ShardAlignmentError, match="mla q_b.*rank 1"):
         check_shardable(_cfg(4, 4), Layout(4))
-    check_shardable(_cfg(4, 8), Layout(4))
+    check_shardable(_cfg(4, 8, moe_intermediate_size=512), Layout(4))
+    # The shared experts' FP8 [gate | up] and down split on whole 128-row tiles: tiny's 128 over 4 ranks is 32.
+    with pytest.raises(ShardAlignmentError, match="shared_inter"):
+        check_shardable(_cfg(4, 8), Layout(4))
+    with pytest.raises(ShardAlignmentError, match="dense_inter"):
+        check_shardable(_cfg(4, 8, moe_intermediate_size=512, intermediate_size=256), Layout(4))
     with pytest.raises(SpecError, match="kda_heads"):                 # tiny's 2 heads over 4 ranks
         check_shardable(get_config("tiny"), Layout(4))
     with pytest.raises(SpecError, match="ep"):
         Layout(4, 3)
     with pytest.raises(SpecError, match="experts"):                   # 8 experts over 16 EP ranks
         Layout(16, 16).check(_cfg(16, 32))
-    # NVFP4 experts split their intermediate on 16-wide scale groups: 128 over 16 ranks is 8 each.
+    # NVFP4 experts split their intermediate on 16-wide scale groups: 512 over 64 ranks is 8 each.
     ex = next(lw.ffn.experts for lw in full.layers if isinstance(lw.ffn, MoeWeights))
     with pytest.raises(ShardAlignmentError, match="moe_inter"):
-        shard_experts(ex, Layout(16).place(3))
+        shard_experts(ex, Layout(64).place(3))
     # the whole model's weights are not rank 1's
     with pytest.raises(SpecError, match="vocab rows"):
         check_rank_weights(full, Layout(2).place(1))

@@ -194,22 +194,40 @@ def tiny_model(request, tmp_path_factory):
     return K3Model(w, t, HybridCache(cfg, t, num_slots=2, num_pages=4, max_seq_len=64)), stored
 
 
+def _fp8(v: np.ndarray, recipe) -> np.ndarray:
+    """The FP8 activation rounding of a GEMM input: act_quant_fp8 of the BF16 rows, dequantized."""
+    from k3gen.ops.act_quant_fp8.reference import act_quant_fp8, dequantize
+    t = torch.from_numpy(np.ascontiguousarray(v)).to(torch.bfloat16)
+    return dequantize(*act_quant_fp8(t, recipe), recipe).double().numpy()
+
+
 def test_moe_layer_matches_numpy(tiny_model):
     """K3Model._ffn on a MoE layer (reference path) against the formula in FP64 from the same
-    weights (decoded with ml_dtypes, rounded to BF16 as the model stores them), BF16 at the same
-    points: the normed input, the latent, the expert hidden, the summed expert output."""
+    weights: the routed experts decoded with ml_dtypes and rounded to BF16 as the model stores
+    them, the router as stored, the latent and shared projections as the FP8 block values the
+    model quantized them to at load (canonical_from_weights); the normed input from the stream's
+    one-source mix; BF16 at the model's points (the normed input, every GEMM output, the expert and
+    shared hidden, the normed expert sum) and the FP8 activation rounding at every FP8 GEMM input."""
+    from model.ffn_ops import QAct
+    from model.reference import canonical_from_weights
     m, st = tiny_model
     cfg = m.cfg
+    rec = m.ops.recipe
     layer = 2
     assert not cfg.is_dense(layer)
     p = f"{PREFIX}layers.{layer}."
     mp = p + "block_sparse_moe."
+    _, cw = canonical_from_weights(m.w)
     get = lambda n: st[n].double().numpy()                        # noqa: E731
+    q = lambda n: cw[n.removeprefix("language_model.")].double().numpy()   # noqa: E731  (FP8 values)
     h = torch.randn(6, cfg.hidden, generator=torch.Generator().manual_seed(4)) * 3
-    got = m._ffn(layer, h)
+    xn = m.ops.attn_res_mix(h[None].clone(), 1, None, m.w.layers[layer].post_norm, cfg.eps)
+    assert isinstance(xn, QAct)
+    got = m._ffn(layer, xn)
     act = (lambda a, b: _situ(a, b, cfg.situ_beta, cfg.situ_linear_beta)) if cfg.act == "situ" else \
         (lambda a, b: a * _sigmoid(a) * b)
     x = _bf(_rms(_np(h), get(p + "post_attention_layernorm.weight")))
+    xq = _fp8(x, rec)
     s = _sigmoid(x @ get(mp + "gate.weight").T)
     ids = np.argsort(-(s + get(mp + "gate.e_score_correction_bias")), 1, kind="stable")[:, :cfg.top_k]
     wts = np.take_along_axis(s, ids, 1)
@@ -217,7 +235,7 @@ def test_moe_layer_matches_numpy(tiny_model):
         wts = wts / wts.sum(1, keepdims=True)
     wts = wts * cfg.routed_scale
     lat = cfg.moe_latent is not None
-    xl = _bf(x @ get(mp + "routed_expert_down_proj.weight").T) if lat else x
+    xl = _bf(xq @ q(mp + "routed_expert_down_proj.weight").T) if lat else x
     dec = lambda e, n: _bf(decode_nvfp4(*(st[f"{mp}experts.{e}.{n}.{k}"]           # noqa: E731
                                           for k in ("weight", "weight_scale", "weight_scale_2"))).numpy())
     y = np.zeros((h.shape[0], cfg.expert_width))
@@ -226,10 +244,10 @@ def test_moe_layer_matches_numpy(tiny_model):
             hid = _bf(act(dec(e, "w1") @ xl[r], dec(e, "w3") @ xl[r]))
             y[r] += we * (dec(e, "w2") @ hid)
     y = _bf(_rms(y, get(mp + "routed_expert_norm.weight")) if cfg.latent_norm else y)
-    out = y @ get(mp + "routed_expert_up_proj.weight").T if lat else y
+    out = _bf(_fp8(y, rec) @ q(mp + "routed_expert_up_proj.weight").T) if lat else y
     sh = mp + "shared_experts."
-    out = out + _bf(act(x @ get(sh + "gate_proj.weight").T, x @ get(sh + "up_proj.weight").T)) @ get(
-        sh + "down_proj.weight").T
+    hid = _bf(act(_bf(xq @ q(sh + "gate_proj.weight").T), _bf(xq @ q(sh + "up_proj.weight").T)))
+    out = out + _bf(_fp8(hid, rec) @ q(sh + "down_proj.weight").T)
     err = np.abs(_np(got) - out).max() / np.abs(out).max()
     assert err < 3e-3, err          # a few BF16 ulps at rounding points where FP32 and FP64 round apart
 
@@ -242,9 +260,9 @@ def test_run_wires_the_stream(tiny_model, monkeypatch):
     cfg = m.cfg
     g = torch.Generator().manual_seed(6)
     mats = [torch.randn(cfg.hidden, cfg.hidden, generator=g) * cfg.hidden ** -0.5 for _ in range(2 * cfg.layers)]
-    attn = lambda i, lw, xn: torch.tanh(xn.double() @ mats[2 * i].double()).float()        # noqa: E731
+    attn = lambda i, lw, xn: torch.tanh(xn.x.double() @ mats[2 * i].double()).float()      # noqa: E731
     index = {id(lw.ffn): i for i, lw in enumerate(m.w.layers)}
-    ffn = lambda ops, w, xn, cfg_: torch.tanh(xn.double() @ mats[2 * index[id(w)] + 1].double()).float()  # noqa: E731
+    ffn = lambda ops, w, xn, cfg_: torch.tanh(xn.x.double() @ mats[2 * index[id(w)] + 1].double()).float()  # noqa: E731
     monkeypatch.setattr(L, "moe", ffn)
     monkeypatch.setattr(L, "dense_mlp", ffn)
     tokens = torch.tensor([3, 17, 400, 9, 255])

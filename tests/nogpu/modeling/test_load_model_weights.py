@@ -209,7 +209,9 @@ def test_mxfp4_weights_are_the_checkpoints(official, recipe):
             elif name.endswith("A_log"):
                 want = want[:cfg.kda_heads].reshape(v.shape)
         assert torch.equal(v, want.reshape(v.shape)), name
-    assert n_fp8 == 2 * 7 + 2 * 5            # KDA q k v g f_a b o; MLA q_a q_b kv_a g o
+    # KDA q k v g f_a b o; MLA q_a q_b kv_a g o; the dense MLP's gate up down; per MoE layer the latent
+    # down/up and the shared experts' gate up down
+    assert n_fp8 == 2 * 7 + 2 * 5 + 3 + 3 * 5
 
 
 @pytest.fixture(scope="module")
@@ -286,11 +288,13 @@ def test_hf_tiny_weights_are_the_checkpoints(hf, case):
 
 # -- TP / EP slices ---------------------------------------------------------------------------------------
 def tiny4_dict() -> dict:
-    """tiny with 4 KDA and 8 MLA heads: shares of whole 128-row tiles at TP2 (q_b has 192 rows per
-    head; tiny's 2 MLA heads do not split; tests/nogpu/dist uses the same config)."""
+    """tiny with 4 KDA and 8 MLA heads and a 512 expert intermediate: shares of whole 128-row tiles at
+    TP2 (q_b has 192 rows per head; tiny's 2 MLA heads do not split; the shared experts' FP8 [gate | up]
+    splits by rows too; tests/nogpu/dist uses the same config)."""
     d = preset_dict("tiny")
     d["text_config"]["linear_attn_config"]["num_heads"] = 4
     d["text_config"]["num_attention_heads"] = 8
+    d["text_config"]["moe_intermediate_size"] = 512
     return d
 
 
@@ -318,12 +322,13 @@ def tiny4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf4(tmp_path_factory):
-    """The transformers Kimi-Linear with 4 KDA and 4 MLA heads (q_proj: 2 x 192 rows per rank at TP2)."""
+    """The transformers Kimi-Linear with 4 KDA and 4 MLA heads (q_proj: 2 x 192 rows per rank at TP2) and a
+    256 expert intermediate (the shared experts' FP8 weights split on whole 128-row tiles at TP2)."""
     pytest.importorskip("transformers")
     out = {}
     for case, q_lora in hf_tiny.CASES.items():
         d = tmp_path_factory.mktemp(f"hf4_{case}")
-        hf_tiny.build(q_lora, 7, kda_heads=4, mla_heads=4).save_pretrained(d, max_shard_size="2MB")
+        hf_tiny.build(q_lora, 7, kda_heads=4, mla_heads=4, moe_inter=256).save_pretrained(d, max_shard_size="2MB")
         out[f"hf-{case}"] = d
     return out
 

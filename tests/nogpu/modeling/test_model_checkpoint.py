@@ -162,7 +162,10 @@ def test_round_trip(written):
         assert torch.equal(w13[x, :128], truth[f"{e}experts.{x}.w1"].to(BF))
         assert torch.equal(w13[x, 128:], truth[f"{e}experts.{x}.w3"].to(BF))
         assert torch.equal(w2[x], truth[f"{e}experts.{x}.w2"].to(BF))
-    assert torch.equal(moe.latent_down, stored[e + "routed_expert_down_proj.weight"])
+    # the latent projections: the recipe's FP8 block quantization of the stored BF16 (the FP8 GEMMs' weights)
+    from k3gen.ops.fp8_block_gemm.reference import quantize_weights
+    c, sc = quantize_weights(stored[e + "routed_expert_down_proj.weight"].float(), moe.latent_down.recipe)
+    assert torch.equal(moe.latent_down.codes, c) and torch.equal(moe.latent_down.scales, sc)
     assert torch.equal(moe.latent_norm, stored[e + "routed_expert_norm.weight"])
     r = w.layers[3].mlp_res
     assert r.proj.dtype == torch.float32 and torch.equal(r.proj, stored[PREFIX + "layers.3.mlp_res_proj.weight"][0].float())

@@ -271,11 +271,16 @@ def test_rejected_drafts_never_change_the_committed_state(tiny_weights):
 # Measured rel RMS, honest / decoder that zeroes the KDA ssm state before every step / ssm + conv:
 #   architecture of ade3dcd:        BF16 KV 3.9e-3 / - / 0.159, NVFP4 KV 1.9e-2 / - / 0.160
 #   AttnRes + SiTU + latent MoE:    BF16 KV 6.6e-3 / 0.233 / 0.311, NVFP4 KV 7.7e-2 / 0.233 / 0.305
+#   FFN on FP8 (issue 21, 2026-12-02): BF16 KV 5.7e-2 / 0.168 / 0.225, NVFP4 KV 5.6e-2 / 0.176 / 0.226
 # (top-1 of the ssm-only mutation stays at 0.9: the top-1 floor alone cannot catch it). The old bounds
 # (0.03 / 0.15 on 6 tokens) let a stateless decoder through at NVFP4 (0.080, issue 20); these sit
-# between the honest error and the mutation: BF16 4.5x over / 5x under, NVFP4 1.6x over / 1.9x under
-# (NVFP4's own rounding leaves no wider gap at this length).
-TF_BOUND = {"bf16": 0.03, "nvfp4": 0.12}
+# between the honest error and the mutation. Issue 21 quantized the FFN's inputs to FP8 (the latent,
+# shared and dense projections are FP8 GEMMs now, on this path as on the kernel path): a decode row
+# that differs from its prefill row by ~1e-3 (attention's own rounding) flips the E4M3 codes it lands
+# near, ~sqrt(1e-3 * 2^-4) ~ 1e-2 per quantized input, so the honest BF16-KV error rose 8.6x while the
+# mutations fell ~1.4x; the BF16 bound moved to the geometric middle of the new honest error and the
+# ssm mutation (1.7x over / 1.8x under); NVFP4's 0.12 still sits between (2.1x over / 1.5x under).
+TF_BOUND = {"bf16": 0.095, "nvfp4": 0.12}
 TF_TOP1 = 0.8
 
 
