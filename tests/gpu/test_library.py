@@ -165,7 +165,7 @@ def _time(fn, iters=50):
 
 
 @pytest.mark.parametrize("kv,ssm", [("nvfp4", "bf16"), ("bf16", "fp32")], ids=lambda x: x)
-def test_compiled_decode_step(kv, ssm, monkeypatch):
+def test_compiled_decode_step(kv, ssm, request):
     from helpers import logits_step_error
     from model.generate import DecodeGraphs
     from model.ops import prepare_compile
@@ -190,7 +190,11 @@ def test_compiled_decode_step(kv, ssm, monkeypatch):
     torch._dynamo.reset()
     # One graph per batch size (1 and 4): a guard that changes every step (a Python counter read in
     # the trace) fails here instead of recompiling.
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    # config.patch, not monkeypatch.setattr: its undo deletes the config entry (a later compile in
+    # the session then fails with "recompile_limit does not exist")
+    limit = torch._dynamo.config.patch(recompile_limit=2)
+    limit.__enter__()
+    request.addfinalizer(lambda: limit.__exit__(None, None, None))
     step = torch.compile(core, fullgraph=True, mode="reduce-overhead", dynamic=False)
     ps = prompts(4, seed=24, length=16)
     me = _small(kv, ssm)

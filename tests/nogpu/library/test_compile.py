@@ -67,11 +67,15 @@ def _greedy(m, step, prompts, n):
     return out
 
 
-def test_compiled_decode_equals_eager_without_recompiling(weights, monkeypatch):
+def test_compiled_decode_equals_eager_without_recompiling(weights, request):
     ps = [[1, 2, 3, 4, 5, 6], [9, 8, 7]]
     m = make(weights)
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)    # a per-step guard fails here
+    # config.patch, not monkeypatch.setattr: its undo deletes the config entry (a later compile in
+    # the session then fails with "recompile_limit does not exist")
+    limit = torch._dynamo.config.patch(recompile_limit=1)
+    limit.__enter__()    # a per-step guard fails here
+    request.addfinalizer(lambda: limit.__exit__(None, None, None))
     step = torch.compile(lambda a, b, c: m.step_core(a, b, c, 1), fullgraph=True, backend="aot_eager",
                          dynamic=False)
     got = _greedy(m, step, ps, 6)
