@@ -109,7 +109,11 @@ class FfnOps:
         """The routed experts' weighted sum over this rank's experts (`mine`), FP32 [M, W], from the
         latent rows xl [M, W] BF16 and moe_route's outputs (`routing`: ids, weights, counts,
         offsets, perm, inv). The seam of the grouped expert GEMM: today the PyTorch stand-in,
-        which reads ids and weights only (model/moe_torch.py)."""
+        which reads ids and weights only (model/moe_torch.py). Swapping the kernel in (KernelOps
+        only): a handle `self._handle(("moe_experts", ...), ...)` for the layer's format, then
+        `k3gen.api.moe_experts(h, xl, experts.w13, experts.w13_scale, experts.w2, experts.w2_scale,
+        routing, gs13=experts.w13_global, gs2=experts.w2_global, expert_base=mine.start if mine else 0,
+        f32=True)[1]` (the FP32 sum the EP/TP reduction and routed_expert_norm take)."""
         self._mark("moe_experts", "torch" if self.kind == "kernel" else "ref")
         return moe_torch.experts(xl, routing["ids"], routing["weights"], experts, arch.act_fn(cfg), cfg.experts, mine)
 
@@ -164,37 +168,34 @@ class RefFfnOps(FfnOps):
 
 class KernelFfnOps(FfnOps):
     def route(self, logits: torch.Tensor, bias: torch.Tensor, cfg) -> dict:
-        import model.kernel_lib as K
+        import k3gen.api as api
         self._mark("moe_route")
         h = self._handle(("moe_route",), experts=cfg.experts, top_k=cfg.top_k, n_group=cfg.n_group,
                          topk_group=cfg.topk_group, renormalize=cfg.renormalize, routed_scale=float(cfg.routed_scale))
-        out = K.ops.moe_route(h, logits.contiguous(), bias)
-        return dict(zip(("ids", "weights", "counts", "offsets", "perm", "inv"), out))
+        return api.moe_route(h, logits.contiguous(), bias)
 
     def _res_handle(self, hidden: int, n_max: int, eps: float, delta: ResDelta) -> str:
         return self._handle(("attn_res", hidden, n_max, delta.value), hidden=hidden, max_sources=n_max, eps=float(eps),
                             recipe=self.recipe, delta=delta)
 
     def attn_res_mix(self, src, n: int, w, norm_w, eps: float, delta=None, seal: bool = False, mixed: bool = False):
-        import model.kernel_lib as K
+        import k3gen.api as api
         self._mark("attn_res")
         kind = _delta_kind(delta)
         h = self._res_handle(src.shape[2], src.shape[0], eps, kind)
         d = None if delta is None else delta.contiguous()
-        out, codes, scales, x = K.ops.attn_res(h, src, n, self._query(w, src.shape[2], src.device), norm_w, d, seal,
-                                               mixed)
-        return x if mixed else QAct(out, codes, scales)
+        r = api.attn_res(h, src, n, self._query(w, src.shape[2], src.device), norm_w, delta=d, seal=seal, mixed=mixed)
+        return r.mixed if mixed else QAct(r.out, r.codes, r.scales)
 
     def latent_norm(self, y: torch.Tensor, norm_w: torch.Tensor, eps: float) -> QAct:
         """routed_expert_norm as a one-source attn_res over the latent: the mix of one source is the
         source itself exactly (softmax weight p / p = 1), then the RMSNorm and the FP8 quantization."""
-        import model.kernel_lib as K
+        import k3gen.api as api
         self._mark("routed_expert_norm")
         W = y.shape[1]
         h = self._res_handle(W, 1, eps, ResDelta.NONE)
-        out, codes, scales, _ = K.ops.attn_res(h, y.contiguous().view(1, -1, W), 1, self._query(None, W, y.device),
-                                               norm_w, None, False, False)
-        return QAct(out, codes, scales)
+        r = api.attn_res(h, y.contiguous().view(1, -1, W), 1, self._query(None, W, y.device), norm_w)
+        return QAct(r.out, r.codes, r.scales)
 
     def glu_hidden(self, x, w, cfg):
         import model.kernel_lib as K
