@@ -200,7 +200,6 @@ def ffn_cases(add, tgt, g, kv) -> None:
     moe_experts() lists (the prebuilt bundle), chosen by the KV dtype so the three CPU combos of
     tests/nogpu/library cover grouped / plain / unnormalized routing, FP8 / BF16 mixes with FP32 /
     BF16 / no delta, and MXFP4 / NVFP4 experts with BF16 / FP8 activations and EP."""
-    from k3gen.ir.dtypes import ScaleRecipe
     from k3gen.ops.act_quant_fp8.reference import act_quant_fp8
     from k3gen.ops.attn_res.spec import AttnResSpec, ResDelta
     from k3gen.ops.moe_experts.spec import ActFormat, MoeExpertsSpec, WeightFormat
