@@ -501,7 +501,21 @@ def _extra_specs(target: Target, kv: KvDtype | None, ssm: SsmDtype | None) -> li
         out += [mla_decode_spec(t, h, lay, T) for h, T in MLA_DECODE_SHAPES if T > 1]
     out += [ActQuantFp8Spec(target=t, k=k, recipe=r) for k in ACT_QUANT_K for r in ScaleRecipe if r not in t.recipes]
     out += [Fp8BlockGemmSpec(target=t, n=n, k=k, recipe=r) for n, k in FP8_GEMM_TP8[:1] for r in t.recipes]
-    return _on_menu(t, out)
+    return _on_menu(t, out + _moe_experts_specs(t))
+
+
+def _moe_experts_specs(target: Target) -> list[OpSpec]:
+    """The routed experts' grouped GEMM at K3 TP8 (latent 3584, 384 per rank, 896 experts, top-16), both
+    weight formats, BF16 activations, where the target has a variant for it (sm90 so far): in the trees
+    for its tests and benches until the model launches it (model/ffn_ops.py moe_experts' seam)."""
+    from k3gen.ops.moe_experts.spec import MoeExpertsSpec, WeightFormat
+    out = []
+    for w in WeightFormat:
+        try:
+            out.append(MoeExpertsSpec(target=target, weights=w, hidden=3584, inter=384, experts=896, top_k=16))
+        except SpecError:     # no variant for this target yet (the spec says why)
+            pass
+    return out
 
 
 def _frozen_specs(target: Target, kv: KvDtype | None, ssm: SsmDtype | None) -> list[OpSpec]:

@@ -170,9 +170,16 @@ def test_model_specs_k3_tp8(kv, drafts):
     assert (("kda_verify", 12) in by) == bool(drafts)
     gemms = {(s.n, s.k) for s in specs if s.op == "fp8_block_gemm"}
     # qkvg, the fused f_a|b (128 + 12 padded to 16), KDA o_proj, the MLA A-projection
-    # [q_a 1536 | c_kv 512 | k_pe 64 | pad 64 | gate 12 * 128], Q-B, MLA o_proj.
-    assert gemms == {(6144, 7168), (144, 7168), (7168, 1536), (1536 + 640 + 1536, 7168), (2304, 1536)}
-    assert {s.k for s in specs if s.op == "act_quant_fp8"} == {7168, 1536}
+    # [q_a 1536 | c_kv 512 | k_pe 64 | pad 64 | gate 12 * 128], Q-B, MLA o_proj; the FFN (issue 21): the
+    # latent down/up, the shared experts' [gate | up] (2 x 768) and down, the dense MLP's (2 x 4224) and down.
+    assert gemms == {(6144, 7168), (144, 7168), (7168, 1536), (1536 + 640 + 1536, 7168), (2304, 1536),
+                     (3584, 7168), (7168, 3584), (1536, 7168), (7168, 768), (8448, 7168), (7168, 4224)}
+    # act_quant only for o_proj's and Q-B's input: attn_res, glu_act and routed_expert_norm quantize the rest
+    assert {s.k for s in specs if s.op == "act_quant_fp8"} == {1536}
+    assert {s.inter for s in specs if s.op == "glu_act"} == {768, 4224}
+    assert sorted((s.hidden, s.max_sources, s.delta.value) for s in specs if s.op == "attn_res") == [
+        (3584, 1, "none"), (7168, 9, "bf16"), (7168, 9, "fp32"), (7168, 9, "none")]
+    assert [(s.experts, s.top_k) for s in specs if s.op == "moe_route"] == [(896, 16)]
     assert all(getattr(s, "recipe", ScaleRecipe.UE8M0) is ScaleRecipe.UE8M0 for s in specs)
     attn = sorted(s.tokens for s in specs if s.op == "mla_decode")
     assert attn == ([1] if kv is KvDtype.NVFP4 or not drafts else [1, 1 + drafts])
@@ -219,7 +226,7 @@ def test_committed_trees_are_the_default_models_plus_extras():
 def test_spec_menu_finds_by_fields():
     menu = SpecMenu(model_specs(SM90, "small", 1, serving=ServingOptions(kv=KvDtype.FP8, max_drafts=3)))
     assert menu.find("mla_decode", tokens=4).tokens == 4
-    assert menu.find("act_quant_fp8", k=1024).k == 1024
+    assert menu.find("act_quant_fp8", k=1536).k == 1536
     assert menu.find("fp8_block_gemm", n=12 * 192, k=1536) == menu.find("mla_q_absorb", heads=12).gemm_spec
     with _raises(SpecError, "kda_decode", "h12-bounded-fp32"):
         menu.find("kda_decode", heads=24)
