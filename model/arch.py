@@ -7,7 +7,7 @@ Sources for the facts (read, never copied): SGLang `models/kimi_k3.py` (`KimiK3D
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,10 +87,14 @@ class AttnResWeights:
     its RMSNorm weight `norm` [hidden] (`*_res_norm.weight`), both FP32."""
     proj: torch.Tensor
     norm: torch.Tensor
+    q: torch.Tensor = field(init=False, repr=False)    # query(), made once (rebuilt with the tensors)
+
+    def __post_init__(self):
+        # score_i = proj . (norm * RMSNorm(V_i)) = (norm * proj) . RMSNorm(V_i)
+        self.q = (self.norm.float() * self.proj.float().reshape(-1)).contiguous()
 
     def query(self) -> torch.Tensor:
-        # score_i = proj . (norm * RMSNorm(V_i)) = (norm * proj) . RMSNorm(V_i)
-        return self.norm.float() * self.proj.float().reshape(-1)
+        return self.q
 
 
 def attn_res_mix(sources: list[torch.Tensor], w: AttnResWeights, eps: float) -> torch.Tensor:

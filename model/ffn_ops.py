@@ -91,14 +91,9 @@ class FfnOps:
     """What both paths share: the stand-ins (router logits, the routed experts) and the composition."""
 
     def _query(self, w, hidden: int, device) -> torch.Tensor:
-        """The pseudo-query (norm * proj), or zeros where only one source is mixed (a plain residual,
-        routed_expert_norm): made once per width and device."""
-        key = (hidden, str(device)) if w is None else id(w)
-        q = self._queries.get(key)
-        if q is None:
-            q = torch.zeros(hidden, dtype=torch.float32, device=device) if w is None else w.query().contiguous()
-            self._queries[key] = q
-        return q
+        """The pseudo-query (norm * proj, made at load: AttnResWeights.q), or zeros where only one
+        source is mixed (a plain residual, routed_expert_norm: its weight is 1 whatever the score)."""
+        return torch.zeros(hidden, dtype=torch.float32, device=device) if w is None else w.query()
 
     def router_logits(self, x, router: torch.Tensor) -> torch.Tensor:
         """FP32 router logits (a PyTorch stand-in on both paths: FP64 products, row-invariant)."""

@@ -44,7 +44,6 @@ class Ops:
     def __init__(self, recipe: ScaleRecipe, gate: GateKind = GateKind.BOUNDED):
         self.recipe, self.gate = recipe, gate
         self.ran: collections.Counter = collections.Counter()
-        self._queries: dict = {}     # AttnRes pseudo-queries (and zero queries) by weight / width
 
     def _mark(self, op: str, kind: str | None = None) -> None:
         # Not inside torch.compile: dynamo would guard on the count and recompile every step. What
