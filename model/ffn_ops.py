@@ -20,6 +20,10 @@ from k3gen.ops.attn_res import reference as res_ref
 from k3gen.ops.attn_res.spec import ResDelta
 from k3gen.ops.glu_act.reference import glu_act as ref_glu_act
 
+import k3gen.api as api
+from k3gen.ops.glu_act.spec import GluKind
+
+import model.kernel_lib as K
 from model import arch, moe_torch
 
 BF16 = torch.bfloat16
@@ -51,13 +55,12 @@ class ResStream:
     """The residual stream of one forward over M rows in a source buffer [max_sources, M, hidden]
     FP32 allocated once per forward (a fresh tensor: graph-safe under capture and torch.compile):
     source 0 the embedding, then one per completed block, the last the running partial sum
-    (arch.AttnResStream's protocol, which model/reference.py keeps). A layer output is not added
+    (arch.AttnResStream's protocol, which model/reference.py keeps; n_max = FfnShape.max_sources). A layer output is not added
     at once: it becomes the delta of the next mix, which updates the partial sum in place (or
     starts a new source: `seal`) before mixing. A plain residual (block None) is one source."""
 
-    def __init__(self, ops, embed: torch.Tensor, cfg):
+    def __init__(self, ops, embed: torch.Tensor, cfg, n_max: int):
         self.ops, self.cfg, self.block = ops, cfg, cfg.attn_res_block
-        n_max = cfg.kernel_shape().ffn.max_sources
         self.src = torch.empty(n_max, embed.shape[0], embed.shape[1], dtype=torch.float32, device=embed.device)
         self.src[0].copy_(embed)
         self.n = 1
@@ -162,19 +165,25 @@ class RefFfnOps(FfnOps):
 
 
 class KernelFfnOps(FfnOps):
+    def _kernel(self, key: tuple, fields):
+        """The handle at `key`; only on a miss are the spec's fields built (`fields()`), so a traced
+        step (torch.compile) sees a dict lookup."""
+        h = self._handles.get(key)
+        return h if h is not None else self._handle(key, **fields())
+
     def route(self, logits: torch.Tensor, bias: torch.Tensor, cfg) -> dict:
-        import k3gen.api as api
         self._mark("moe_route")
-        h = self._handle(("moe_route",), experts=cfg.experts, top_k=cfg.top_k, n_group=cfg.n_group,
-                         topk_group=cfg.topk_group, renormalize=cfg.renormalize, routed_scale=float(cfg.routed_scale))
+        h = self._kernel(("moe_route",), lambda: dict(experts=cfg.experts, top_k=cfg.top_k, n_group=cfg.n_group,
+                                                       topk_group=cfg.topk_group, renormalize=cfg.renormalize,
+                                                       routed_scale=float(cfg.routed_scale)))
         return api.moe_route(h, logits.contiguous(), bias)
 
     def _res_handle(self, hidden: int, n_max: int, eps: float, delta: ResDelta) -> str:
-        return self._handle(("attn_res", hidden, n_max, delta.value), hidden=hidden, max_sources=n_max, eps=float(eps),
-                            recipe=self.recipe, delta=delta)
+        return self._kernel(("attn_res", hidden, n_max, delta.value),
+                            lambda: dict(hidden=hidden, max_sources=n_max, eps=float(eps), recipe=self.recipe,
+                                         delta=delta))
 
     def attn_res_mix(self, src, n: int, w, norm_w, eps: float, delta=None, seal: bool = False, mixed: bool = False):
-        import k3gen.api as api
         self._mark("attn_res")
         kind = _delta_kind(delta)
         h = self._res_handle(src.shape[2], src.shape[0], eps, kind)
@@ -185,7 +194,6 @@ class KernelFfnOps(FfnOps):
     def latent_norm(self, y: torch.Tensor, norm_w: torch.Tensor, eps: float) -> QAct:
         """routed_expert_norm as a one-source attn_res over the latent: the mix of one source is the
         source itself exactly (softmax weight p / p = 1), then the RMSNorm and the FP8 quantization."""
-        import k3gen.api as api
         self._mark("routed_expert_norm")
         W = y.shape[1]
         h = self._res_handle(W, 1, eps, ResDelta.NONE)
@@ -193,10 +201,10 @@ class KernelFfnOps(FfnOps):
         return QAct(r.out, r.codes, r.scales)
 
     def glu_hidden(self, x, w, cfg):
-        import model.kernel_lib as K
-        from k3gen.ops.glu_act.spec import GluKind
         gu = self.linear(x, w.gate_up)
         self._mark("glu_act")
-        kw = dict(beta=float(cfg.situ_beta), linear_beta=float(cfg.situ_linear_beta)) if cfg.act == "situ" else {}
-        h = self._handle(("glu_act", w.width), inter=w.width, act=GluKind(cfg.act), recipe=self.recipe, **kw)
-        return K.ops.glu_act(h, gu)
+
+        def fields():
+            kw = dict(beta=float(cfg.situ_beta), linear_beta=float(cfg.situ_linear_beta)) if cfg.act == "situ" else {}
+            return dict(inter=w.width, act=GluKind(cfg.act), recipe=self.recipe, **kw)
+        return K.ops.glu_act(self._kernel(("glu_act", w.width), fields), gu)

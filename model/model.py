@@ -79,6 +79,7 @@ class K3Model:
         self.ops = ops or make_ops(tcfg, self.cfg)
         self.device = cache.device
         self.layout = cache.layout
+        self._n_sources = self.cfg.kernel_shape().ffn.max_sources    # the AttnRes source buffer's depth
         # World size 1 is the unsplit model: no collective, today's path exactly.
         self.par = par if par is not None and par.world > 1 else None
         if self.par is not None:
@@ -152,7 +153,7 @@ class K3Model:
         and FFN read a mix of the stream through their own pseudo-query, normed by the layer's
         RMSNorm and quantized for its first GEMMs in the same op (attn_res), and write their output
         back (the next mix adds it); the output query mixes once more, normed by the final norm."""
-        s = ResStream(self.ops, self._embed(tokens), self.cfg)
+        s = ResStream(self.ops, self._embed(tokens), self.cfg, self._n_sources)
         for i, lw in enumerate(self.w.layers):
             s.add_attn(i, attn(i, lw, s.attn_input(lw.attn_res, lw.input_norm)))
             s.add_ffn(self._ffn(i, s.ffn_input(lw.mlp_res, lw.post_norm)))
