@@ -7,6 +7,11 @@ path executed.
 
 Rounding points are the same on both paths: BF16 activations between ops, FP8 activations
 quantized per token per 128 columns with the target's recipe, FP32 accumulation.
+
+The FFN and residual-stream ops (route, attn_res_mix, latent_norm, glu, moe_experts, router_logits)
+come from model/ffn_ops.py's mixins (RefFfnOps, KernelFfnOps). A GEMM input may arrive already
+quantized (`QAct`: the AttnRes mix, glu_act and routed_expert_norm write the FP8 codes the next GEMM
+reads); `linear` takes it in place of a BF16 tensor.
 """
 from __future__ import annotations
 
