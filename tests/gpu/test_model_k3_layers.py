@@ -25,7 +25,7 @@ from k3gen.ops.kda_decode.reference import random_weights
 from model import layers as L
 from model.cache import HybridCache
 from model.config import TargetConfig, k3_config
-from model.model import gemm_shapes_for
+from k3gen.targets import model_gemm_shapes
 from model.ops import KernelOps, RefOps
 from numerics import assert_close, rel_rms
 from model.weights import KV_A_PAD, ExpertWeights, Fp8Linear, GluWeights, KdaLayerWeights, MlaLayerWeights, MoeWeights
@@ -112,7 +112,8 @@ def test_k3_tp8_layer_decode_time(kv, ssm):
     t = _tc(kv, ssm)
     H, hid = 12, CFG.hidden
     ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), H, H, 0)
-    ops.load_all(gemm_shapes_for(CFG, TP))
+    # the attention layers' GEMMs only (the FFN's are test_k3_tp8_moe_ffn_against_reference's)
+    ops.load_all(model_gemm_shapes(dataclasses.replace(CFG.kernel_shape(), ffn=None), TP))
     kda = KdaLayerWeights(qkvg=_lin(4 * H * 128, hid, g), fab=_lin(144, hid, g), o_proj=_lin(hid, H * 128, g),
                           kda=random_weights(H, generator=g, device="cuda"))
     kvb = (torch.randn(H, 256, 512, generator=g) * 0.05).to(torch.bfloat16).cuda()

@@ -32,7 +32,7 @@ from model.cache import CacheCapacityError, HybridCache, check_dtypes
 from model.checkpoint import write_random_checkpoint
 from model.config import TargetConfig, small_config
 from model.generate import Generator, Request
-from model.model import K3Model, gemm_shapes_for
+from model.model import K3Model
 from model.ops import KernelOps
 from model.weights import load_weights
 from numerics import rel_rms
@@ -294,7 +294,10 @@ def test_mla_decode_on_model_cache_vs_reference(kv, ssm):
     H = sh.mla_heads
     c = HybridCache(CFG, t, num_slots=8, num_pages=32, max_seq_len=256, device="cuda")
     ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), sh.kda_heads, H, DRAFTS)
-    ops.load_all(gemm_shapes_for(CFG), t.graph_batch_sizes, c.max_pages_per_seq * c.layout.page)
+    import dataclasses
+    from k3gen.targets import model_gemm_shapes
+    shapes = model_gemm_shapes(dataclasses.replace(CFG.kernel_shape(), ffn=None))   # the attention's GEMMs
+    ops.load_all(shapes, t.graph_batch_sizes, c.max_pages_per_seq * c.layout.page)
     layer = CFG.mla_layer_ids[0]
     kvd, scale = c.kv[layer], c.kv_scale[layer]
     lengths = [18, 129, 16, 64, 200]
