@@ -1,6 +1,7 @@
 """`k3gen build` without a terminal: workers die with a SIGKILLed parent, progress lines reach the
 log, the table has one row per kernel. No wall-clock assertion: only bounded waits for a condition."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,7 +68,8 @@ def test_sigkill_of_the_build_leaves_no_worker(tmp_path):
             if _alive(w, s):
                 os.kill(w, signal.SIGKILL)
     first = log.read_text().splitlines()[0]
-    assert first.startswith("k3gen build sm90: 0/21 kernels done (0 cached), compiling "), first
+    # The count is the tiny model's spec list (targets.model_specs), which grows with the model's ops.
+    assert re.match(r"k3gen build sm90: 0/[1-9][0-9]* kernels done \(0 cached\), compiling ", first), first
     assert "elapsed, ETA" in first
 
 
