@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 from pathlib import Path
 
@@ -50,24 +49,10 @@ def lin(n, k, g, recipe):
 
 
 def graph_time(fn, reps: int = 50) -> float:
-    """Median microseconds of a CUDA-graph replay of fn (warmed up eagerly on a side stream)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    """Median microseconds of a CUDA-graph replay of fn (bench.harness.time_graph: warmed up
+    eagerly, captured through k3gen.runtime.graphs)."""
+    from bench.harness import time_graph
+    return time_graph([fn], reps=reps)
 
 
 def moe_weights(g, recipe) -> MoeWeights:

@@ -49,23 +49,8 @@ def _lin(n, k, g):
 
 
 def _time(fn, reps=50) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    from bench.harness import time_graph
+    return time_graph([fn], reps=reps)
 
 
 def _fill_context(cache, t, slots, g) -> None:
