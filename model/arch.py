@@ -59,6 +59,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg) -> tuple[torch.Tensor, 
         keep = torch.zeros_like(gscore, dtype=torch.bool).scatter(1, kept, True)
         choice = choice.masked_fill(~keep.repeat_interleave(G, dim=1), float("-inf"))
     ids = _ranked(choice)[:, :cfg.top_k]
+    return ids, route_weights(scores, ids, cfg)
+
+
+def route_weights(scores: torch.Tensor, ids: torch.Tensor, cfg) -> torch.Tensor:
+    """The routing weights of experts `ids` [M, k] (pick order): their unbiased scores,
+    renormalized by the slot-order sum if configured, times routed_scale."""
     w = scores.gather(1, ids)
     if cfg.renormalize:
         total = w[:, 0]
@@ -67,7 +73,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg) -> tuple[torch.Tensor, 
         w = w / (total + 1e-20)[:, None]
     # A Python scalar, not a new tensor: building one copies host to device, which CUDA graph
     # capture forbids. The scalar is rounded to FP32 as the op's math type, so the product is the same.
-    return ids, w * float(cfg.routed_scale)
+    return w * float(cfg.routed_scale)
 
 
 def sigmoid_scores(logits: torch.Tensor) -> torch.Tensor:

@@ -437,16 +437,9 @@ class Trace:
 
 
 def forced_weights(logits, ids, cfg):
-    """arch.route's weights for the experts `ids` (pick order): the unbiased sigmoid scores,
-    renormalized in slot order, times routed_scale."""
-    from model.arch import sigmoid_scores
-    w = sigmoid_scores(logits).gather(1, ids)
-    if cfg.renormalize:
-        total = w[:, 0]
-        for j in range(1, w.shape[1]):
-            total = total + w[:, j]
-        w = w / (total + 1e-20)[:, None]
-    return w * float(cfg.routed_scale)
+    """arch.route's weights for the experts `ids` (pick order) from this path's own logits."""
+    from model.arch import route_weights, sigmoid_scores
+    return route_weights(sigmoid_scores(logits), ids, cfg)
 
 
 def _pair(tr_k: Trace, tr_r: Trace, cfg, what: str, logits_k, logits_r) -> dict:
