@@ -98,10 +98,18 @@ def test_tp2_two_processes_on_one_gpu_over_gloo_reference_path(tmp_path):
         assert r["greedy"] == tp1["greedy"] and r["spec"] == tp1["greedy"]
 
 
+# The kernel path's model-level contract against the reference path (test_model_small.TF_REL_RMS:
+# teacher-forced logits, same KV format on both paths).
+KERNEL_VS_REF = 0.15
+
+
 def test_tp2_two_processes_on_one_gpu_kernel_path(tmp_path):
     """The kernel path at 6 heads per rank. Its GEMMs write BF16, so o_proj's partials round before the
-    rank sum (a BF16 all-reduce, as vLLM's): TP2 moves the logits by BF16 noise, which must stay below
-    what the kernel path already differs from the reference path at TP1 (the same steps)."""
+    rank sum (a BF16 all-reduce, as vLLM's): TP2 is not TP1 bitwise, and on the random model that
+    noise flips router top-k near-ties as the kernel path's own noise does (2026-12-02 H200: TP2 vs TP1
+    kernel 0.04-0.29 rel RMS per step). What must hold is the kernel path's contract: TP2's teacher-
+    forced logits are as close to the FP32 reference path (TP1) as TP1's kernel path is, within
+    KERNEL_VS_REF, and both ranks generate the same tokens."""
     from k3gen.errors import MissingKernelError
     from model.config import TargetConfig
     from model.ops import make_ops
@@ -113,11 +121,16 @@ def test_tp2_two_processes_on_one_gpu_kernel_path(tmp_path):
         pytest.skip(f"small at TP2 (6 heads per rank) is not prebuilt: {str(e)[:300]}")
     kern = C.scenario(C.build(cfg, ck, None, "cuda", "kernel"))
     ref = C.scenario(C.build(cfg, ck, None, "cuda", "reference"))
-    bound = max(rel_rms(kern[k], ref[k]) for k in C.LOGITS)
     res = H.run_ranks(C.rank_scenario, 2, tmp_path, ck, 1, "cuda:0", "gloo", cfg, "kernel")
     _skip_if_gloo_cannot_carry_cuda(res)
     ranks = H.values(res)
-    errs = {k: rel_rms(ranks[0][k], kern[k]) for k in C.LOGITS}
-    print(f"TP2 kernel vs TP1 kernel: {errs}; TP1 kernel vs reference {bound:.3g}")
-    assert all(e <= bound for e in errs.values()), errs
+    tp1 = {k: rel_rms(kern[k], ref[k]) for k in C.LOGITS}
+    tp2 = {k: rel_rms(ranks[0][k], ref[k]) for k in C.LOGITS}
+    between = {k: rel_rms(ranks[0][k], kern[k]) for k in C.LOGITS}
+    fmt = lambda d: {k: round(v, 4) for k, v in d.items()}   # noqa: E731
+    print(f"\nvs the TP1 reference path: TP1 kernel {fmt(tp1)}; TP2 kernel {fmt(tp2)}; TP2 vs TP1 kernel "
+          f"{fmt(between)}; greedy TP1 {kern['greedy']} TP2 {ranks[0]['greedy']} ref {ref['greedy']}")
+    assert all(e <= KERNEL_VS_REF for e in tp1.values()), tp1
+    assert all(e <= KERNEL_VS_REF for e in tp2.values()), tp2
     assert ranks[1]["greedy"] == ranks[0]["greedy"] and ranks[1]["spec"] == ranks[0]["spec"]
+    assert ranks[0]["spec"] == ranks[0]["greedy"]
