@@ -92,9 +92,18 @@ def choose_split90(n: int, k: int, m: int, sms: int, max_split: int = SPLIT90_MA
     SPLIT90_MAX, whose grid is one wave. Measured on the H200 (sweep 2026-11-29 23:48, every split
     1..8 on o_proj/kda_qkvg/q_b/o_proj-TP8 at M 1..128): a second, partial wave costs ~1.5x, and
     splits past 4 lose to the rank-ordered DSMEM reduction (split 7: 37.6 us vs split 2: 26.9 us
-    on o_proj TP1 at M = 1)."""
+    on o_proj TP1 at M = 1).
+
+    Row-invariant within one token tile (M <= 128): the split, hence each output's K reduction
+    order, depends on N and K alone, so a row gets the same bits in a decode batch (M = B) as in a
+    verify batch (M = B (1 + drafts)), which lossless speculative decoding needs (issue 27; the
+    split-K partials are summed in rank order, and the token tile width does not change a
+    column's accumulation). The price: q_b TP8 keeps split 4 where split 2 measured 8% faster at
+    M = 128 (below)."""
     nt = nt_for(max(m, 1))
-    return choose_split_tiles(k, cdiv(n, BN90) * max(1, cdiv(m, nt)), nt, sms, max_split)
+    if m <= NT_CHOICES[-1]:
+        return choose_split_tiles(k, cdiv(n, BN90), NT_CHOICES[0], sms, max_split)
+    return choose_split_tiles(k, cdiv(n, BN90) * cdiv(m, nt), nt, sms, max_split)
 
 
 def k_range(rank, split, kb):

@@ -189,10 +189,14 @@ def test_split_plan_for_the_k3_shapes():
     assert choose_split90(7168, 1536, 32, SMS) == 1         # o_proj TP8: 12 K blocks, 56 tiles: unsplit
     assert choose_split90(7168, 1536, 1, SMS) == 1
     assert choose_split90(2304, 1536, 8, SMS) == SPLIT90_MAX  # q_b TP8 at nt = 8
-    assert choose_split90(2304, 1536, 32, SMS) == 2         # ... and from nt = 32 on
+    assert choose_split90(2304, 1536, 32, SMS) == SPLIT90_MAX  # one token tile: the split of M = 1
+    assert choose_split90(2304, 1536, 256, SMS) == 2        # two 128-token tiles: the short-K rule
     assert choose_split90(1536, 7168, 128, SMS) == SPLIT90_MAX  # q_a: 56 K blocks, the one-wave rule
     assert choose_split90(49152, 7168, 128, SMS) == 1       # 384 tiles: more than a wave already
     assert choose_split90(64, 16, 1, SMS) == 1              # one K block
+    # Row-invariant within one token tile: decode (M = B) and verify (M = B (1 + drafts)) rows reduce alike.
+    for n, k in FP8_GEMM_TP8 + FP8_GEMM_TP1:
+        assert {choose_split90(n, k, m, SMS) for m in range(1, 129)} == {choose_split90(n, k, 1, SMS)}, (n, k)
     for n, k in FP8_GEMM_TP8 + FP8_GEMM_TP1:
         for m in (1, 8, 32, 128):
             s = choose_split90(n, k, m, SMS)
