@@ -147,6 +147,7 @@ class FfnShape:
     latent_norm: bool = False
     shared_inter: int = 0
     dense_inter: int = 0
+    moe_inter: int = 0                # one routed expert's intermediate (the 3072 of K3)
     act: str = "situ"
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
@@ -166,7 +167,7 @@ def ffn_shape(f: dict) -> FfnShape:
                     renormalize=bool(f.get("renormalize", True)), routed_scale=float(f.get("routed_scale", 1.0)),
                     moe_latent=f.get("moe_latent"), latent_norm=bool(f.get("latent_norm", False)),
                     shared_inter=f["moe_inter"] * f["shared_experts"], dense_inter=f["dense_inter"],
-                    act=f.get("act", "situ"), situ_beta=float(f.get("situ_beta", 4.0)),
+                    moe_inter=f["moe_inter"], act=f.get("act", "situ"), situ_beta=float(f.get("situ_beta", 4.0)),
                     situ_linear_beta=float(f.get("situ_linear_beta", 25.0)))
 
 
@@ -275,11 +276,13 @@ def _act_quant_ks(m: ModelShape, tp: int):
     return ks
 
 
-def ffn_specs(target: Target, m: ModelShape, tp: int, recipe: ScaleRecipe) -> list[OpSpec]:
+def ffn_specs(target: Target, m: ModelShape, tp: int, recipe: ScaleRecipe, ep: int = 1,
+              experts: str | None = None) -> list[OpSpec]:
     """The FFN and residual-stream kernels of a rank (model/ops.py KernelOps launches them): the
     router (moe_route), the AttnRes mix + RMSNorm + FP8 quantization for each delta kind it fuses
     (none: layer 0's input; bf16: an attention output; fp32: an FFN output), routed_expert_norm as a
-    one-source attn_res over the latent, and glu_act of the shared experts and the dense MLP."""
+    one-source attn_res over the latent, glu_act of the shared experts and the dense MLP, and the
+    routed experts (`expert_specs`)."""
     from k3gen.ops.attn_res.spec import AttnResSpec, ResDelta
     from k3gen.ops.glu_act.spec import GluActSpec, GluKind
     from k3gen.ops.moe_route.spec import MoeRouteSpec
@@ -298,7 +301,49 @@ def ffn_specs(target: Target, m: ModelShape, tp: int, recipe: ScaleRecipe) -> li
     betas = dict(beta=f.situ_beta, linear_beta=f.situ_linear_beta) if act is GluKind.SITU else {}
     for w in sorted({glu_width(i, tp) for on, i in ((f.moe, f.shared_inter), (f.dense, f.dense_inter)) if on and i}):
         out.append(GluActSpec(target=target, inter=w, act=act, recipe=recipe, **betas))
+    return out + expert_specs(target, m, tp, ep, experts)
+
+
+EXPERT_FORMATS = ("mxfp4", "nvfp4", "bf16")
+
+
+def has_expert_kernel(target: Target) -> bool:
+    """Whether `target` builds moe_experts (SM90's mma.sync kernel; Blackwell's tcgen05 one is not
+    built yet, so there the model keeps the routed experts on its PyTorch stand-in)."""
+    return not target.fp4_cvt
+
+
+def expert_specs(target: Target, m: ModelShape, tp: int, ep: int = 1, experts: str | None = None) -> list[OpSpec]:
+    """moe_experts of a rank for the checkpoint's expert format `experts` (None: each FP4 format a
+    checkpoint may carry, MXFP4 the official one, NVFP4 ModelOpt's: what a build for the model
+    holds before a checkpoint is chosen; "bf16": none), at its experts (experts / ep, numbered from rank's base in the router's
+    experts) and its share of each expert's intermediate (moe_inter / (tp / ep)), on BF16 latent
+    rows (W4A16: routed_expert_down_proj writes BF16). BF16 experts (a plain save_pretrained) have
+    no kernel: model/ffn_ops.py runs them on the PyTorch stand-in. Empty where the target has no
+    moe_experts kernel (its SpecError says which variant refused)."""
+    from k3gen.ops.moe_experts.spec import GluAct, MoeExpertsSpec, WeightFormat
+    if experts is not None and experts not in EXPERT_FORMATS:
+        raise SpecError("experts", experts, [None, *EXPERT_FORMATS], "the checkpoint's routed-expert format")
+    f = m.ffn
+    if f is None or not f.moe or not f.experts or not f.moe_inter or experts == "bf16":
+        return []
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or tp % ep or f.experts % ep \
+            or f.moe_inter % (tp // ep):
+        raise SpecError("ep", ep, f"a divisor of tp {tp} and of the {f.experts} experts",
+                        f"moe_inter {f.moe_inter} split over tp / ep ranks")
+    betas = dict(situ_beta=f.situ_beta, situ_linear_beta=f.situ_linear_beta) if f.act == "situ" else {}
+    out: list[OpSpec] = []
+    for fmt in WeightFormat if experts is None else (WeightFormat(experts),):
+        try:
+            out.append(MoeExpertsSpec(target=target, weights=fmt, hidden=f.moe_latent or m.hidden,
+                                      inter=f.moe_inter // (tp // ep), experts=f.experts // ep, top_k=f.top_k,
+                                      route_experts=f.experts, glu=GluAct(f.act), **betas))
+        except SpecError:
+            if has_expert_kernel(target):
+                raise
     return out
+
+
 
 
 def _need_q_lora(m: ModelShape) -> None:
@@ -370,12 +415,11 @@ def rank_specs(target: Target, *, kda_heads: int | None, mla_heads: int | None, 
 
 
 def model_specs(target: Target, model, tp: int = 1, ep: int = 1,
-                serving: ServingOptions | None = None) -> list[OpSpec]:
+                serving: ServingOptions | None = None, experts: str | None = None) -> list[OpSpec]:
     """Exactly the specs one rank of `model` (a ModelShape, preset name or ModelConfig) launches at
     tensor-parallel degree `tp` with `serving` (default: the target's first KV and SSM dtypes, no
-    drafts). `ep` is validated only: the routed experts run in PyTorch (model/ops.py `moe_experts`)
-    until their grouped GEMM is wired in; the router, latent and shared projections, glu_act and the
-    AttnRes stream are listed (`ffn_specs`)."""
+    drafts) and `ep` expert-parallel ranks, for routed experts stored as `experts` (`expert_specs`); the
+    router, latent and shared projections, glu_act and the AttnRes stream are listed (`ffn_specs`)."""
     m = _shape(model)
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise SpecError("ep", ep, "a positive int")
@@ -385,7 +429,8 @@ def model_specs(target: Target, model, tp: int = 1, ep: int = 1,
     specs = rank_specs(target, kda_heads=hk if m.kda else None, mla_heads=hm if m.mla else None,
                        gemm_shapes=shapes, serving=serving, gate=m.gate, q_absorb=m.q_lora is not None,
                        act_quant_ks=_act_quant_ks(m, tp))
-    return _unique(specs + _on_menu(target, ffn_specs(target, m, tp, check_serving(target, serving).recipe)))
+    return _unique(specs + _on_menu(target, ffn_specs(target, m, tp, check_serving(target, serving).recipe, ep,
+                                                                experts)))
 
 
 def serving_sweep(target: Target, kv: KvDtype | None = None, ssm: SsmDtype | None = None,
@@ -501,21 +546,7 @@ def _extra_specs(target: Target, kv: KvDtype | None, ssm: SsmDtype | None) -> li
         out += [mla_decode_spec(t, h, lay, T) for h, T in MLA_DECODE_SHAPES if T > 1]
     out += [ActQuantFp8Spec(target=t, k=k, recipe=r) for k in ACT_QUANT_K for r in ScaleRecipe if r not in t.recipes]
     out += [Fp8BlockGemmSpec(target=t, n=n, k=k, recipe=r) for n, k in FP8_GEMM_TP8[:1] for r in t.recipes]
-    return _on_menu(t, out + _moe_experts_specs(t))
-
-
-def _moe_experts_specs(target: Target) -> list[OpSpec]:
-    """The routed experts' grouped GEMM at K3 TP8 (latent 3584, 384 per rank, 896 experts, top-16), both
-    weight formats, BF16 activations, where the target has a variant for it (sm90 so far): in the trees
-    for its tests and benches until the model launches it (model/ffn_ops.py moe_experts' seam)."""
-    from k3gen.ops.moe_experts.spec import MoeExpertsSpec, WeightFormat
-    out = []
-    for w in WeightFormat:
-        try:
-            out.append(MoeExpertsSpec(target=target, weights=w, hidden=3584, inter=384, experts=896, top_k=16))
-        except SpecError:     # no variant for this target yet (the spec says why)
-            pass
-    return out
+    return _on_menu(t, out)
 
 
 def _frozen_specs(target: Target, kv: KvDtype | None, ssm: SsmDtype | None) -> list[OpSpec]:

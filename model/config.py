@@ -202,6 +202,7 @@ class TargetConfig:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     path: str = "reference"
     tp: int = 1
+    ep: int = 1                               # expert-parallel ranks among the tp (model/dist.py Layout.ep)
     target: Target = field(init=False)
 
     def __post_init__(self):
@@ -222,6 +223,8 @@ class TargetConfig:
         object.__setattr__(self, "graph_batch_sizes", sizes)
         if self.tp < 1:
             raise SpecError("tp", self.tp, ">= 1")
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.tp % self.ep:
+            raise SpecError("ep", self.ep, f"a divisor of tp {self.tp}")
 
     def serving(self) -> ServingOptions:
         return ServingOptions(kv=self.kv, ssm=self.ssm, max_drafts=self.max_drafts, recipe=self.recipe)

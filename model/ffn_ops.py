@@ -4,10 +4,11 @@ experts and the dense MLP, and the Attention Residuals stream with the RMSNorm a
 of the next GEMM's input fused into its mix.
 
 Kernel path: moe_route, attn_res (the mix fused with the next RMSNorm and act_quant_fp8; the
-partial-sum update fused as its delta), glu_act, fp8_block_gemm (model/kernel_lib.py registers the
-first three as torch.library ops). Reference path: the same math in FP32/FP64 on the same FP8
-weights (the ops' references). The routed experts run on the PyTorch stand-in on both paths
-(model/moe_torch.py), behind `moe_experts`: the one seam the grouped FP4 GEMM replaces.
+partial-sum update fused as its delta), glu_act, fp8_block_gemm, and moe_experts (the grouped FP4
+expert GEMMs with SiTU and the ordered combine, on the experts packed as loaded). Reference path:
+the same math in FP32/FP64 on the same weights (the ops' references; the routed experts by the
+FP64 stand-in of model/moe_torch.py, which BF16 experts, having no FP4 kernel, also take on the
+kernel path).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from k3gen.ops.glu_act.reference import glu_act as ref_glu_act
 
 import k3gen.api as api
 from k3gen.ops.glu_act.spec import GluKind
+from k3gen.ops.moe_experts.spec import GluAct, WeightFormat
+from k3gen.targets import has_expert_kernel
 
 import model.kernel_lib as K
 from model import arch, moe_torch
@@ -104,14 +107,10 @@ class FfnOps:
         return moe_torch.router_logits(bf16(x), router)
 
     def moe_experts(self, xl: torch.Tensor, routing: dict, experts, cfg, mine: slice | None = None) -> torch.Tensor:
-        """The routed experts' weighted sum over this rank's experts (`mine`), FP32 [M, W], from the
-        latent rows xl [M, W] BF16 and moe_route's outputs (`routing`: ids, weights, counts,
-        offsets, perm, inv). The seam of the grouped expert GEMM: today the PyTorch stand-in,
-        which reads ids and weights only (model/moe_torch.py). Swapping the kernel in (KernelOps
-        only): a handle `self._handle(("moe_experts", ...), ...)` for the layer's format, then
-        `k3gen.api.moe_experts(h, xl, experts.w13, experts.w13_scale, experts.w2, experts.w2_scale,
-        routing, gs13=experts.w13_global, gs2=experts.w2_global, expert_base=mine.start if mine else 0,
-        f32=True)[1]` (the FP32 sum the EP/TP reduction and routed_expert_norm take)."""
+        """The routed experts' weighted sum over this rank's experts (`mine`: their global numbers),
+        FP32 [M, W] (what the EP / TP reduction and routed_expert_norm take), from the latent rows
+        xl [M, W] BF16 and moe_route's outputs (`routing`: ids, weights, counts, offsets, perm, inv).
+        Here the FP64 stand-in (model/moe_torch.py), which reads ids and weights only."""
         self._mark("moe_experts", "torch" if self.kind == "kernel" else "ref")
         return moe_torch.experts(xl, routing["ids"], routing["weights"], experts, arch.act_fn(cfg), cfg.experts, mine)
 
@@ -154,7 +153,7 @@ class RefFfnOps(FfnOps):
     def latent_norm(self, y: torch.Tensor, norm_w: torch.Tensor, eps: float) -> QAct:
         """routed_expert_norm: BF16(RMSNorm(y) * w) and its FP8 quantization (attn_res's one-source norm)."""
         self._mark("routed_expert_norm")
-        out = res_ref.norm(y.float(), norm_w, eps)
+        out = res_ref.norm(y.float().cpu(), norm_w, eps)      # the op's reference computes on the CPU
         codes, scales = ref_act_quant(out, self.recipe)
         return QAct(out.to(y.device), codes.to(y.device), scales.to(y.device))
 
@@ -199,6 +198,25 @@ class KernelFfnOps(FfnOps):
         h = self._res_handle(W, 1, eps, ResDelta.NONE)
         r = api.attn_res(h, y.contiguous().view(1, -1, W), 1, self._query(None, W, y.device), norm_w)
         return QAct(r.out, r.codes, r.scales)
+
+    def moe_experts(self, xl: torch.Tensor, routing: dict, experts, cfg, mine: slice | None = None) -> torch.Tensor:
+        """moe_experts on the FP4 experts as loaded (MXFP4 / NVFP4, W4A16 on the BF16 latent rows):
+        gate_up with the activation fused, down, and the combine in slot order; FP32 sum. The
+        router's ids are global: this rank's experts start at mine.start (EP)."""
+        if experts.fmt not in ("mxfp4", "nvfp4") or not has_expert_kernel(self.target):
+            return super().moe_experts(xl, routing, experts, cfg, mine)
+        self._mark("moe_experts")
+        E, I, W = experts.experts, experts.inter, experts.width
+
+        def fields():
+            betas = dict(situ_beta=float(cfg.situ_beta), situ_linear_beta=float(cfg.situ_linear_beta)) \
+                if cfg.act == "situ" else {}
+            return dict(weights=WeightFormat(experts.fmt), hidden=W, inter=I, experts=E, top_k=cfg.top_k,
+                        route_experts=cfg.experts, glu=GluAct(cfg.act), **betas)
+        h = self._kernel(("moe_experts", experts.fmt, E, I), fields)
+        return api.moe_experts(h, xl.contiguous(), experts.w13, experts.w13_scale, experts.w2, experts.w2_scale,
+                               routing, gs13=experts.w13_global, gs2=experts.w2_global,
+                               expert_base=0 if mine is None else mine.start, f32=True)[1]
 
     def glu_hidden(self, x, w, cfg):
         gu = self.linear(x, w.gate_up)

@@ -233,8 +233,8 @@ def build_model(config, arch: str, kv: str, ssm: str, max_drafts: int, path: str
     from model.cache import HybridCache
     from model.config import ModelConfig, TargetConfig, get_config
     cfg = config if isinstance(config, ModelConfig) else get_config(config)
-    tp = 1 if par is None else par.world
-    tcfg = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=max_drafts, path=path, tp=tp)
+    tp, ep = (1, 1) if par is None else (par.world, par.layout.ep)
+    tcfg = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=max_drafts, path=path, tp=tp, ep=ep)
     if checkpoint is None:
         checkpoint = random_checkpoint(cfg, seed)[0]
     w = load_rank_weights(checkpoint, cfg, tcfg.recipe, par, device)

@@ -24,9 +24,14 @@ from model.config import TargetConfig
 from model.ffn_ops import QAct, ResStream
 from model.ops import make_ops
 from model.shard import RowParallel, check_rank_weights
-from model.weights import DenseMlpWeights, KdaLayerWeights, ModelWeights
+from model.weights import DenseMlpWeights, KdaLayerWeights, ModelWeights, MoeWeights
 
 BF16 = torch.bfloat16
+
+
+def expert_format(w: ModelWeights) -> str | None:
+    """The routed experts' stored format (ExpertWeights.fmt) of the first MoE layer; None without one."""
+    return next((lw.ffn.experts.fmt for lw in w.layers if isinstance(lw.ffn, MoeWeights)), None)
 
 
 def gemm_shapes_for(cfg, tp: int = 1) -> list[tuple[int, int]]:
@@ -76,7 +81,7 @@ class RankOps:
 class K3Model:
     def __init__(self, weights: ModelWeights, tcfg: TargetConfig, cache: HybridCache, ops=None, par=None):
         self.w, self.cfg, self.tcfg, self.cache = weights, weights.cfg, tcfg, cache
-        self.ops = ops or make_ops(tcfg, self.cfg)
+        self.ops = ops or make_ops(tcfg, self.cfg, expert_format(weights))
         self.device = cache.device
         self.layout = cache.layout
         self._n_sources = self.cfg.kernel_shape().ffn.max_sources    # the AttnRes source buffer's depth

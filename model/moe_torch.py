@@ -1,5 +1,6 @@
-"""The routed experts' PyTorch stand-in behind `Ops.moe_experts` (model/ops.py): what runs until the
-grouped FP4 GEMM (k3gen/ops/moe_experts) is wired in.
+"""The routed experts in PyTorch behind `Ops.moe_experts` (model/ffn_ops.py): the reference path's,
+and the kernel path's for BF16 experts (a plain save_pretrained checkpoint), which the grouped FP4
+GEMM (k3gen/ops/moe_experts) does not read. The router logits of both paths.
 
 Every expert is computed for every token on weights dequantized here from their packed form and
 masked by the routing weights, so the step has static shapes (graph-safe) and no host sync. BF16

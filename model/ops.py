@@ -127,14 +127,15 @@ class KernelOps(KernelFfnOps, Ops):
     kind = "kernel"
 
     def __init__(self, target, recipe: ScaleRecipe, ssm: SsmDtype, kv: KvLayout, heads_kda: int, heads_mla: int,
-                 max_drafts: int, gate: GateKind = GateKind.BOUNDED, model=None, tp: int = 1):
+                 max_drafts: int, gate: GateKind = GateKind.BOUNDED, model=None, tp: int = 1, ep: int = 1,
+                 experts: str | None = None):
         super().__init__(recipe, gate)
         self.target, self.ssm, self.kv_layout = target, ssm, kv
         self.heads_kda, self.heads_mla, self.max_drafts = heads_kda, heads_mla, max_drafts
         self.serving = ServingOptions(kv=kv.kv, ssm=ssm, max_drafts=max_drafts, recipe=recipe)
         self.menu = None
         if model is not None:
-            self.menu = SpecMenu(model_specs(target, model, tp, serving=self.serving))
+            self.menu = SpecMenu(model_specs(target, model, tp, ep, serving=self.serving, experts=experts))
         self._launchers: dict[str, object] = {}
         # Kernel handles by (op, the fields a call site varies): plain dict lookups on str/int keys,
         # which torch.compile traces (a spec's JSON would not be).
@@ -378,9 +379,12 @@ def prepare_compile(model) -> None:
             torch._dynamo.mark_static_address(t)
 
 
-def make_ops(tcfg, cfg) -> Ops:
+def make_ops(tcfg, cfg, experts: str | None = None) -> Ops:
+    """The ops of `tcfg.path`; `experts`: the routed experts' stored format (ExpertWeights.fmt;
+    None: both FP4 formats' kernels are listed)."""
     if tcfg.path == "reference":
         return RefOps(tcfg.recipe, gate=cfg.kda_gate)
     shape = cfg.for_tp(tcfg.tp)
     return KernelOps(tcfg.target, tcfg.recipe, tcfg.ssm, tcfg.kv_layout(), shape.kda_heads, shape.mla_heads,
-                     tcfg.max_drafts, gate=cfg.kernel_shape().gate, model=cfg, tp=tcfg.tp)
+                     tcfg.max_drafts, gate=cfg.kernel_shape().gate, model=cfg, tp=tcfg.tp, ep=tcfg.ep,
+                     experts=experts)

@@ -210,7 +210,9 @@ def test_generate_launches_exactly_model_specs(monkeypatch, tiny_checkpoint, arc
     g.generate([Request([1, 2, 3, 1, 2], 4), Request([4, 5], 3)])
     if drafts:
         g.generate([Request([1, 2, 3, 1, 2], 6)], speculative=True)
-    want = {s.digest(): s for s in model_specs(m.tcfg.target, tiny_config(), 1, serving=m.tcfg.serving())}
+    from model.model import expert_format
+    want = {s.digest(): s for s in model_specs(m.tcfg.target, tiny_config(), 1, serving=m.tcfg.serving(),
+                                               experts=expert_format(m.w))}
     assert sorted(s.file_stem for s in seen.values()) == sorted(s.file_stem for s in want.values())
     assert {s.digest() for s in m.kernel_specs()} == set(want)
 
