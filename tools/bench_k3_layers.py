@@ -8,10 +8,10 @@ kernel path, on the H200 (issue 21): CUDA-graph replay medians of
   GEMM, glu_act and down GEMM);
 - `layer`: both, one graph.
 
-The routed experts are the seam `ops.moe_experts`: by default a zero stub (the PyTorch stand-in would
-dequantize all 896 experts every step: seconds, not a decode time), so the numbers are the layer
-without its routed-expert GEMMs; `--experts torch` runs the stand-in anyway at B = 1; once the
-grouped GEMM is wired into the seam, `--experts ops` times whatever the seam runs. Weights are random
+The routed experts (`ops.moe_experts`): by default (`--experts ops`) the generated moe_experts on
+random MXFP4 experts of the rank's shapes; `--experts stub` a zero stub (the layer without its
+routed-expert GEMMs); `--experts torch` the PyTorch stand-in at B = 1 (it dequantizes all 896
+experts every step: the "before" of issue 21). Weights are random
 (FP8 block weights, K3 TP8 shapes: hidden 7168, 12 heads, latent 3584, shared 768 per rank, 896
 experts top-16, 9 AttnRes sources with 5 valid). Run:
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from model import layers as L  # noqa: E402
 from model.arch import AttnResWeights  # noqa: E402
 from model.cache import HybridCache  # noqa: E402
 from model.config import TargetConfig, k3_config  # noqa: E402
+from model.ffn_ops import FfnOps  # noqa: E402
 from model.ops import KernelOps  # noqa: E402
 from model.weights import (KV_A_PAD, ExpertWeights, Fp8Linear, GluWeights, KdaLayerWeights,  # noqa: E402
                            MlaLayerWeights, MoeWeights)
@@ -55,12 +57,20 @@ def graph_time(fn, reps: int = 50) -> float:
     return time_graph([fn], reps=reps)
 
 
-def moe_weights(g, recipe) -> MoeWeights:
+def moe_weights(g, recipe, real_experts: bool = False) -> MoeWeights:
     cfg, W, hid = CFG, CFG.moe_latent, CFG.hidden
     sh = cfg.shared_inter // TP
-    I = cfg.moe_inter // TP
-    dummy = torch.zeros(1, 2 * I, 1, dtype=torch.uint8, device="cuda")     # the stub reads no expert weight
-    experts = ExpertWeights("mxfp4", dummy, dummy, None, dummy[:, :1], dummy[:, :1], None)
+    I, W, E = cfg.moe_inter // TP, cfg.moe_latent, cfg.experts
+    if real_experts:
+        # Random MXFP4 experts at the rank's shapes (1.8 GB): E2M1 bytes, UE8M0 scales 2^-7..2^-4.
+        experts = ExpertWeights(
+            "mxfp4", torch.randint(0, 256, (E, 2 * I, W // 2), dtype=torch.uint8, device="cuda"),
+            torch.randint(120, 124, (E, 2 * I, W // 32), dtype=torch.uint8, device="cuda"), None,
+            torch.randint(0, 256, (E, W, I // 2), dtype=torch.uint8, device="cuda"),
+            torch.randint(120, 124, (E, W, I // 32), dtype=torch.uint8, device="cuda"), None)
+    else:
+        dummy = torch.zeros(1, 2 * I, 1, dtype=torch.uint8, device="cuda")     # the stub reads no expert weight
+        experts = ExpertWeights("mxfp4", dummy, dummy, None, dummy[:, :1], dummy[:, :1], None)
     gu = lin(2 * sh, hid, g, recipe)
     return MoeWeights(router=(torch.randn(cfg.experts, hid, generator=g) * hid ** -0.5).cuda(),
                       bias=torch.zeros(cfg.experts, device="cuda"), experts=experts,
@@ -74,7 +84,7 @@ def main() -> None:
     ap.add_argument("--kv", default="nvfp4")
     ap.add_argument("--ssm", default="bf16")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--experts", choices=("stub", "torch", "ops"), default="stub")
+    ap.add_argument("--experts", choices=("stub", "torch", "ops"), default="ops")
     a = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     t = TargetConfig(kv=a.kv, ssm=a.ssm, tp=TP, path="kernel")
@@ -86,6 +96,8 @@ def main() -> None:
     if a.experts == "stub":
         ops.moe_experts = lambda xl, routing, experts, cfg, mine=None: torch.zeros(
             xl.shape[0], cfg.expert_width, dtype=torch.float32, device=xl.device)
+    elif a.experts == "torch":
+        ops.moe_experts = functools.partial(FfnOps.moe_experts, ops)
     kda = KdaLayerWeights(qkvg=lin(4 * H * 128, hid, g, recipe), fab=lin(144, hid, g, recipe),
                           o_proj=lin(hid, H * 128, g, recipe), kda=random_weights(H, generator=g, device="cuda"))
     kvb = (torch.randn(H, 256, 512, generator=g) * 0.05).to(torch.bfloat16).cuda()
@@ -95,7 +107,7 @@ def main() -> None:
                                                                                   device="cuda"),
                           w_uk=kvb[:, :128].contiguous(), w_uv=kvb[:, 128:].contiguous(),
                           o_proj=lin(hid, H * 128, g, recipe))
-    moe = moe_weights(g, recipe)
+    moe = moe_weights(g, recipe, real_experts=a.experts != "stub")
     res = AttnResWeights(proj=(torch.randn(hid, generator=g) * 0.01).cuda(), norm=torch.ones(hid, device="cuda"))
     norm = torch.ones(hid, dtype=torch.bfloat16, device="cuda")
     n_max = k3_config().kernel_shape().ffn.max_sources
