@@ -237,6 +237,8 @@ class KernelOps(KernelFfnOps, Ops):
             return (op, spec.hidden, spec.max_sources, spec.delta.value)
         if op == "glu_act":
             return (op, spec.inter)
+        if op == "moe_experts":
+            return (op, spec.weights.value, spec.experts, spec.inter)
         return (op, spec.heads)
 
     def _get(self, op: str, **kw):
