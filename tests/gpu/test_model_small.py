@@ -503,3 +503,50 @@ def test_layerwise_agreement(kv, ssm, monkeypatch):
         assert max(step["residual"]) <= 0.1, step["residual"]
         assert step["logits"] <= 0.1, step["logits"]
     assert "kernel:mla_decode" in mk.ops.ran and "kernel:kda_decode" in mk.ops.ran
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_moe_experts_kernel_vs_stand_in_on_model_weights(fmt):
+    """The kernel path's routed experts (moe_experts on the experts as the loader packed them) against
+    the PyTorch stand-in (model/moe_torch.py, FP64 products) on the same latent rows and routing, per
+    MoE layer of the small model: the layout contract between the loaders and the kernel, which the
+    model-level tests only see through the random model's amplified noise. Rows 1..40 so several
+    tokens share an expert tile; the routing is the model's own router on random rows."""
+    from model.ffn_ops import FfnOps
+    from model.weights import MoeWeights
+    w = weights_fmt(fmt)
+    m = K3Model(w, TargetConfig(kv="bf16", ssm="fp32", path="kernel"),
+                HybridCache(CFG, TargetConfig(kv="bf16", ssm="fp32", path="kernel"), num_slots=2, num_pages=2,
+                            max_seq_len=64, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(7)
+    layers = [lw.ffn for lw in w.layers if isinstance(lw.ffn, MoeWeights)]
+    assert layers and all(f.experts.fmt == fmt for f in layers)
+    for T in (1, 40):
+        for i, f in enumerate(layers):
+            x = torch.randn(T, CFG.hidden, device="cuda", generator=g).to(torch.bfloat16)
+            routing = m.ops.route(m.ops.router_logits(x, f.router), f.bias, CFG)
+            xl = torch.randn(T, f.experts.width, device="cuda", generator=g).to(torch.bfloat16)
+            got = m.ops.moe_experts(xl, routing, f.experts, CFG)
+            want = FfnOps.moe_experts(m.ops, xl, routing, f.experts, CFG)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            err = rel_rms(got, want)
+            # BF16 intermediate rounded on both sides from FP32 vs FP64 sums: a few 1e-3
+            assert err <= 1e-2, f"{fmt} layer {i} T={T}: rel RMS {err:.3g}"
+    assert m.ops.ran.get("kernel:moe_experts", 0) == 2 * len(layers)
+
+
+@functools.lru_cache(maxsize=2)
+def weights_fmt(fmt: str):
+    """The small model's random checkpoint in the published layout whose routed experts are `fmt`:
+    ModelOpt NVFP4 (nvidia/Kimi-K3-NVFP4) or the official compressed-tensors MXFP4 (moonshotai/Kimi-K3)."""
+    import tempfile
+    from pathlib import Path
+
+    from model.formats.ct_mxfp4 import write_official_checkpoint
+    from model.formats.detect import load_model_weights
+    d = Path(tempfile.mkdtemp(prefix=f"k3gen-small-{fmt}-"))
+    if fmt == "nvfp4":
+        write_random_checkpoint(CFG, d, seed=11)
+    else:
+        write_official_checkpoint(CFG, d, seed=11, shards=2)
+    return load_model_weights(d, CFG).to("cuda")
