@@ -295,7 +295,12 @@ class Fp8BlockGemmSpec(OpSpec):
             raise SpecError("ctas", ctas, [0], "the tcgen05 TMA kernel has the cluster split only")
         if pf:
             raise SpecError("pf", pf, [0], "no L2 prefetch in the tcgen05 TMA kernel")
-        tiles = cdiv(self.n, TC_TILE_N) * max(1, cdiv(m, self.bm))
+        # Row-invariant like the wgmma plan (choose_split90): for M <= 128 the split is chosen for
+        # the range's worst case (128 tokens), so it depends on (N, K) only and a decode row
+        # (M = B) reduces in the same order as its verify row (M = B (1 + drafts)), one wave at
+        # every M of the range.
+        rows = NT_CHOICES[-1] if m <= NT_CHOICES[-1] else m
+        tiles = cdiv(self.n, TC_TILE_N) * cdiv(rows, self.bm)
         split = split or choose_split_tiles(self.k, tiles, self.bm, sms)
         if not isinstance(split, int) or isinstance(split, bool) or not 1 <= split <= min(MAX_SPLIT, self.k_blocks):
             raise SpecError("split", split, f"1..{min(MAX_SPLIT, self.k_blocks)}", "cluster size <= K blocks")

@@ -1,5 +1,5 @@
 """The tcgen05 TMA GEMM's index math (sm103/sm107, variant "tcgen05_tma") replayed on the CPU
-against the wgmma kernel's plan: the same split choice at the same tile geometry, the same K-block
+against the wgmma kernel's plan: a row-invariant one-wave split, the same K-block
 ranges per rank (the wgmma kernel's `rank * KB / split`), TMA boxes at (kb * 128, tile * rows)
 zero-filled past N/M/K, the FP32 partial written token-major and summed over ranks in rank order
 by the cluster combine's element walk. The replay produces the GEMM and is checked against the FP32
@@ -14,7 +14,8 @@ from k3gen.errors import SpecError
 from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.numerics import e4m3_decode
 from k3gen.ops.fp8_block_gemm.reference import fp8_block_gemm, quantize_activations, quantize_weights
-from k3gen.ops.fp8_block_gemm.spec import BLOCK, TC_TILE_N, Fp8BlockGemmSpec, cdiv, k_range
+from k3gen.ops.fp8_block_gemm.spec import (BLOCK, TC_TILE_N, Fp8BlockGemmSpec, cdiv, choose_split_tiles,
+                                           k_range)
 from k3gen.pipeline.cute import PACKAGE_DIR
 from k3gen.targets import FP8_GEMM_TP1, FP8_GEMM_TP8, TARGETS
 from tests.numerics import assert_close, poison
@@ -24,22 +25,24 @@ TC = ("sm103-nvfp4", "sm107-nvfp4")
 SMS = (148, 160)       # B300-class SM counts; the plan takes the count from the launcher
 
 
-def test_the_split_is_the_wgmma_plans():
+def test_the_split_is_row_invariant_and_one_wave():
+    # Like the wgmma plan: within M <= 128 the split depends on (N, K) only (decode and verify rows
+    # reduce alike, issue 27), and it is the shared rule at the range's worst-case tile count.
     for name in TC:
         for n, k in FP8_GEMM_TP8 + FP8_GEMM_TP1:
             tc = Fp8BlockGemmSpec(target=TARGETS[name], n=n, k=k)
-            hop = Fp8BlockGemmSpec(target=TARGETS["sm90"], n=n, k=k)
-            assert tc.mma == "tcgen05_tma" and hop.mma == "wgmma"
+            assert tc.mma == "tcgen05_tma"
             for sms in SMS:
-                for m in (1, 7, 33, 64, 65, 128, 300):
+                small = {tc.plan(m, sms).split for m in range(1, 129)}
+                assert len(small) == 1, (name, n, k, sms, small)
+                worst = cdiv(n, TC_TILE_N) * cdiv(128, tc.bm)
+                assert small == {choose_split_tiles(k, worst, tc.bm, sms)}
+                for m in (1, 7, 33, 64, 65, 128, 129, 300):
                     p = tc.plan(m, sms)
                     assert p.grid == (p.split, cdiv(m, tc.bm), cdiv(n, TC_TILE_N)) and p.nt == tc.bm
                     assert 1 <= p.split <= min(4, tc.k_blocks)
                     if p.split > 1:
                         assert p.split * p.grid[1] * p.grid[2] <= sms, "a split grid stays one wave"
-                    # Same token tiles (m in 33..64: one 64-token tile on both) -> the same split.
-                    if 33 <= m <= 64:
-                        assert p.split == hop.plan(m, sms).split, (name, n, k, m, sms)
 
 
 def test_k_ranges_are_the_wgmma_kernels():
