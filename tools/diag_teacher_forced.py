@@ -41,7 +41,7 @@ def main() -> None:
         mp = pytest.MonkeyPatch()
         try:
             variant(mp, v)
-            _, got, want = S._teacher_forced(a.kv, a.ssm)
+            _, got, want, _ = S._teacher_forced(a.kv, a.ssm)
             top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
             kl = torch.nn.functional.kl_div(torch.log_softmax(got, -1), torch.log_softmax(want, -1), log_target=True,
                                             reduction="batchmean").item()
