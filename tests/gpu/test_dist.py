@@ -113,9 +113,9 @@ def test_tp2_two_processes_on_one_gpu_kernel_path(tmp_path):
     the pooled all-row and median-row relative RMS, at least the reference's own rounding floor), and
     both ranks generate the same tokens. TP1's kernel path against the reference is not judged
     here: its prefill rows carry kda_prefill's BF16 contract (1e-2 rel RMS per op; H200 2026-12-03:
-    pooled median-row 0.165 against the FP32-projection floor's 0.046, and on the CPU 1e-3 relative
-    noise on the reference's kda_prefill outputs alone gives 0.121), its decode is
-    test_model_small's teacher-forced test."""
+    pooled median-row 0.165 against the FP32-projection floor's 0.046; on the CPU, relative noise of
+    1e-3, 3e-3 or 1e-2 on the reference's kda_prefill outputs alone gives 0.121, 0.151, 0.112), its
+    decode is test_model_small's teacher-forced test."""
     from k3gen.errors import MissingKernelError
     from model.config import TargetConfig
     from model.ops import make_ops
