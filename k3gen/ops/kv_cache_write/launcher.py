@@ -5,7 +5,7 @@ from k3gen.config import settings
 from k3gen.errors import PageIndexError, SpecError
 from k3gen.ir.dtypes import KvDtype
 from k3gen.ir.layouts import MLA_ROW, NVFP4_TILE_TOKENS
-from k3gen.runtime.checks import kv_cache_wants
+from k3gen.runtime.checks import check_one_device, kv_cache_wants
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.loader import F32, I32, PTR, ptr
 
@@ -45,6 +45,9 @@ class KvCacheWrite(Launcher):
         if nvfp4 and (ring_slot is None or ring_slot.dtype != torch.int32 or ring_slot.shape != (num_seqs,)):
             raise SpecError("ring_slot", None if ring_slot is None else tuple(ring_slot.shape),
                             f"int32 [{num_seqs}] (NVFP4 KV keeps an HP tail ring per sequence)")
+        # Before the sync below and the launch: a host tensor's pointer would reach the kernel.
+        check_one_device(rows, cu_rows, start_pos, block_table, *cache.values(),
+                         *(() if ring_slot is None else (ring_slot,)))
         if max_rows_per_seq is None:
             max_rows_per_seq = int((cu_rows[1:] - cu_rows[:-1]).max().item()) if num_seqs else 0
         if settings().validate:

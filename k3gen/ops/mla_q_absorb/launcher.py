@@ -12,7 +12,7 @@ from k3gen.errors import SpecError
 from k3gen.ops.mla_q_absorb.spec import BATCH_TILE, NOPE, OUT_HEAD, Q_LORA, QK_HEAD
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.loader import I32, PTR, CudaKernel
-from k3gen.runtime.checks import check_tensor
+from k3gen.runtime.checks import check_one_device, check_tensor
 from k3gen.ops.fp8_block_gemm.launcher import Fp8BlockGemm, scale_torch_dtype
 from k3gen.ops.mla_vb_gate.launcher import check_head_weights
 
@@ -58,10 +58,21 @@ class MlaQAbsorb(Launcher):
         check_tensor("norm_w", norm_w, torch.bfloat16, (Q_LORA,), align=16)
         check_head_weights("w_uk", w_uk, H, NOPE)
         check_tensor("out", out, torch.bfloat16, (b, H, OUT_HEAD))
-        if any(workspace[k].shape[0] < b for k in ("codes", "scales", "q")):
+        if not isinstance(workspace, dict) or any(k not in workspace for k in ("codes", "scales", "q")):
+            raise SpecError("workspace", sorted(workspace) if isinstance(workspace, dict) else type(workspace).__name__,
+                            ["codes", "scales", "q"], "from workspace(max_batch)")
+        if any(workspace[k].dim() < 1 or workspace[k].shape[0] < b for k in ("codes", "scales", "q")):
             raise SpecError("workspace", {k: tuple(v.shape) for k, v in workspace.items()}, f">= {b} rows")
         ws = {k: workspace[k][:b] for k in ("codes", "scales", "q")}
+        # Named here: the GEMM's own check would call them x_codes / x_scales / out / w_codes / w_scales.
+        g = self.gemm.spec
+        check_tensor("wqb_codes", wqb_codes, torch.uint8, (g.n, g.k), align=16)
+        check_tensor("wqb_scales", wqb_scales, scale_torch_dtype(g.recipe), (g.n_blocks, g.k_blocks))
+        check_tensor("workspace['codes']", ws["codes"], torch.uint8, (b, Q_LORA), align=16)
+        check_tensor("workspace['scales']", ws["scales"], scale_torch_dtype(self.spec.recipe), (b, self.spec.k_blocks))
+        check_tensor("workspace['q']", ws["q"], torch.bfloat16, (b, H * QK_HEAD), align=16)
         self.gemm.check(ws["codes"], ws["scales"], wqb_codes, wqb_scales, ws["q"])
+        check_one_device(out, q_a, norm_w, w_uk, ws["codes"])
         if b == 0:
             return out
         if -(-b // BATCH_TILE) > 65535:

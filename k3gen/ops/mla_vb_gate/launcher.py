@@ -8,7 +8,7 @@ from k3gen.ir.layouts import MLA_LATENT
 from k3gen.ops.mla_vb_gate.spec import THREADS, V_HEAD
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.loader import I32, PTR
-from k3gen.runtime.checks import check_tensor
+from k3gen.runtime.checks import check_one_device, check_tensor
 
 I64 = ctypes.c_longlong
 
@@ -35,6 +35,7 @@ class MlaVbGate(Launcher):
                 or gate.stride(1) != 1:
             raise SpecError("gate", (tuple(gate.shape), str(gate.dtype)), [f"bf16 [{b}, >= {H * V_HEAD}], unit inner stride"])
         check_tensor("out", out, torch.bfloat16, (b, H, V_HEAD))
+        check_one_device(out, o_lat, w_uv, gate)
         if b == 0:
             return out
         if -(-b // 8) > 65535:
