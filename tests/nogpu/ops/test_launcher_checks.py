@@ -121,19 +121,50 @@ def _kv_cache_write(kv: str):
     return L, args, kwargs
 
 
+def _kda_decode(ssm: str):
+    from k3gen.ir.dtypes import SsmDtype
+    from k3gen.ops.kda_decode.spec import KdaDecodeSpec
+    spec = KdaDecodeSpec(target=SM90, heads=4, ssm=SsmDtype(ssm))
+    L = launcher_class(spec.op)(spec)
+    H, D, S = 4, 4 * 128, 3
+    bf = dict(dtype=torch.bfloat16)
+    args = {"qkvg": torch.zeros(T, 4 * D, **bf), "fa": torch.zeros(T, 128, **bf), "beta_logit": torch.zeros(T, H, **bf),
+            "ssm": torch.zeros(S, H, 128, 128, dtype=torch.float32 if ssm == "fp32" else torch.bfloat16),
+            "conv": torch.zeros(S, 3 * D, 3, **bf), "slots": torch.zeros(T, dtype=torch.int32),
+            "conv_w": torch.zeros(3 * D, 4, **bf), "fb_w": torch.zeros(D, 128, **bf), "dt_bias": torch.zeros(D),
+            "a_log": torch.zeros(H), "norm_w": torch.ones(128), "out": torch.zeros(T, H, 128, **bf)}
+    return L, args, {}
+
+
+def _mla_decode(kv: str):
+    from k3gen.ir.dtypes import KvDtype
+    from k3gen.ops.kv_cache_write.reference import alloc_cache
+    from k3gen.ops.mla_decode.spec import MlaDecodeSpec
+    nv = kv == "nvfp4"
+    spec = MlaDecodeSpec(target=SM90, heads=12, tokens=1, kv=KvDtype(kv), **({"max_drafts": 3} if nv else {}))
+    L = launcher_class(spec.op)(spec)
+    bf, i32 = dict(dtype=torch.bfloat16), dict(dtype=torch.int32)
+    args = {"q": torch.zeros(T, 1, 12, 576, **bf), "cache": alloc_cache(spec.layout, 8, T),
+            "block_table": torch.zeros(T, 4, **i32), "lengths": torch.ones(T, **i32),
+            "out": torch.zeros(T, 1, 12, 512, **bf)}
+    return L, args, ({"ring_slot": torch.zeros(T, **i32)} if nv else {})
+
+
 CASES = {"moe_route": _moe_route, "moe_experts-mxfp4-bf16": lambda: _moe_experts("mxfp4", "bf16"),
          "moe_experts-nvfp4-bf16": lambda: _moe_experts("nvfp4", "bf16"),
          "moe_experts-mxfp4-fp8": lambda: _moe_experts("mxfp4", "fp8"),
          "fp8_block_gemm": _fp8_block_gemm, "glu_act": _glu_act, "attn_res": _attn_res,
          "mla_vb_gate": _mla_vb_gate, "mla_q_absorb": _mla_q_absorb,
          "kv_cache_write-bf16": lambda: _kv_cache_write("bf16"), "kv_cache_write-fp8": lambda: _kv_cache_write("fp8"),
-         "kv_cache_write-nvfp4": lambda: _kv_cache_write("nvfp4")}
+         "kv_cache_write-nvfp4": lambda: _kv_cache_write("nvfp4"),
+         "kda_decode-fp32": lambda: _kda_decode("fp32"), "kda_decode-bf16": lambda: _kda_decode("bf16"),
+         "mla_decode-bf16": lambda: _mla_decode("bf16"), "mla_decode-nvfp4": lambda: _mla_decode("nvfp4")}
 OTHER_DTYPE = {torch.float32: torch.float16, torch.bfloat16: torch.float16, torch.uint8: torch.int8,
                torch.int32: torch.int64}
 MUTATIONS = ("dtype", "rank", "last+1", "last-1")
 # Arguments whose last dim is a lower bound (a longer row is read as a strided view: q_a [B, >= 1536],
-# gate [B, >= H 128]): growing it is no error; block_table's pages per sequence are any number.
-AT_LEAST = {"q_a", "gate"}
+# gate [B, >= H 128], qkvg [B, >= 4D]): growing it is no error; block_table's pages per sequence are any number.
+AT_LEAST = {"q_a", "gate", "qkvg"}
 FREE_LAST = {"block_table"}
 
 
