@@ -47,6 +47,7 @@ class SeqEntry:
     slot: int
     pages: list[int]
     length: int = 0       # tokens written to the cache (committed + not yet rewound)
+    kda_mode: str | None = None   # the step kind that last wrote its KDA pools: None (prefill), "decode", "verify"
 
 
 class CacheManager:
@@ -210,6 +211,9 @@ class HybridCache:
         self.mgr = CacheManager(num_slots, num_pages, self.layout.page, self.max_pages_per_seq, max_rewind=rew)
         S, P = num_slots + 1, num_pages + 1        # + the padding slot / page
         self.kv = {i: alloc_cache(self.layout, P, S, device) for i in cfg.mla_layer_ids}
+        # Cache tensors indexed by slot (the NVFP4 HP tail ring) rather than by page.
+        self._slot_tensors = {n for n, ts in self.layout.tensors().items()
+                              if ts.concrete_shape(num_pages=2, num_slots=3)[0] == 3}
         sl = tcfg.state_layout(self.kda_heads)
         self.state = {}
         for i in cfg.kda_layer_ids:
@@ -256,13 +260,63 @@ class HybridCache:
             self._sync_row(e)
 
     def rewind(self, seq_id: int, n: int) -> SeqEntry:
+        before = list(self.mgr.entry(seq_id).pages)
         e = self.mgr.rewind(seq_id, n)
+        self._scrub(before[len(e.pages):], None)
         self._sync_row(e)
         return e
+
+    def _scrub(self, pages: list[int], slot: int | None) -> None:
+        """Zero the KV pages (every MLA layer) and the HP tail ring of `slot` a sequence gives back,
+        so a free page or ring holds zeros. The attention kernels read whole tiles and weight the
+        rows past a sequence's length by p = 0, and 0 x NaN is NaN: a finished request whose rows
+        went non-finite would otherwise poison the next owner of its pages (model/soak.py found
+        it: 2 of 13 requests changed their tokens after a NaN request's pages were reused)."""
+        if not pages and slot is None:
+            return
+        pidx = torch.tensor(pages, dtype=torch.long, device=self.device) if pages else None
+        for cache in self.kv.values():
+            for name, t in cache.items():
+                if name in self._slot_tensors:
+                    if slot is not None:
+                        t[slot].zero_()
+                elif pidx is not None:
+                    t.index_fill_(0, pidx, 0)
+
+    def sync_kda(self, seq_ids: list[int], T: int) -> None:
+        """Before a step of T tokens per sequence: bring each sequence's KDA pools to the view that
+        step reads, when its last step was the other kind. Decode (T = 1) reads ssm and the BF16
+        conv window; verify reads ssm or the draft record `pending` names and the FP32 window in
+        conv_ext at column `pending` (a commit only sets `pending`; the next verify folds it). So a
+        decode after a commit first folds: ssm = the committed record (stored rounded as decode
+        rounds it: exact), conv = conv_ext's window, pending = 0; a verify after a decode first
+        copies the decode-updated conv into conv_ext's columns 0..2. Prefill writes both views.
+        A sequence that stays on one kind (the Generator's loops) costs nothing here."""
+        entries = [self.mgr.entry(s) for s in seq_ids]
+        fold = [e.slot for e in entries if T == 1 and e.kda_mode == "verify"]
+        ext = [e.slot for e in entries if T > 1 and e.kda_mode == "decode"]
+        for pools in self.state.values():
+            if "pending" not in pools or not (fold or ext):
+                continue
+            if fold:
+                idx = torch.tensor(fold, dtype=torch.long, device=self.device)
+                M = pools["draft_rec"].shape[1]
+                P = pools["pending"][idx].long().clamp(0, M)
+                rec = pools["draft_rec"][idx, (P - 1).clamp(min=0)].to(pools["ssm"].dtype)
+                pools["ssm"][idx] = torch.where((P == 0)[:, None, None, None], pools["ssm"][idx], rec)
+                cols = (P[:, None, None] + torch.arange(3, device=self.device)).expand(-1, pools["conv_ext"].shape[1], 3)
+                pools["conv"][idx] = torch.gather(pools["conv_ext"][idx], 2, cols).to(pools["conv"].dtype)
+                pools["pending"][idx] = 0
+            if ext:
+                idx = torch.tensor(ext, dtype=torch.long, device=self.device)
+                pools["conv_ext"][idx, :, :3] = pools["conv"][idx].to(pools["conv_ext"].dtype)
+        for e in entries:
+            e.kda_mode = "decode" if T == 1 else "verify"
 
     def free(self, seq_id: int) -> None:
         e = self.mgr.entry(seq_id)
         self.mgr.free(seq_id)
+        self._scrub(e.pages, e.slot)
         self.block_table[e.slot].fill_(self.mgr.pad_page)
 
     def nbytes(self) -> int:

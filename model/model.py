@@ -216,6 +216,7 @@ class K3Model:
     def prepare(self, seq_ids: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host bookkeeping of a step of T tokens per sequence: pages, lengths. Returns (slots, start)."""
         c = self.cache
+        c.sync_kda(seq_ids, T)
         start = []
         for s in seq_ids:
             start.append(c.mgr.entry(s).length)
