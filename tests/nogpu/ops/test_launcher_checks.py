@@ -136,6 +136,24 @@ def _kda_decode(ssm: str):
     return L, args, {}
 
 
+def _kda_verify(ssm: str):
+    from k3gen.ir.dtypes import SsmDtype
+    from k3gen.ops.kda_verify.spec import KdaVerifySpec
+    M = 3
+    spec = KdaVerifySpec(target=SM90, heads=4, drafts=M, ssm=SsmDtype(ssm))
+    L = launcher_class(spec.op)(spec)
+    H, D, S, B = 4, 4 * 128, 3, 2
+    bf = dict(dtype=torch.bfloat16)
+    n = B * (1 + M)
+    args = {"qkvg": torch.zeros(n, 4 * D, **bf), "fa": torch.zeros(n, 128, **bf), "beta_logit": torch.zeros(n, H, **bf),
+            "ssm": torch.zeros(S, H, 128, 128, dtype=torch.float32 if ssm == "fp32" else torch.bfloat16),
+            "draft_rec": torch.zeros(S, M, H, 128, 128), "conv_ext": torch.zeros(S, 3 * D, 3 + M),
+            "pending": torch.zeros(S, dtype=torch.int32), "slots": torch.zeros(B, dtype=torch.int32),
+            "conv_w": torch.zeros(3 * D, 4, **bf), "fb_w": torch.zeros(D, 128, **bf), "dt_bias": torch.zeros(D),
+            "a_log": torch.zeros(H), "norm_w": torch.ones(128), "out": torch.zeros(B, 1 + M, H, 128, **bf)}
+    return L, args, {}
+
+
 def _mla_decode(kv: str):
     from k3gen.ir.dtypes import KvDtype
     from k3gen.ops.kv_cache_write.reference import alloc_cache
@@ -158,7 +176,8 @@ CASES = {"moe_route": _moe_route, "moe_experts-mxfp4-bf16": lambda: _moe_experts
          "kv_cache_write-bf16": lambda: _kv_cache_write("bf16"), "kv_cache_write-fp8": lambda: _kv_cache_write("fp8"),
          "kv_cache_write-nvfp4": lambda: _kv_cache_write("nvfp4"),
          "kda_decode-fp32": lambda: _kda_decode("fp32"), "kda_decode-bf16": lambda: _kda_decode("bf16"),
-         "mla_decode-bf16": lambda: _mla_decode("bf16"), "mla_decode-nvfp4": lambda: _mla_decode("nvfp4")}
+         "mla_decode-bf16": lambda: _mla_decode("bf16"), "mla_decode-nvfp4": lambda: _mla_decode("nvfp4"),
+         "kda_verify-fp32": lambda: _kda_verify("fp32"), "kda_verify-bf16": lambda: _kda_verify("bf16")}
 OTHER_DTYPE = {torch.float32: torch.float16, torch.bfloat16: torch.float16, torch.uint8: torch.int8,
                torch.int32: torch.int64}
 MUTATIONS = ("dtype", "rank", "last+1", "last-1")
