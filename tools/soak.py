@@ -34,19 +34,26 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     m = build_model(a.config, "sm90", a.kv, a.ssm, a.drafts, a.path, None, 0, a.device, a.max_seq_len, a.slots)
     runs = {}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+    tty = sys.stderr.isatty()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=not tty) as bar:
         for name, poison in (("clean", False), ("rerun", False), ("poisoned", True)):
             task = bar.add_task(name, total=a.steps)
             t = time.time()
-            runs[name] = soak(m, a.steps, a.seed, poison_first=poison,
-                              on_step=lambda r, task=task: bar.update(task, completed=r.steps))
+
+            def step(r, task=task, name=name, t=t):
+                bar.update(task, completed=r.steps)
+                if not tty and r.steps % max(1, a.steps // 10) == 0:     # plain lines in logs
+                    print(f"{name}: {r.steps}/{a.steps} steps, {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+            runs[name] = soak(m, a.steps, a.seed, poison_first=poison, on_step=step)
             runs[name].seconds = time.time() - t
     c, r, p = runs["clean"], runs["rerun"], runs["poisoned"]
     others = [i for i in c.tokens if i != p.victim]
     leaked = [i for i in others if p.tokens.get(i) != c.tokens[i]]
     print(f"{a.config} {a.path} KV {a.kv} SSM {a.ssm} drafts {a.drafts}: {c.steps} steps ({c.verify_steps} verify), "
           f"{c.row_steps} sequence-steps, {c.admitted} admitted, {c.finished} finished, up to {c.max_live} live, "
-          f"{c.accepted_drafts} drafts accepted; {c.seconds:.1f} s per run; accounting exact after every step")
+          f"{c.accepted_drafts} drafts accepted; {c.seconds:.1f} / {r.seconds:.1f} / {p.seconds:.1f} s (clean / rerun / "
+          f"poisoned); accounting exact after every step")
     print(f"reproducible: {c.tokens == r.tokens}; poisoned request {p.victim}: non-finite logits {p.victim_nonfinite}, "
           f"{len(others) - len(leaked)} of {len(others)} other requests' tokens unchanged")
     return 0 if c.tokens == r.tokens and p.victim_nonfinite and not leaked else 1
