@@ -1,5 +1,5 @@
 """model/soak.py on the CPU reference path (issue 27's soak at CI size; tools/soak.py runs it long,
-tests/gpu/test_soak.py on the kernel path): requests arrive while others run, decode and verify
+tests/gpu/test_model_soak.py on the kernel path): requests arrive while others run, decode and verify
 steps mix with drawn accepted counts, slots and pages are reused; the accounting holds after every
 step (soak raises otherwise), a rerun gives the same tokens, and a request whose KDA state is NaN
 leaves every other request's tokens unchanged (its pages are scrubbed when it is freed)."""
