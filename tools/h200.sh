@@ -28,5 +28,14 @@ if [ "${SANITIZE:-1}" = 1 ]; then
     | grep -vE "cuGetProcAddress|^=+ +(Saved host backtrace|Host Frame|in /)" | tail -40 | tee "$OUT/memcheck.log"
   rc=$((rc | ${PIPESTATUS[0]}))
 fi
+if [ "${RACECHECK:-1}" = 1 ]; then
+  # Shared-memory races and barrier misuse on the same reduced matrix (issue 27). Not yet run on the H200.
+  for tool in racecheck synccheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --report-api-errors no \
+      --error-exitcode 3 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -k "sanitize" 2>&1 \
+      | grep -vE "cuGetProcAddress|^=+ +(Saved host backtrace|Host Frame|in /)" | tail -40 | tee "$OUT/$tool.log"
+    rc=$((rc | ${PIPESTATUS[0]}))
+  done
+fi
 echo "h200.sh exit $rc"
 exit $rc
