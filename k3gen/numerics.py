@@ -26,6 +26,23 @@ MXFP4_BLOCK = 32
 FP8_GROUP = 128
 
 
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (kept), in one fixed order (zero-padded to a power of two, then the
+    halves added until one is left): a row gets the same bits in any batch, on any device.
+    torch's CUDA reductions pick their thread layout from the output count (block_height =
+    min(pow2(rows), 16) lanes per row for a 3-row decode batch is not the 12-row verify batch's),
+    so `x.square().mean(-1)` sums a decode row and its verify row in different orders; the H200
+    measured speculative logits off greedy's by ~1e-3 at one token in ~300 (issue 27)."""
+    n = x.shape[-1]
+    p = 1 << max(0, (n - 1).bit_length())
+    if p != n:
+        x = torch.nn.functional.pad(x, (0, p - n))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x
+
+
 def _f32(x) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 

@@ -28,6 +28,7 @@ import torch
 from k3gen.errors import K3genError, SpecError
 from k3gen.ir.dims import evaluate
 from k3gen.ir.dtypes import KvDtype
+from k3gen.ops.kda_verify.reference import start_of as kda_verify_start
 from k3gen.ops.kv_cache_write.reference import alloc_cache
 
 from model.config import ModelConfig, TargetConfig
@@ -299,13 +300,12 @@ class HybridCache:
             if "pending" not in pools or not (fold or ext):
                 continue
             if fold:
+                # The state and window the next verify would start from (kda_verify's own rule).
                 idx = torch.tensor(fold, dtype=torch.long, device=self.device)
-                M = pools["draft_rec"].shape[1]
-                P = pools["pending"][idx].long().clamp(0, M)
-                rec = pools["draft_rec"][idx, (P - 1).clamp(min=0)].to(pools["ssm"].dtype)
-                pools["ssm"][idx] = torch.where((P == 0)[:, None, None, None], pools["ssm"][idx], rec)
-                cols = (P[:, None, None] + torch.arange(3, device=self.device)).expand(-1, pools["conv_ext"].shape[1], 3)
-                pools["conv"][idx] = torch.gather(pools["conv_ext"][idx], 2, cols).to(pools["conv"].dtype)
+                state, window = kda_verify_start(pools["ssm"], pools["draft_rec"], pools["conv_ext"],
+                                                 pools["pending"], idx)
+                pools["ssm"][idx] = state.to(pools["ssm"].dtype)
+                pools["conv"][idx] = window.to(pools["conv"].dtype)
                 pools["pending"][idx] = 0
             if ext:
                 idx = torch.tensor(ext, dtype=torch.long, device=self.device)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from k3gen.ops.mla_q_absorb.reference import rms_norm_bf16
+
 from model import arch
 from model.config import ModelConfig
 from model.moe_torch import _mm  # noqa: F401  (FP64 products rounded to FP32: tests' row-invariant LM head)
@@ -28,33 +30,10 @@ G_OFF = Q_LORA + 640              # without a q LoRA (a separate q_proj) the A-p
 NOPE, QK_HEAD = 128, 192
 
 
-def row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim (kept), in one fixed order (zero-padded to a power of two, then the
-    halves added until one is left): a row gets the same bits in any batch, on any device.
-    torch's CUDA reductions pick their thread layout from the output count (block_height =
-    min(pow2(rows), 16) lanes per row for a 3-row decode batch is not the 12-row verify batch's),
-    so `x.square().mean(-1)` sums a decode row and its verify row in different orders; the H200
-    measured speculative logits off greedy's by ~1e-3 at one token in ~300 (issue 27)."""
-    n = x.shape[-1]
-    p = 1 << max(0, (n - 1).bit_length())
-    if p != n:
-        x = torch.nn.functional.pad(x, (0, p - n))
-    while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
-    return x
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """BF16(x * rsqrt(mean(x^2) + eps) * w), math in FP32, row-invariant (`row_sum`): the torch-side
-    norms of the kernel path (the MLA latent's kv_a norm, the final norm) feed verify and decode."""
-    xf = x.float()
-    return ((xf * rms_rstd(xf, eps)) * w.float()).to(BF16)
-
-
-def rms_rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
-    """rsqrt(mean(x^2) + eps) [..., 1] FP32 of FP32 rows, summed by row_sum."""
-    return torch.rsqrt(row_sum(xf * xf) / xf.shape[-1] + eps)
+    """BF16(x * rsqrt(mean(x^2) + eps) * w), math in FP32, the sum of squares row-invariant
+    (k3gen.numerics.row_sum): the kernel path's torch-side norms feed verify and decode."""
+    return rms_norm_bf16(x, w, eps)
 
 
 @dataclass

@@ -66,6 +66,9 @@ class Ops:
 
 class RefOps(RefFfnOps, Ops):
     kind = "ref"
+    # The projections' products and sums: FP64 rounded to FP32 (below). Tests set FP32 to measure
+    # the model's sensitivity to another rounding (tests/helpers.reference_projections_in_fp32).
+    linear_acc = torch.float64
 
     def linear(self, x, w: Fp8Linear) -> torch.Tensor:
         """x BF16 [M, K] (quantized here) or a QAct (quantized by the op before) times w."""
@@ -75,7 +78,8 @@ class RefOps(RefFfnOps, Ops):
         # FP64 products rounded to FP32: row-invariant (an FP32 GEMM's reduction order depends on
         # the row count), so a verify row equals the decode row and speculative == greedy holds
         # on this path to the last bit but for the FP32 LM head.
-        return (xd.double() @ w.dequant().to(xd.device).double().T).float().to(BF16)
+        acc = self.linear_acc
+        return (xd.to(acc) @ w.dequant().to(xd.device).to(acc).T).float().to(BF16)
 
     def kda_decode(self, qkvg, fa, beta, pools, slots, w: KdaWeights):
         self._mark("kda_decode")

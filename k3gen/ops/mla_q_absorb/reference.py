@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from k3gen.ir.dtypes import ScaleRecipe
+from k3gen.numerics import row_sum
 from k3gen.ops.fp8_block_gemm.reference import dequantize_activations, dequantize_weights, quantize_activations
 
 Q_LORA, NOPE, ROPE, LATENT = 1536, 128, 64, 512
@@ -16,7 +17,9 @@ Q_LORA, NOPE, ROPE, LATENT = 1536, 128, 64, 512
 
 def rms_norm_bf16(q_a: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     x = q_a.float()
-    rstd = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+    # Summed in numerics.row_sum's fixed order: the model's torch-side norms (the MLA latent's, the
+    # final one) call this on decode and verify batches, whose rows must get the same bits.
+    rstd = torch.rsqrt(row_sum(x * x) / x.shape[-1] + eps)
     return ((x * rstd) * w.float()).to(torch.bfloat16)
 
 
