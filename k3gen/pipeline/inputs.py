@@ -29,11 +29,13 @@ _RUNTIME_ONLY = frozenset({"launcher.py", "reference.py"})
 # FP32 quantizers (the layer rule keeps spec.py/variants.py to these).
 _SHARED = ("ir", "arch", "numerics.py")
 # What each lowering adds: the renderer (its header and frozen include paths are in every source)
-# and the NVRTC flags plus the include root; the CuTe worker that traces the module.
-_LOWERING = {"nvrtc": ("pipeline/render.py", "pipeline/nvrtc.py", INCLUDE_DIR.name),
+# and the NVRTC flags; the CuTe worker that traces the module. The headers of the include root
+# come per op (`_headers`).
+_LOWERING = {"nvrtc": ("pipeline/render.py", "pipeline/nvrtc.py"),
              "cute": ("pipeline/cute.py",)}
 _SUFFIXES = (".py", ".j2", ".cuh", ".h")
 _OP_IMPORT = re.compile(r"\bk3gen\.ops\.(\w+)")
+_INCLUDE = re.compile(r'#\s*include\s+"([^"]+)"')
 
 
 def _files(path: Path) -> list[Path]:
@@ -61,6 +63,44 @@ def op_folders(op: str) -> list[str]:
     return sorted(seen)
 
 
+_HEADER_DIR = re.compile(r"[\"']k3gen/(\w+)/")
+
+
+def _headers(sources: list[Path]) -> list[Path]:
+    """The include-root headers these op files reach through `#include "..."`, transitively, so a
+    header edit rebuilds only the ops that include it.
+
+    A template whose include path is computed (`#include "{{ ... }}"`, the header a variant names)
+    may reach any header of the include folders its files name in quotes ("k3gen/mla/..."), and
+    the root's own forwarding headers (frozen targets' old paths); with no folder named, the whole
+    root."""
+    root = PACKAGE_DIR / INCLUDE_DIR.name
+    texts = {p: p.read_text() for p in sources}
+    seeds: list[Path] = []
+    for p, text in texts.items():
+        if p.suffix not in (".j2", ".cuh", ".h"):
+            continue
+        for inc in _INCLUDE.findall(text):
+            if "{" not in inc:
+                seeds.append(root / inc)
+                continue
+            dirs = {d for t in texts.values() for d in _HEADER_DIR.findall(t)}
+            if not dirs:
+                return _files(root)
+            for d in sorted(dirs):
+                seeds += _files(root / "k3gen" / d) if (root / "k3gen" / d).is_dir() else []
+            seeds += [f for f in (root / "k3gen").iterdir() if f.is_file() and f.suffix in _SUFFIXES]
+    seen: set[Path] = set()
+    todo = [p for p in seeds if p.is_file()]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        todo += [root / inc for inc in _INCLUDE.findall(p.read_text()) if (root / inc).is_file()]
+    return sorted(seen)
+
+
 @functools.lru_cache(maxsize=None)
 def inputs_digest(op: str, lowering: str) -> str:
     """sha256 over every file a source of this op and lowering is generated from (cached per op)."""
@@ -69,6 +109,8 @@ def inputs_digest(op: str, lowering: str) -> str:
     files: list[Path] = []
     for o in op_folders(op):
         files += _op_files(o)
+    if lowering == "nvrtc":
+        files += _headers(files)
     for rel in _SHARED + _LOWERING[lowering]:
         files += _files(PACKAGE_DIR / rel)
     h = hashlib.sha256()

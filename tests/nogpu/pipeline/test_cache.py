@@ -152,3 +152,32 @@ def test_eight_processes_one_compile(tmp_path):
             hashes = pool.starmap(_worker, [(str(tmp_path / "c"), key, str(counter), barrier)] * 8)
     assert counter.read_text() == "x"
     assert len(set(hashes)) == 1
+
+
+def test_a_header_edit_rebuilds_only_the_ops_that_include_it(package_copy):
+    root, digest = package_copy
+    ops = ("attn_res", "moe_experts", "fp8_block_gemm", "mla_decode")
+    before = {op: digest(op) for op in ops}
+
+    def edited(rel: str) -> dict:
+        p = root / rel
+        p.write_text(p.read_text() + "\n// edited\n")
+        return {op: digest(op) for op in ops}
+    after = edited("include/k3gen/attn_res/mix.cuh")
+    assert after["attn_res"] != before["attn_res"]
+    assert after["moe_experts"] == before["moe_experts"] and after["fp8_block_gemm"] == before["fp8_block_gemm"]
+    assert after["mla_decode"] == before["mla_decode"]
+    before = after
+    after = edited("include/k3gen/mla/proj.cuh")   # reached from attn_res through mix.cuh
+    assert after["attn_res"] != before["attn_res"] and after["moe_experts"] == before["moe_experts"]
+    before = after
+    after = edited("include/k3gen/moe/fp4.cuh")    # through experts.cuh
+    assert after["moe_experts"] != before["moe_experts"] and after["attn_res"] == before["attn_res"]
+    before = after
+    # A computed include path (variants name "k3gen/mla/decode_wg_{fp8|nvfp4}.cuh"): every header
+    # of the folders the op's files name, and the root's forwarding headers.
+    after = edited("include/k3gen/mla/decode_wg_nvfp4.cuh")
+    assert after["mla_decode"] != before["mla_decode"] and after["fp8_block_gemm"] == before["fp8_block_gemm"]
+    before = after
+    after = edited("include/k3gen/kda_verify.cuh")
+    assert after["mla_decode"] != before["mla_decode"] and after["attn_res"] == before["attn_res"]
