@@ -9,7 +9,8 @@ table. The order:
   slice into warps of 32 threads of 4 consecutive columns. Per thread ((y0 + y1) + y2) + y3; per
   warp an xor butterfly over the lanes at distances 16, 8, 4, 2, 1 (lane l adds lane l ^ o); then
   the warps of a slice in order; then the slices in order. The order depends on hidden alone.
-- r_i = 1 / sqrt(S(V_i * V_i) / hidden + eps); score_i = S((V_i * r_i) * q).
+- r_i = 1 / sqrt(S(V_i * V_i) / hidden + eps); score_i = r_i * S(V_i * q) (both sums of a source
+  are taken in one pass, so one cluster exchange serves them).
 - softmax: p_i = FP32(exp(FP64(score_i - max_j score_j))), the sum p_0 + p_1 + ... in source order,
   alpha_i = p_i / sum (IEEE division).
 - x = (alpha_0 V_0 + alpha_1 V_1) + ... in source order, each product rounded.
@@ -65,7 +66,7 @@ def mix(V: torch.Tensor, query: torch.Tensor, eps: float, slices: int | None = N
     slices = slices or slices_for(h)
     q = query.float().cpu()
     r = rstd(ordered_sum(V * V, slices), h, eps)                       # [n, M]
-    score = ordered_sum((V * r[..., None]) * q, slices)                # [n, M]
+    score = r * ordered_sum(V * q, slices)                             # [n, M]
     p = torch.exp((score - score.max(0).values).double()).float()
     total = p[0]
     for i in range(1, n):

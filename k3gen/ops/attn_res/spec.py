@@ -7,7 +7,7 @@ Kernel contract (shared by the template, include/k3gen/attn_res/mix.cuh, the ref
   at strides that are multiples of 4 elements, 16-byte aligned); sources 0..n-1 of rows 0..M-1 are
   valid, n (1 <= n <= max_sources) a launch argument. Source n-1 is the running partial sum of the
   current block, the others the completed blocks (source 0: the embedding).
-- Per row and source i: r_i = 1 / sqrt(S(V_i * V_i) / hidden + eps); score_i = S((V_i * r_i) * q)
+- Per row and source i: r_i = 1 / sqrt(S(V_i * V_i) / hidden + eps); score_i = r_i * S(V_i * q)
   with q = res_norm.weight * res_proj (FP32 [hidden]); alpha = softmax(score) over i < n:
   p_i = FP32(exp(score_i - max)) (the exp in FP64, rounded once), alpha_i = p_i / (p_0 + ... + p_{n-1})
   (sum in source order); x = alpha_0 V_0 + alpha_1 V_1 + ... (source order, each product rounded).

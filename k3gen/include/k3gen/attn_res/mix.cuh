@@ -44,12 +44,14 @@ struct Params {
 
 template <class C>
 struct Shared {
-  float wpart[C::kThreads / 32][C::kSources];
-  float part[C::kSources];
-  float recv[3][C::kSlices][C::kSources];
-  float total[3][C::kSources];
+  static constexpr int kWarps = C::kThreads / 32;
+  // Exchange 0: every warp's (sum of squares, q-dot) pair of each source, from every slice;
+  // exchange 1: every warp's partial of the mixed row's sum of squares.
+  alignas(8) float recv0[C::kSlices][kWarps][C::kSources][2];
+  float recv1[C::kSlices][kWarps];
   float alpha[C::kSources];
-  unsigned long long bar[3];
+  float rn;
+  unsigned long long bar[2];
 };
 
 __device__ __forceinline__ float sum4(float a, float b, float c, float d) {
@@ -58,51 +60,63 @@ __device__ __forceinline__ float sum4(float a, float b, float c, float d) {
 __device__ __forceinline__ float sq4(const float4& v) {
   return sum4(__fmul_rn(v.x, v.x), __fmul_rn(v.y, v.y), __fmul_rn(v.z, v.z), __fmul_rn(v.w, v.w));
 }
+__device__ __forceinline__ float dot4(const float4& v, const float4& q) {
+  return sum4(__fmul_rn(v.x, q.x), __fmul_rn(v.y, q.y), __fmul_rn(v.z, q.z), __fmul_rn(v.w, q.w));
+}
 // 1 / sqrt(ss / cols + eps), each operation rounded once (IEEE sqrt and divisions).
 __device__ __forceinline__ float rstd(float ss, float cols, float eps) {
   return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, cols), eps)));
 }
 
-// Row totals of kN per-thread partials (entries i < n): the fixed order above. Ends with f(total i)
-// in sh.total[ph][i], visible to every thread of the CTA.
-template <class C, int kN, int ph, class F>
-__device__ __forceinline__ void row_sums(float (&v)[kN], int n, Shared<C>& sh, unsigned rank, F f) {
-  constexpr bool kLocal = C::kSlices == 1;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+__device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    if (i < n) {
+  for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(kFull, v, o));
+  return v;   // the same value in every lane (a + b == b + a exactly)
+}
+
+__device__ __forceinline__ void st_async2(unsigned remote_addr, float a, float b, unsigned remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n"
+               ::"r"(remote_addr), "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(remote_bar)
+               : "memory");
+}
+
+// Hands every warp's totals to every CTA of the row: after the butterfly each lane holds the
+// warp's totals, so lane j < kSlices stores them straight into CTA j's table (one remote write
+// per lane and value, no CTA-level pre-reduction and no barrier before the exchange). Each CTA
+// then sums the table in the fixed order (warps of a slice in order, then the slices in order),
+// the same order for every CTA. Without a cluster the table is local and a barrier publishes it.
+template <class C>
+__device__ __forceinline__ void publish0(const float (&ss)[C::kSources], const float (&dt)[C::kSources], int n,
+                                         Shared<C>& sh, unsigned rank) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if constexpr (C::kSlices == 1) {
+    if (lane == 0) {
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v[i] = __fadd_rn(v[i], __shfl_xor_sync(kFull, v[i], o));
-      if (lane == 0) sh.wpart[warp][i] = v[i];
+      for (int i = 0; i < C::kSources; ++i)
+        if (i < n) { sh.recv0[0][warp][i][0] = ss[i]; sh.recv0[0][warp][i][1] = dt[i]; }
     }
-  }
-  __syncthreads();
-  if (tid < n) {
-    float s = sh.wpart[0][tid];
-#pragma unroll
-    for (int w = 1; w < C::kThreads / 32; ++w) s = __fadd_rn(s, sh.wpart[w][tid]);
-    if constexpr (kLocal) {
-      sh.total[ph][tid] = f(s);
-    } else {
-      sh.part[tid] = s;
-    }
-  }
-  if constexpr (!kLocal) {
     __syncthreads();
-    for (int k = tid; k < C::kSlices * n; k += C::kThreads) {   // (peer, i): partial i to that peer
-      const unsigned peer = static_cast<unsigned>(k / n), i = static_cast<unsigned>(k % n);
-      kda::st_async(kda::cluster_map(&sh.recv[ph][rank][i], peer), sh.part[i], kda::cluster_map(&sh.bar[ph], peer));
-    }
-    kda::mbar_wait(&sh.bar[ph], 0);
-    if (tid < n) {
-      float s = sh.recv[ph][0][tid];
+  } else {
+    if (lane < C::kSlices) {
+      const unsigned bar = kda::cluster_map(&sh.bar[0], lane);
 #pragma unroll
-      for (int r = 1; r < C::kSlices; ++r) s = __fadd_rn(s, sh.recv[ph][r][tid]);
-      sh.total[ph][tid] = f(s);
+      for (int i = 0; i < C::kSources; ++i)
+        if (i < n) st_async2(kda::cluster_map(&sh.recv0[rank][warp][i][0], lane), ss[i], dt[i], bar);
     }
+    kda::mbar_wait(&sh.bar[0], 0);
   }
-  __syncthreads();
+}
+
+template <class C>
+__device__ __forceinline__ void publish1(float v, Shared<C>& sh, unsigned rank) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if constexpr (C::kSlices == 1) {
+    if (lane == 0) sh.recv1[0][warp] = v;
+    __syncthreads();
+  } else {
+    if (lane < C::kSlices) kda::st_async(kda::cluster_map(&sh.recv1[rank][warp], lane), v, kda::cluster_map(&sh.bar[1], lane));
+    kda::mbar_wait(&sh.bar[1], 0);
+  }
 }
 
 template <class C>
@@ -120,11 +134,10 @@ __device__ __forceinline__ void attn_res_mix(const Params& p) {
   if constexpr (kS > 1) {
     if (tid == 0) {
 #pragma unroll
-      for (int ph = 0; ph < 3; ++ph) kda::mbar_init(&sh.bar[ph], 1);
+      for (int ph = 0; ph < 2; ++ph) kda::mbar_init(&sh.bar[ph], 1);
       kda::fence_mbar_init();
-      kda::mbar_arrive_expect_tx(&sh.bar[0], kS * n * 4);
-      kda::mbar_arrive_expect_tx(&sh.bar[1], kS * n * 4);
-      kda::mbar_arrive_expect_tx(&sh.bar[2], kS * 4);
+      kda::mbar_arrive_expect_tx(&sh.bar[0], kS * Shared<C>::kWarps * n * 8);
+      kda::mbar_arrive_expect_tx(&sh.bar[1], kS * Shared<C>::kWarps * 4);
     }
     kda::cluster_arrive_relaxed();   // peers' barriers initialised before the first st.async: the
   }                                  // wait is after the loads, so it overlaps them
@@ -160,40 +173,45 @@ __device__ __forceinline__ void attn_res_mix(const Params& p) {
   }
   if constexpr (kS > 1) kda::cluster_wait();
 
-  const auto rms = [](float ss) { return rstd(ss, static_cast<float>(C::kHidden), C::kEps); };
-  // 1. each source's RMS.
-  float part[kN];
-#pragma unroll
-  for (int i = 0; i < kN; ++i) part[i] = sq4(v[i]);
-  row_sums<C, kN, 0>(part, n, sh, rank, rms);
-  float r[kN];
-#pragma unroll
-  for (int i = 0; i < kN; ++i) r[i] = i < n ? sh.total[0][i] : 0.f;
-
-  // 2. scores: sum_d (V_d * r) * q_d.
+  // 1. per source the sum of squares and the q-dot, one exchange for both (score = r * S(V q)).
+  float ss[kN], dt[kN];
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    part[i] = sum4(__fmul_rn(__fmul_rn(v[i].x, r[i]), q.x), __fmul_rn(__fmul_rn(v[i].y, r[i]), q.y),
-                   __fmul_rn(__fmul_rn(v[i].z, r[i]), q.z), __fmul_rn(__fmul_rn(v[i].w, r[i]), q.w));
+    ss[i] = i < n ? warp_sum(sq4(v[i])) : 0.f;
+    dt[i] = i < n ? warp_sum(dot4(v[i], q)) : 0.f;
   }
-  row_sums<C, kN, 1>(part, n, sh, rank, [](float x) { return x; });
+  publish0<C>(ss, dt, n, sh, rank);
 
-  // softmax over the n scores by warp 0 (lane i: source i): max, FP64 exp of (score - max)
-  // rounded once, the sum in source order, IEEE division.
-  if (warp == 0) {
-    float m = sh.total[1][0];
+  // 2. Every warp sums the table itself (lane i: source i) and runs the softmax over its lanes, so
+  // no CTA barrier separates the exchange from the mix: r_i = rstd(total ss_i), score_i = r_i *
+  // total dot_i, max, FP64 exp of (score - max) rounded once, the sum in source order, IEEE division.
+  float alpha[kN];
+  {
+    const int i = lane < n ? lane : 0;
+    float ts = 0.f, td = 0.f;
 #pragma unroll
-    for (int i = 1; i < kN; ++i) if (i < n) m = fmaxf(m, sh.total[1][i]);
-    const float pe = lane < n ? __double2float_rn(exp(static_cast<double>(__fsub_rn(sh.total[1][lane], m)))) : 0.f;
+    for (int r = 0; r < kS; ++r) {
+      float a = sh.recv0[r][0][i][0], b = sh.recv0[r][0][i][1];
+#pragma unroll
+      for (int w = 1; w < Shared<C>::kWarps; ++w) {
+        a = __fadd_rn(a, sh.recv0[r][w][i][0]);
+        b = __fadd_rn(b, sh.recv0[r][w][i][1]);
+      }
+      ts = r == 0 ? a : __fadd_rn(ts, a);
+      td = r == 0 ? b : __fadd_rn(td, b);
+    }
+    const float score = __fmul_rn(rstd(ts, static_cast<float>(C::kHidden), C::kEps), td);
+    float m = lane < n ? score : __int_as_float(0xff800000);   // -inf
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+    const float pe = lane < n ? __double2float_rn(exp(static_cast<double>(__fsub_rn(score, m)))) : 0.f;
     float psum = 0.f;
 #pragma unroll
-    for (int i = 0; i < kN; ++i) if (i < n) psum = __fadd_rn(psum, __shfl_sync(kFull, pe, i));
-    if (lane < n) sh.alpha[lane] = __fdiv_rn(pe, psum);
-  }
-  __syncthreads();
-  float alpha[kN];
+    for (int j = 0; j < kN; ++j) if (j < n) psum = __fadd_rn(psum, __shfl_sync(kFull, pe, j));
+    const float a = __fdiv_rn(pe, psum);
 #pragma unroll
-  for (int i = 0; i < kN; ++i) alpha[i] = i < n ? sh.alpha[i] : 0.f;
+    for (int j = 0; j < kN; ++j) alpha[j] = j < n ? __shfl_sync(kFull, a, j) : 0.f;
+  }
 
   // 3. the mixed row, sum_i alpha_i V_i in source order, and its RMS.
   float4 x = make_float4(__fmul_rn(alpha[0], v[0].x), __fmul_rn(alpha[0], v[0].y), __fmul_rn(alpha[0], v[0].z),
@@ -209,9 +227,20 @@ __device__ __forceinline__ void attn_res_mix(const Params& p) {
   }
   const long long orow = static_cast<long long>(row) * C::kHidden + col;
   if (p.mixed != nullptr) *reinterpret_cast<float4*>(p.mixed + orow) = x;
-  float part3[1] = {sq4(x)};
-  row_sums<C, 1, 2>(part3, 1, sh, rank, rms);
-  const float rn = sh.total[2][0];
+  publish1<C>(warp_sum(sq4(x)), sh, rank);
+  float rn;
+  {   // lane r: slice r's warps in order; then the slices in order (shuffles), in every warp
+    float s = 0.f;
+    if (lane < kS) {
+      s = sh.recv1[lane][0];
+#pragma unroll
+      for (int w = 1; w < Shared<C>::kWarps; ++w) s = __fadd_rn(s, sh.recv1[lane][w]);
+    }
+    float t = __shfl_sync(kFull, s, 0);
+#pragma unroll
+    for (int r = 1; r < kS; ++r) t = __fadd_rn(t, __shfl_sync(kFull, s, r));
+    rn = rstd(t, static_cast<float>(C::kHidden), C::kEps);
+  }
 
   // 4. BF16(x * rstd * w), then act_quant_fp8 of those BF16 values (one warp = one 128-group).
   float y[4] = {mla::bf16_round(__fmul_rn(__fmul_rn(x.x, rn), bf16_lo(wraw.x))),
