@@ -106,7 +106,7 @@ def activations(spec, T: int, seed: int):
     return fp8_group_quantize(x.float(), 128, spec.recipe)
 
 
-def run(spec, w: dict, x, xs, route: dict, *, base: int = 0, f32: bool = True, ws=None):
+def run(spec, w: dict, x, xs, route: dict, *, base: int = 0, f32: bool = True, ws=None, rows=None):
     op = op_for(spec)
     T = x.shape[0]
     ws = op.workspace(T_MAX if ws is None else ws) if not isinstance(ws, dict) else ws
@@ -116,7 +116,7 @@ def run(spec, w: dict, x, xs, route: dict, *, base: int = 0, f32: bool = True, w
     out32 = poison(torch.empty(T, spec.hidden, dtype=torch.float32, device="cuda")) if f32 else None
     rc = {k: v.cuda() for k, v in route.items()}
     op(x.cuda(), w["w13"], w["s13"], w["w2"], w["s2"], rc, out, gs13=w["gs13"], gs2=w["gs2"],
-       x_scales=None if xs is None else xs.cuda(), out_f32=out32, ws=ws, expert_base=base)
+       x_scales=None if xs is None else xs.cuda(), out_f32=out32, ws=ws, expert_base=base, rows=rows)
     torch.cuda.synchronize()
     return out, out32
 
@@ -154,6 +154,26 @@ def test_skewed_routing(name, T):
     assert int((route["ids"] == base + 3).sum()) >= T // 2
     out, out32 = run(spec, w, x, xs, route, base=base)
     check(spec, w, x, xs, route, out, out32, base, f"{name} skewed T{T}")
+
+
+@pytest.mark.parametrize("rows", (1, 3))
+@pytest.mark.parametrize("name", ["mx_bf16", "nv_fp8_ue8m0", "mx_bf16_ep"])
+def test_persistent_ctas_walking_many_items_are_bitwise_the_default(name, rows):
+    """grid.y capped at `rows`: every CTA walks many items (the persistent loop's pick / barriers /
+    the down kernel's early weight loads on later items); an item is computed the same way whichever
+    CTA takes it, so the outputs are bit for bit the default launch's."""
+    spec = SPECS[name]
+    T = 64
+    w = random_weights(spec, seed=T + 5)
+    x, xs = activations(spec, T, seed=T + 6)
+    base = 8 if spec.route_experts > spec.experts else 0
+    route = routing(spec, T, seed=T + 7, skew=True, fill=base + 1)
+    assert spec.max_items(T) > 4 * rows
+    out, out32 = run(spec, w, x, xs, route, base=base)
+    got, got32 = run(spec, w, x, xs, route, base=base, rows=rows)
+    assert torch.equal(got.view(torch.int16).cpu(), out.view(torch.int16).cpu()), name
+    assert torch.equal(got32.view(torch.int32).cpu(), out32.view(torch.int32).cpu()), name
+    check(spec, w, x, xs, route, got, got32, base, f"{name} rows {rows}")
 
 
 @pytest.mark.parametrize("T", (1, 8, 64))

@@ -60,6 +60,7 @@ class MoeExperts(Launcher):
             self._down = self._kernel.sibling("k3gen_moe_experts_down")
             self._combine = self._kernel.sibling("k3gen_moe_experts_combine")
             self._probe = self._kernel.sibling("k3gen_moe_experts_dequant")
+            self.sm_count  # noqa: B018  (grid.y of the persistent GEMMs; queried outside any capture)
         return self
 
     def workspace(self, max_tokens: int, device="cuda") -> dict:
@@ -143,9 +144,12 @@ class MoeExperts(Launcher):
         return t
 
     def __call__(self, x, w13, s13, w2, s2, route, out, *, gs13=None, gs2=None, x_scales=None, out_f32=None,
-                 ws=None, expert_base: int = 0, pdl: bool | None = None):
-        """out[T, W] (BF16) = the routed experts' weighted sum (spec.py); returns out."""
+                 ws=None, expert_base: int = 0, pdl: bool | None = None, rows: int | None = None):
+        """out[T, W] (BF16) = the routed experts' weighted sum (spec.py); returns out. `rows` caps
+        the persistent GEMMs' grid.y below the resident rows (tests: CTAs that walk many items)."""
         import torch
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise SpecError("rows", rows, "an int >= 1", "CTA rows of the persistent expert GEMMs")
         T = self.check(x, w13, s13, w2, s2, route, out, gs13, gs2, x_scales, out_f32, ws, expert_base)
         if T == 0:
             return out
@@ -163,10 +167,12 @@ class MoeExperts(Launcher):
         a2 = ExpertArgs(w=ptr(w2), s=ptr(s2), gs=ptr(gs2), x=ptr(ws["h"]), xs=0, out=ptr(ws["y"]), **common)
         # The struct's bytes by value (cuLaunchKernel copies them at the call and at graph capture).
         p13, p2 = ArgPack().add(bytes(a13)), ArgPack().add(bytes(a2))
-        self.kernel.launch_ex(s.gate_up_grid(T), (s.gate_up.threads, 1, 1), None, p13.address(), None,
-                              dev, stream, pdl=pdl)
-        self._down.launch_ex(s.down_grid(T), (s.down.threads, 1, 1), None, p2.address(), None, dev, stream,
-                             pdl=pdl)
+        g13, g2 = s.gate_up_grid(T, self.sm_count), s.down_grid(T, self.sm_count)
+        if rows is not None:
+            g13 = (g13[0], min(g13[1], rows), 1) if s.gate_up.persistent else g13
+            g2 = (g2[0], min(g2[1], rows), 1) if s.down.persistent else g2
+        self.kernel.launch_ex(g13, (s.gate_up.threads, 1, 1), None, p13.address(), None, dev, stream, pdl=pdl)
+        self._down.launch_ex(g2, (s.down.threads, 1, 1), None, p2.address(), None, dev, stream, pdl=pdl)
         self._combine.launch_ex(s.combine_grid(T), (COMBINE_THREADS, 1, 1), None,
                                 (ptr(ws["y"]), ptr(route["ids"]), ptr(route["weights"]), ptr(out), ptr(out_f32),
                                  expert_base), (PTR, PTR, PTR, PTR, PTR, I32), dev, stream, pdl=pdl)

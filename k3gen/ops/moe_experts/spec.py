@@ -31,10 +31,13 @@ R = route_experts (the router's E; R >= E, the local experts are R's [base, base
   FMA, one term at a time: deterministic, no atomics) for the computed slots; BF16 [T, W], and
   optionally the FP32 sum [T, W] (for the TP / EP reduction before routed_expert_norm).
 
-Launch (all graph-safe; grids depend on T only, never on the routing): gate_up grid
-(mtiles13 / wm13, max_items(T)), down grid (mtiles2 / wm2, max_items(T)), combine grid (T,
-ceil(W / 1024)), 256 threads. An item is (expert, up to 8 * n_tiles consecutive grouped positions);
-a CTA finds its item by a scan of the clamped offsets (no host sync) and exits when there is none.
+Launch (all graph-safe; grids depend on T and the device only, never on the routing): gate_up grid
+(mtiles13 / wm13, item_rows), down grid (mtiles2 / wm2, item_rows), combine grid (T, ceil(W / 1024)),
+256 threads. An item is (expert, up to 8 * n_tiles consecutive grouped positions); a CTA scans the
+clamped offsets once (no host sync) and walks items blockIdx.y, + gridDim.y, ... up to the list's
+length; item_rows = min(max_items(T), the rows resident at once). PDL: the down kernel reads the
+offsets and its weights before its dependency wait (gate_up triggers only after its own wait, so
+whatever wrote the offsets before gate_up has completed), and h only after it.
 """
 from __future__ import annotations
 
@@ -93,6 +96,8 @@ class GemmPlan:
     wm: int
     wk: int
     kc: int
+    persistent: bool = True   # CTAs walk items (False: a CTA per item; the FP8 gate_up, whose
+                              # registers are at the 128 cap, spills with the loop's state)
 
     @property
     def chunks(self) -> int:
@@ -113,7 +118,7 @@ class GemmPlan:
         return self.mtiles // self.wm
 
 
-def gemm_plan(rows: int, k: int, max_kc: int = MAX_KC) -> GemmPlan:
+def gemm_plan(rows: int, k: int, max_kc: int = MAX_KC, persistent: bool = True) -> GemmPlan:
     """Fewest K-split warps that keep <= MAX_KC chunks per warp (every weight byte of a warp is
     loaded before the first MMA: the bytes in flight per SM are what a memory-bound decode needs),
     then as many m-tiles per CTA as divide the expert's and fit 8 warps."""
@@ -122,7 +127,7 @@ def gemm_plan(rows: int, k: int, max_kc: int = MAX_KC) -> GemmPlan:
     kc = cdiv(chunks, wk)
     mtiles = rows // 16
     wm = next(w for w in (4, 2, 1) if w * wk <= MAX_WARPS and mtiles % w == 0)
-    return GemmPlan(rows, k, mtiles, wm, wk, kc)
+    return GemmPlan(rows, k, mtiles, wm, wk, kc, persistent)
 
 
 @register_op("moe_experts")
@@ -192,7 +197,7 @@ class MoeExpertsSpec(OpSpec):
 
     @property
     def gate_up(self) -> GemmPlan:
-        return gemm_plan(2 * self.inter, self.hidden)
+        return gemm_plan(2 * self.inter, self.hidden, persistent=self.act is not ActFormat.FP8)
 
     @property
     def down(self) -> GemmPlan:
@@ -203,11 +208,20 @@ class MoeExpertsSpec(OpSpec):
         n, nb = t * self.top_k, self.tokens_per_item
         return max(1, (n + (nb - 1) * min(self.experts, n)) // nb)
 
-    def gate_up_grid(self, t: int) -> tuple[int, int, int]:
-        return (self.gate_up.grid_x, self.max_items(t), 1)
+    @staticmethod
+    def item_rows(plan: GemmPlan, items: int, sms: int | None) -> int:
+        """grid.y: a CTA row per item, or with the device's SM count at most the rows that are
+        resident at once (sms x min_blocks CTAs), each walking items y, y + rows, ... (persistent:
+        the offsets are scanned once per CTA, not once per item)."""
+        if sms is None or not plan.persistent:
+            return items
+        return max(1, min(items, sms * plan.min_blocks // plan.grid_x))
 
-    def down_grid(self, t: int) -> tuple[int, int, int]:
-        return (self.down.grid_x, self.max_items(t), 1)
+    def gate_up_grid(self, t: int, sms: int | None = None) -> tuple[int, int, int]:
+        return (self.gate_up.grid_x, self.item_rows(self.gate_up, self.max_items(t), sms), 1)
+
+    def down_grid(self, t: int, sms: int | None = None) -> tuple[int, int, int]:
+        return (self.down.grid_x, self.item_rows(self.down, self.max_items(t), sms), 1)
 
     def combine_grid(self, t: int) -> tuple[int, int, int]:
         return (t, cdiv(self.hidden, COMBINE_COLS), 1)

@@ -84,6 +84,19 @@ def test_plans_of_the_k3_shapes():
     assert tp8.gate_up_grid(1) == (24, 16, 1) and tp8.down_grid(1) == (56, 16, 1)
 
 
+def test_persistent_rows_are_the_resident_ctas():
+    """With the device's SM count, grid.y is at most the rows resident at once (sms x min_blocks
+    CTAs), never more than the items, never 0; the FP8 gate_up keeps a CTA per item."""
+    tp8 = spec(**K3_TP8)
+    assert tp8.max_items(64) == 900
+    assert tp8.gate_up_grid(64, 132) == (24, 132 * 2 // 24, 1)       # 11 rows of 24 CTAs, 2 a SM
+    assert tp8.down_grid(64, 132) == (56, 132 * 4 // 56, 1)
+    assert tp8.gate_up_grid(1, 132)[1] == min(16, 11) and tp8.gate_up_grid(1, 10_000)[1] == 16
+    assert tp8.gate_up_grid(64, 1)[1] == 1
+    fp8 = spec(**K3_TP8, act=ActFormat.FP8)
+    assert not fp8.gate_up.persistent and fp8.gate_up_grid(64, 132)[1] == 900 and fp8.down.persistent
+
+
 def items_of(offsets: list[int], base: int, experts: int, nslots: int, nb: int) -> list[tuple[int, int, int]]:
     """The kernel's item list (find_item): expert-major, nb positions per item, offsets clamped."""
     out = []
@@ -370,3 +383,11 @@ def test_swap_ab_fragments_compute_the_dot_products():
     assert np.array_equal(D, Wm @ X.T)
     # the lane holding accumulator (row g, cols 2t, 2t+1) also holds (row g + 8, same cols): the
     # gate_up tile puts gate row i at A row g and up row i at g + 8, so SiTU needs no shuffle.
+
+
+@pytest.mark.parametrize("rows", [0, -1, True, 2.0, "3"])
+def test_bad_rows_raise_before_anything_runs(rows):
+    from k3gen.ops.moe_experts.launcher import MoeExperts
+    op = MoeExperts(spec(**K3_TP8))
+    with pytest.raises(SpecError, match="rows"):
+        op(None, None, None, None, None, {}, None, rows=rows)

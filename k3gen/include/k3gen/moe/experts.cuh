@@ -56,60 +56,76 @@ __device__ __forceinline__ u32 word(const uint4& v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
-// The CTA's work item `item` of the list (expert-major, NB positions per item) the clamped offsets
-// define: every thread scans kPer experts, a block scan orders them, the owner publishes the item.
-// Offsets are clamped to [0, nslots] (and each end to >= its start): garbage offsets give wrong
-// work, never an out-of-bounds position. Returns false (the whole CTA) when there is no such item.
+// The work list (expert-major, NB positions per item) the clamped offsets define, scanned once per
+// CTA: every thread counts the items of kPer experts, a block scan gives each its first item. A persistent CTA then walks items blockIdx.y, + gridDim.y, ... (`pick` publishes
+// one through shared memory). Offsets are clamped to [0, nslots] (and each end to >= its start):
+// garbage offsets give wrong work, never an out-of-bounds position.
 template <int kE, int kThreads, int kNB>
-__device__ __forceinline__ bool find_item(const int* offsets, int base, int nslots, int item, Item& it) {
-  constexpr int kPer = (kE + kThreads - 1) / kThreads;
-  constexpr int kWarps = kThreads / 32;
-  __shared__ int s_warp[kWarps];
-  __shared__ Item s_item;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int lo[kPer], cnt[kPer], sum = 0;
+struct ItemList {
+  static constexpr int kPer = (kE + kThreads - 1) / kThreads;
+  static constexpr int kWarps = kThreads / 32;
+  // In shared memory, not registers: the GEMM after the scan needs every register it has.
+  int first[kThreads], count[kThreads];   // each thread's first item and item count
+  int warp_sum[kWarps];
+  int total;                              // the list's length
+  Item item;
+
+  // Expert e's clamped (first position, count).
+  static __device__ __forceinline__ int2 range(const int* offsets, int base, int nslots, int e) {
+    if (e >= kE) return make_int2(0, 0);
+    const int l = min(max(offsets[base + e], 0), nslots);
+    return make_int2(l, min(max(offsets[base + e + 1], l), nslots) - l);
+  }
+
+  __device__ __forceinline__ void scan(const int* offsets, int base, int nslots) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int sum = 0;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int e = tid * kPer + i;
-    int l = 0, c = 0;
-    if (e < kE) {
-      l = min(max(offsets[base + e], 0), nslots);
-      c = min(max(offsets[base + e + 1], l), nslots) - l;
+    for (int i = 0; i < kPer; ++i) sum += (range(offsets, base, nslots, tid * kPer + i).y + kNB - 1) / kNB;
+    int inc = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += v;
     }
-    lo[i] = l;
-    cnt[i] = c;
-    sum += (c + kNB - 1) / kNB;
+    if (lane == 31) warp_sum[warp] = inc;
+    __syncthreads();
+    int start = inc - sum, tot = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      start += w < warp ? warp_sum[w] : 0;
+      tot += warp_sum[w];
+    }
+    first[tid] = start;
+    count[tid] = sum;
+    if (tid == 0) total = tot;
+    __syncthreads();
   }
-  int inc = sum;
+
+  // Item `it` (< total, CTA-uniform); its owner re-reads its experts' offsets (cached). The first
+  // barrier lets the previous item's readers finish.
+  __device__ __forceinline__ Item pick(const int* offsets, int base, int nslots, int it) {
+    __syncthreads();
+    const int start = first[threadIdx.x];
+    if (it >= start && it < start + count[threadIdx.x]) {
+      int acc = start;
 #pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, inc, d);
-    if (lane >= d) inc += v;
-  }
-  if (lane == 31) s_warp[warp] = inc;
-  if (tid == 0) s_item.e = -1;
-  __syncthreads();
-  int start = inc - sum;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) start += w < warp ? s_warp[w] : 0;
-  if (item >= start && item < start + sum) {
-    int acc = start;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int ni = (cnt[i] + kNB - 1) / kNB;
-      if (item >= acc && item < acc + ni) {
-        const int b = (item - acc) * kNB;
-        s_item.e = tid * kPer + i;
-        s_item.p0 = lo[i] + b;
-        s_item.n = min(kNB, cnt[i] - b);
+      for (int i = 0; i < kPer; ++i) {
+        const int2 r = range(offsets, base, nslots, threadIdx.x * kPer + i);
+        const int ni = (r.y + kNB - 1) / kNB;
+        if (it >= acc && it < acc + ni) {
+          const int b = (it - acc) * kNB;
+          item.e = threadIdx.x * kPer + i;
+          item.p0 = r.x + b;
+          item.n = min(kNB, r.y - b);
+        }
+        acc += ni;
       }
-      acc += ni;
     }
+    __syncthreads();
+    return item;
   }
-  __syncthreads();
-  it = s_item;
-  return it.e >= 0;
-}
+};
 
 // Weight-scale BF16 multipliers of one lane row and chunk: MXFP4 one (group 32 = the lane's
 // segment), NVFP4 two (values 0-15, 16-31 of the segment).
@@ -179,16 +195,27 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
   constexpr bool kMx = C::kMxfp4;
   constexpr bool kFp8 = kGateUp && C::kFp8Act;
   constexpr int kSBytes = kK / (kMx ? 32 : 16);
-  griddep_wait();               // offsets, perm, x / h come from the previous kernels
-  griddep_launch_dependents();  // the next kernel still waits for this one to complete
-  Item it;
-  if (!find_item<C::kExperts, kThreads, kNB>(a.offsets, a.expert_base, a.nslots, blockIdx.y, it)) return;
+  // gate_up: the offsets, perm and x come from the kernels before it. down: only h does (gate_up's);
+  // gate_up triggers its dependents after its own wait, so by the time down starts everything
+  // before gate_up (moe_route's offsets and perm) is complete, and down scans the offsets and
+  // issues its first item's weight loads before waiting for h (they overlap gate_up's tail).
+  if constexpr (kGateUp) {
+    griddep_wait();
+    griddep_launch_dependents();   // the next kernel still waits for this one to complete
+  }
+  __shared__ ItemList<C::kExperts, kThreads, kNB> list;
+  list.scan(a.offsets, a.expert_base, a.nslots);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wm = warp % G::kWM, wk = warp / G::kWM;
   const int mt = blockIdx.x * G::kWM + wm;
   const int r0 = kGateUp ? mt * 8 + g : mt * 16 + g;
   const int r1 = kGateUp ? C::kInter + mt * 8 + g : mt * 16 + 8 + g;
+  __shared__ float red[G::kWK > 1 ? G::kWK : 1][G::kWM][4][32];
+  bool waited = kGateUp;
+#pragma unroll 1
+  for (int item = blockIdx.y; item < list.total; item += gridDim.y) {
+  const Item it = list.pick(a.offsets, a.expert_base, a.nslots, item);
   const size_t e_rows = static_cast<size_t>(it.e) * G::kRows;
   const u8* w0 = a.w + (e_rows + r0) * (kK / 2);
   const u8* w1 = a.w + (e_rows + r1) * (kK / 2);
@@ -211,9 +238,13 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
     }
   }
 
+  if (!waited) {   // down, first item: h is gate_up's
+    griddep_wait();
+    griddep_launch_dependents();
+    waited = true;
+  }
   // One 8-token tile at a time (a rolled loop: its trip count is CTA-uniform, and the tile's K-split
   // sum and epilogue run inside it, so only one tile's accumulators are live).
-  __shared__ float red[G::kWK > 1 ? G::kWK : 1][G::kWM][4][32];
   const int ntiles = (it.n + 7) / 8;
 #pragma unroll 1
   for (int nt = 0; nt < ntiles; ++nt) {
@@ -327,6 +358,9 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
       }
     }
   }
+    if constexpr (!G::kPersistent) break;   // a CTA per item: grid.y = max_items
+  }   // items
+  if (!waited) griddep_wait();   // no item: still complete after gate_up (PDL chains are transitive)
 }
 
 // out[t, :] = sum_j weights[t, j] * y[t k + j, :] over the slots of local experts, j in order.
