@@ -1,6 +1,6 @@
 """Launch one op on a bench shape a few times for `ncu` (ncu measures; nothing is timed here).
 
-Usage: python tools/profile_ops.py mla-bf16|mla-fp8|mla-fp8-wg|mla-nvfp4|mla-nvfp4-wg|mla-fp8-wg-b32|mla-bf16-b32|mla-fp8-wg-b1|mla-nvfp4-wg-b1|mla-h128|gemm-m1|gemm-m1-stream|gemm-m128|gemm-qkvg-m8
+Usage: python tools/profile_ops.py moe-t1|moe-t8|moe-t64|attn-b16|attn-b64|mla-bf16|mla-fp8|mla-fp8-wg|mla-nvfp4|mla-nvfp4-wg|mla-fp8-wg-b32|mla-bf16-b32|mla-fp8-wg-b1|mla-nvfp4-wg-b1|mla-h128|gemm-m1|gemm-m1-stream|gemm-m128|gemm-qkvg-m8
 """
 import sys
 from pathlib import Path
@@ -69,7 +69,43 @@ def verify(H=12, B=128, M=3, schedule=None):
         op(*args, schedule=schedule)
 
 
+def moe(T: int, shape: str = "tp8"):
+    """moe_experts MXFP4 / BF16 at the bench's K3 shapes, random routing (bench.cases.moe_experts)."""
+    from bench.cases.moe_experts import EP_BASE, SHAPES, _route, _weights
+    from k3gen.ops.moe_experts.launcher import MoeExperts
+    from k3gen.ops.moe_experts.spec import MoeExpertsSpec, WeightFormat
+    spec = MoeExpertsSpec(target=get_target("sm90"), weights=WeightFormat.MXFP4, **SHAPES[shape])
+    op = MoeExperts(spec).load()
+    base = EP_BASE if shape == "ep8" else 0
+    w = _weights(spec, torch.Generator(device="cuda").manual_seed(0))
+    r = _route(spec, T, torch.Generator().manual_seed(T), base)
+    x = torch.randn(T, spec.hidden, device="cuda").to(torch.bfloat16)
+    out = torch.empty(T, spec.hidden, dtype=torch.bfloat16, device="cuda")
+    ws = op.workspace(T)
+    print(f"moe {shape} T{T}: {r['touched']} experts, grids {spec.gate_up_grid(T, op.sm_count)} "
+          f"{spec.down_grid(T, op.sm_count)}", flush=True)
+    for _ in range(3):
+        op(x, w["w13"], w["s13"], w["w2"], w["s2"], r["dev"], out, ws=ws, expert_base=base)
+
+
+def attn_res(B: int, fp8: bool = True):
+    from k3gen.ops.attn_res.launcher import AttnRes
+    from k3gen.ops.attn_res.spec import AttnResSpec
+    spec = AttnResSpec(target=get_target("sm90"), hidden=7168, fp8=fp8)
+    op = AttnRes(spec).load()
+    src = torch.randn(9, B, 7168, device="cuda")
+    q = torch.randn(7168, device="cuda") * 0.02
+    nw = torch.ones(7168, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(B, 7168, dtype=torch.bfloat16, device="cuda")
+    kw = {"codes": torch.empty(B, 7168, dtype=torch.uint8, device="cuda"),
+          "scales": torch.empty(B, spec.groups, device="cuda")} if fp8 else {}
+    for _ in range(3):
+        op(src, 9, q, nw, out, **kw)
+
+
 CASES = {
+    "moe-t1": lambda: moe(1), "moe-t8": lambda: moe(8), "moe-t64": lambda: moe(64),
+    "attn-b16": lambda: attn_res(16), "attn-b64": lambda: attn_res(64),
     "verify-b128": lambda: verify(), "verify-b32": lambda: verify(B=32),
     "verify-b512": lambda: verify(B=512), "verify-b512-split": lambda: verify(B=512, schedule="split"),
     "verify-b1-split": lambda: verify(B=1, schedule="split"),
