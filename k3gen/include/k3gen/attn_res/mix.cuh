@@ -11,7 +11,9 @@
 // slices in order. Every CTA of the row sums the slices' partials itself, so all hold the same
 // totals; nothing depends on the row count or the row's position (the reason this op exists).
 // The partials travel by st.async into every peer's shared memory, completing on the peer's
-// mbarrier (no cluster barrier per exchange, and no release fence on the stores in flight).
+// mbarrier (no cluster barrier per exchange, and no release fence on the stores in flight). The
+// first two sums of a source travel together (score_i = r_i * S(V_i q)), so a row needs two
+// exchanges, not three.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,12 +47,12 @@ struct Params {
 template <class C>
 struct Shared {
   static constexpr int kWarps = C::kThreads / 32;
-  // Exchange 0: every warp's (sum of squares, q-dot) pair of each source, from every slice;
-  // exchange 1: every warp's partial of the mixed row's sum of squares.
-  alignas(8) float recv0[C::kSlices][kWarps][C::kSources][2];
-  float recv1[C::kSlices][kWarps];
-  float alpha[C::kSources];
-  float rn;
+  alignas(8) float wpart0[kWarps][C::kSources][2];   // each warp's (sum of squares, q-dot) per source
+  float wpart1[kWarps];                               // each warp's partial of the mixed row's
+  // Every slice's totals (summed over its warps in order), as exchanged: exchange 0 per source,
+  // exchange 1 the mixed row.
+  alignas(8) float recv0[C::kSlices][C::kSources][2];
+  float recv1[C::kSlices];
   unsigned long long bar[2];
 };
 
@@ -80,41 +82,64 @@ __device__ __forceinline__ void st_async2(unsigned remote_addr, float a, float b
                : "memory");
 }
 
-// Hands every warp's totals to every CTA of the row: after the butterfly each lane holds the
-// warp's totals, so lane j < kSlices stores them straight into CTA j's table (one remote write
-// per lane and value, no CTA-level pre-reduction and no barrier before the exchange). Each CTA
-// then sums the table in the fixed order (warps of a slice in order, then the slices in order),
-// the same order for every CTA. Without a cluster the table is local and a barrier publishes it.
+// A slice's totals to every CTA of the row: lane 0 of each warp leaves the warp's totals in shared
+// memory, thread i < n sums source i's over the warps in order and stores the pair straight into
+// every CTA's table (st.async, completing on that CTA's mbarrier; without a cluster the table is
+// local and a barrier publishes it). Every CTA then reads the same table and sums the slices in
+// order, so all hold the same totals.
 template <class C>
 __device__ __forceinline__ void publish0(const float (&ss)[C::kSources], const float (&dt)[C::kSources], int n,
                                          Shared<C>& sh, unsigned rank) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if constexpr (C::kSlices == 1) {
-    if (lane == 0) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (lane == 0) {
 #pragma unroll
-      for (int i = 0; i < C::kSources; ++i)
-        if (i < n) { sh.recv0[0][warp][i][0] = ss[i]; sh.recv0[0][warp][i][1] = dt[i]; }
+    for (int i = 0; i < C::kSources; ++i)
+      if (i < n) { sh.wpart0[warp][i][0] = ss[i]; sh.wpart0[warp][i][1] = dt[i]; }
+  }
+  __syncthreads();
+  if (tid < n) {
+    float a = sh.wpart0[0][tid][0], b = sh.wpart0[0][tid][1];
+#pragma unroll
+    for (int w = 1; w < Shared<C>::kWarps; ++w) {
+      a = __fadd_rn(a, sh.wpart0[w][tid][0]);
+      b = __fadd_rn(b, sh.wpart0[w][tid][1]);
     }
+    if constexpr (C::kSlices == 1) {
+      sh.recv0[0][tid][0] = a;
+      sh.recv0[0][tid][1] = b;
+    } else {
+#pragma unroll
+      for (int r = 0; r < C::kSlices; ++r)
+        st_async2(kda::cluster_map(&sh.recv0[rank][tid][0], r), a, b, kda::cluster_map(&sh.bar[0], r));
+    }
+  }
+  if constexpr (C::kSlices == 1) {
     __syncthreads();
   } else {
-    if (lane < C::kSlices) {
-      const unsigned bar = kda::cluster_map(&sh.bar[0], lane);
-#pragma unroll
-      for (int i = 0; i < C::kSources; ++i)
-        if (i < n) st_async2(kda::cluster_map(&sh.recv0[rank][warp][i][0], lane), ss[i], dt[i], bar);
-    }
     kda::mbar_wait(&sh.bar[0], 0);
   }
 }
 
 template <class C>
 __device__ __forceinline__ void publish1(float v, Shared<C>& sh, unsigned rank) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (lane == 0) sh.wpart1[warp] = v;
+  __syncthreads();
+  if (tid == 0) {
+    float s = sh.wpart1[0];
+#pragma unroll
+    for (int w = 1; w < Shared<C>::kWarps; ++w) s = __fadd_rn(s, sh.wpart1[w]);
+    if constexpr (C::kSlices == 1) {
+      sh.recv1[0] = s;
+    } else {
+#pragma unroll
+      for (int r = 0; r < C::kSlices; ++r)
+        kda::st_async(kda::cluster_map(&sh.recv1[rank], r), s, kda::cluster_map(&sh.bar[1], r));
+    }
+  }
   if constexpr (C::kSlices == 1) {
-    if (lane == 0) sh.recv1[0][warp] = v;
     __syncthreads();
   } else {
-    if (lane < C::kSlices) kda::st_async(kda::cluster_map(&sh.recv1[rank][warp], lane), v, kda::cluster_map(&sh.bar[1], lane));
     kda::mbar_wait(&sh.bar[1], 0);
   }
 }
@@ -136,8 +161,8 @@ __device__ __forceinline__ void attn_res_mix(const Params& p) {
 #pragma unroll
       for (int ph = 0; ph < 2; ++ph) kda::mbar_init(&sh.bar[ph], 1);
       kda::fence_mbar_init();
-      kda::mbar_arrive_expect_tx(&sh.bar[0], kS * Shared<C>::kWarps * n * 8);
-      kda::mbar_arrive_expect_tx(&sh.bar[1], kS * Shared<C>::kWarps * 4);
+      kda::mbar_arrive_expect_tx(&sh.bar[0], kS * n * 8);
+      kda::mbar_arrive_expect_tx(&sh.bar[1], kS * 4);
     }
     kda::cluster_arrive_relaxed();   // peers' barriers initialised before the first st.async: the
   }                                  // wait is after the loads, so it overlaps them
@@ -182,23 +207,17 @@ __device__ __forceinline__ void attn_res_mix(const Params& p) {
   }
   publish0<C>(ss, dt, n, sh, rank);
 
-  // 2. Every warp sums the table itself (lane i: source i) and runs the softmax over its lanes, so
+  // 2. Every warp sums the table's slices itself (lane i: source i) and runs the softmax over its lanes, so
   // no CTA barrier separates the exchange from the mix: r_i = rstd(total ss_i), score_i = r_i *
   // total dot_i, max, FP64 exp of (score - max) rounded once, the sum in source order, IEEE division.
   float alpha[kN];
   {
     const int i = lane < n ? lane : 0;
-    float ts = 0.f, td = 0.f;
+    float ts = sh.recv0[0][i][0], td = sh.recv0[0][i][1];
 #pragma unroll
-    for (int r = 0; r < kS; ++r) {
-      float a = sh.recv0[r][0][i][0], b = sh.recv0[r][0][i][1];
-#pragma unroll
-      for (int w = 1; w < Shared<C>::kWarps; ++w) {
-        a = __fadd_rn(a, sh.recv0[r][w][i][0]);
-        b = __fadd_rn(b, sh.recv0[r][w][i][1]);
-      }
-      ts = r == 0 ? a : __fadd_rn(ts, a);
-      td = r == 0 ? b : __fadd_rn(td, b);
+    for (int r = 1; r < kS; ++r) {
+      ts = __fadd_rn(ts, sh.recv0[r][i][0]);
+      td = __fadd_rn(td, sh.recv0[r][i][1]);
     }
     const float score = __fmul_rn(rstd(ts, static_cast<float>(C::kHidden), C::kEps), td);
     float m = lane < n ? score : __int_as_float(0xff800000);   // -inf
@@ -229,16 +248,10 @@ __device__ __forceinline__ void attn_res_mix(const Params& p) {
   if (p.mixed != nullptr) *reinterpret_cast<float4*>(p.mixed + orow) = x;
   publish1<C>(warp_sum(sq4(x)), sh, rank);
   float rn;
-  {   // lane r: slice r's warps in order; then the slices in order (shuffles), in every warp
-    float s = 0.f;
-    if (lane < kS) {
-      s = sh.recv1[lane][0];
+  {   // the slices in order, in every warp
+    float t = sh.recv1[0];
 #pragma unroll
-      for (int w = 1; w < Shared<C>::kWarps; ++w) s = __fadd_rn(s, sh.recv1[lane][w]);
-    }
-    float t = __shfl_sync(kFull, s, 0);
-#pragma unroll
-    for (int r = 1; r < kS; ++r) t = __fadd_rn(t, __shfl_sync(kFull, s, r));
+    for (int r = 1; r < kS; ++r) t = __fadd_rn(t, sh.recv1[r]);
     rn = rstd(t, static_cast<float>(C::kHidden), C::kEps);
   }
 

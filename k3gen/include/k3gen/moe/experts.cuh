@@ -271,6 +271,14 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
     } else {
       brow = static_cast<const u8*>(a.x) + static_cast<size_t>(p) * kK * 2;
     }
+    // The tile's activation segments into L1 up front (no registers): the chunk loop below loads
+    // each just before its MMAs, and from L2 every one of those loads stalled the warp.
+    {
+      const u8* pf = brow + (wk * G::kKC * 128 + 32 * t) * (kFp8 ? 1 : 2);
+      const int nc = min(G::kKC, (kK - wk * G::kKC * 128 - 32 * t + 127) / 128);
+#pragma unroll 1
+      for (int c = 0; c < nc; ++c, pf += 128 * (kFp8 ? 1 : 2)) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(pf));
+    }
 #pragma unroll
     for (int c = 0; c < G::kKC; ++c) {
       const int chunk = wk * G::kKC + c, kseg = chunk * 128 + 32 * t;
@@ -372,18 +380,31 @@ __device__ __forceinline__ void combine(const float* y, const int* ids, const fl
   const int t = blockIdx.x;
   const int col = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
   if (col >= C::kHidden) return;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
+  // Every slot's id, weight and partial loaded before the first FMA (k independent loads in flight
+  // instead of k dependent round trips), then summed in slot order.
+  bool ok[C::kTopK];
+#pragma unroll
+  for (int j = 0; j < C::kTopK; ++j) {
+    const int e = ids[t * C::kTopK + j] - base;
+    ok[j] = e >= 0 && e < C::kExperts;
+  }
+  float w[C::kTopK];
+  float4 v[C::kTopK];
+#pragma unroll
   for (int j = 0; j < C::kTopK; ++j) {
     const int slot = t * C::kTopK + j;
-    const int e = ids[slot] - base;
-    if (e < 0 || e >= C::kExperts) continue;
-    const float w = wts[slot];
-    const float4 v = *reinterpret_cast<const float4*>(y + static_cast<size_t>(slot) * C::kHidden + col);
-    acc.x = fmaf(w, v.x, acc.x);
-    acc.y = fmaf(w, v.y, acc.y);
-    acc.z = fmaf(w, v.z, acc.z);
-    acc.w = fmaf(w, v.w, acc.w);
+    w[j] = ok[j] ? wts[slot] : 0.f;
+    v[j] = ok[j] ? *reinterpret_cast<const float4*>(y + static_cast<size_t>(slot) * C::kHidden + col)
+                 : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int j = 0; j < C::kTopK; ++j) {
+    if (!ok[j]) continue;
+    acc.x = fmaf(w[j], v[j].x, acc.x);
+    acc.y = fmaf(w[j], v[j].y, acc.y);
+    acc.z = fmaf(w[j], v[j].z, acc.z);
+    acc.w = fmaf(w[j], v[j].w, acc.w);
   }
   const size_t at = static_cast<size_t>(t) * C::kHidden + col;
   const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
