@@ -68,7 +68,7 @@ struct ItemList {
   int first[kThreads], count[kThreads];   // each thread's first item and item count
   int warp_sum[kWarps];
   int total;                              // the list's length
-  Item item;
+  Item item, next;                        // the CTA's current item and the one after it (e = -1: none)
 
   // Expert e's clamped (first position, count).
   static __device__ __forceinline__ int2 range(const int* offsets, int base, int nslots, int e) {
@@ -102,30 +102,51 @@ struct ItemList {
     __syncthreads();
   }
 
-  // Item `it` (< total, CTA-uniform); its owner re-reads its experts' offsets (cached). The first
-  // barrier lets the previous item's readers finish.
-  __device__ __forceinline__ Item pick(const int* offsets, int base, int nslots, int it) {
+  // Item `it` (< total, CTA-uniform) into `item`, and item `it + stride` (if any) into `next`; their
+  // owners re-read their experts' offsets (cached). The first barrier lets the previous item's
+  // readers finish.
+  __device__ __forceinline__ void pick(const int* offsets, int base, int nslots, int it, int stride) {
     __syncthreads();
-    const int start = first[threadIdx.x];
-    if (it >= start && it < start + count[threadIdx.x]) {
+    if (threadIdx.x == 0) next.e = -1;
+    const int start = first[threadIdx.x], end = start + count[threadIdx.x];
+    const int nx = it + stride;
+    if ((it >= start && it < end) || (nx < total && nx >= start && nx < end)) {
       int acc = start;
 #pragma unroll
       for (int i = 0; i < kPer; ++i) {
         const int2 r = range(offsets, base, nslots, threadIdx.x * kPer + i);
         const int ni = (r.y + kNB - 1) / kNB;
-        if (it >= acc && it < acc + ni) {
-          const int b = (it - acc) * kNB;
-          item.e = threadIdx.x * kPer + i;
-          item.p0 = r.x + b;
-          item.n = min(kNB, r.y - b);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int want = q == 0 ? it : nx;
+          if (want >= acc && want < acc + ni && (q == 0 || nx < total)) {
+            const int b = (want - acc) * kNB;
+            Item& dst = q == 0 ? item : next;
+            dst.e = threadIdx.x * kPer + i;
+            dst.p0 = r.x + b;
+            dst.n = min(kNB, r.y - b);
+          }
         }
         acc += ni;
       }
     }
     __syncthreads();
-    return item;
   }
 };
+
+// The CTA's weight rows of expert e (codes and scales) into L2 by bulk prefetch, one thread: the
+// next item's bytes stream from DRAM while this item computes (no registers held). Rows [r, r + n)
+// of each of `blocks` row blocks `stride` rows apart; nothing when a base is not 16-byte aligned.
+template <int kK, int kSBytes>
+__device__ __forceinline__ void prefetch_rows(const u8* w, const u8* s, size_t e_rows, int r, int n, int blocks,
+                                              int stride) {
+  if (((reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(s)) & 15u) != 0) return;
+  for (int b = 0; b < blocks; ++b) {
+    const size_t row = e_rows + r + static_cast<size_t>(b) * stride;
+    l2_prefetch_bulk(w + row * (kK / 2), static_cast<unsigned>(n * (kK / 2)));
+    if ((n * kSBytes) % 16 == 0) l2_prefetch_bulk(s + row * kSBytes, static_cast<unsigned>(n * kSBytes));
+  }
+}
 
 // Weight-scale BF16 multipliers of one lane row and chunk: MXFP4 one (group 32 = the lane's
 // segment), NVFP4 two (values 0-15, 16-31 of the segment).
@@ -215,7 +236,17 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
   bool waited = kGateUp;
 #pragma unroll 1
   for (int item = blockIdx.y; item < list.total; item += gridDim.y) {
-  const Item it = list.pick(a.offsets, a.expert_base, a.nslots, item);
+  list.pick(a.offsets, a.expert_base, a.nslots, item, gridDim.y);
+  const Item it = list.item;
+  if (G::kPersistent && threadIdx.x == 0 && list.next.e >= 0) {
+    // gate_up: the CTA's 8 wm gate rows and the up rows I below them; down: its 16 wm rows.
+    const size_t nx_rows = static_cast<size_t>(list.next.e) * G::kRows;
+    if (kGateUp) {
+      prefetch_rows<kK, kSBytes>(a.w, a.s, nx_rows, blockIdx.x * G::kWM * 8, G::kWM * 8, 2, C::kInter);
+    } else {
+      prefetch_rows<kK, kSBytes>(a.w, a.s, nx_rows, blockIdx.x * G::kWM * 16, G::kWM * 16, 1, 0);
+    }
+  }
   const size_t e_rows = static_cast<size_t>(it.e) * G::kRows;
   const u8* w0 = a.w + (e_rows + r0) * (kK / 2);
   const u8* w1 = a.w + (e_rows + r1) * (kK / 2);
@@ -382,6 +413,11 @@ __device__ __forceinline__ void combine(const float* y, const int* ids, const fl
   if (col >= C::kHidden) return;
   // Every slot's id, weight and partial loaded before the first FMA (k independent loads in flight
   // instead of k dependent round trips), then summed in slot order.
+  // ptxas interleaves the loads with the FMAs two at a time (32 registers); prefetches into L1
+  // issued first keep all k rows in flight whatever that order.
+#pragma unroll
+  for (int j = 0; j < C::kTopK; ++j)
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(y + static_cast<size_t>(t * C::kTopK + j) * C::kHidden + col));
   bool ok[C::kTopK];
 #pragma unroll
   for (int j = 0; j < C::kTopK; ++j) {
@@ -394,8 +430,9 @@ __device__ __forceinline__ void combine(const float* y, const int* ids, const fl
   for (int j = 0; j < C::kTopK; ++j) {
     const int slot = t * C::kTopK + j;
     w[j] = ok[j] ? wts[slot] : 0.f;
-    v[j] = ok[j] ? *reinterpret_cast<const float4*>(y + static_cast<size_t>(slot) * C::kHidden + col)
-                 : make_float4(0.f, 0.f, 0.f, 0.f);
+    // Unconditional: every slot row lies inside the workspace, and a foreign slot's bytes are
+    // never summed.
+    v[j] = __ldg(reinterpret_cast<const float4*>(y + static_cast<size_t>(slot) * C::kHidden + col));
   }
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
