@@ -27,10 +27,12 @@ struct Config {
 struct GateUp {
   static constexpr int kRows = 768, kK = 3584;
   static constexpr int kWM = 2, kWK = 4, kKC = 7;
+  static constexpr bool kPersistent = true;
 };
 struct Down {
   static constexpr int kRows = 3584, kK = 384;
   static constexpr int kWM = 4, kWK = 1, kKC = 3;
+  static constexpr bool kPersistent = true;
 };
 
 static_assert(Config::kHidden % 32 == 0 && Config::kInter % 32 == 0, "16-byte lane segments of 32 values");
