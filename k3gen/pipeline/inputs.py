@@ -75,21 +75,17 @@ def _headers(sources: list[Path]) -> list[Path]:
     the root's own forwarding headers (frozen targets' old paths); with no folder named, the whole
     root."""
     root = PACKAGE_DIR / INCLUDE_DIR.name
-    texts = {p: p.read_text() for p in sources}
-    seeds: list[Path] = []
-    for p, text in texts.items():
-        if p.suffix not in (".j2", ".cuh", ".h"):
-            continue
-        for inc in _INCLUDE.findall(text):
-            if "{" not in inc:
-                seeds.append(root / inc)
-                continue
-            dirs = {d for t in texts.values() for d in _HEADER_DIR.findall(t)}
-            if not dirs:
-                return _files(root)
-            for d in sorted(dirs):
-                seeds += _files(root / "k3gen" / d) if (root / "k3gen" / d).is_dir() else []
-            seeds += [f for f in (root / "k3gen").iterdir() if f.is_file() and f.suffix in _SUFFIXES]
+    texts = [p.read_text() for p in sources]
+    includes = [inc for p, t in zip(sources, texts) if p.suffix in (".j2", ".cuh", ".h")
+                for inc in _INCLUDE.findall(t)]
+    seeds = [root / inc for inc in includes if "{" not in inc]
+    if any("{" in inc for inc in includes):
+        dirs = sorted({d for t in texts for d in _HEADER_DIR.findall(t)})
+        if not dirs:
+            return _files(root)
+        for d in dirs:
+            seeds += _files(root / "k3gen" / d) if (root / "k3gen" / d).is_dir() else []
+        seeds += [f for f in (root / "k3gen").iterdir() if f.is_file() and f.suffix in _SUFFIXES]
     seen: set[Path] = set()
     todo = [p for p in seeds if p.is_file()]
     while todo:

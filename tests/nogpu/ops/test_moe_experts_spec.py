@@ -98,7 +98,7 @@ def test_persistent_rows_are_the_resident_ctas():
 
 
 def items_of(offsets: list[int], base: int, experts: int, nslots: int, nb: int) -> list[tuple[int, int, int]]:
-    """The kernel's item list (find_item): expert-major, nb positions per item, offsets clamped."""
+    """The kernel's item list (ItemList in experts.cuh): expert-major, nb positions per item, offsets clamped."""
     out = []
     for e in range(experts):
         lo = min(max(offsets[base + e], 0), nslots)

@@ -207,9 +207,10 @@ __device__ __forceinline__ void attn_res_mix(const Params& p) {
   }
   publish0<C>(ss, dt, n, sh, rank);
 
-  // 2. Every warp sums the table's slices itself (lane i: source i) and runs the softmax over its lanes, so
-  // no CTA barrier separates the exchange from the mix: r_i = rstd(total ss_i), score_i = r_i *
-  // total dot_i, max, FP64 exp of (score - max) rounded once, the sum in source order, IEEE division.
+  // 2. Every warp sums the table's slices itself (lane i: source i) and runs the softmax over its
+  // lanes, so no CTA barrier separates the exchange from the mix: r_i = rstd(total ss_i), score_i =
+  // r_i * total dot_i, max, FP64 exp of (score - max) rounded once, the sum in source order, IEEE
+  // division.
   float alpha[kN];
   {
     const int i = lane < n ? lane : 0;

@@ -57,8 +57,9 @@ __device__ __forceinline__ u32 word(const uint4& v, int j) {
 }
 
 // The work list (expert-major, NB positions per item) the clamped offsets define, scanned once per
-// CTA: every thread counts the items of kPer experts, a block scan gives each its first item. A persistent CTA then walks items blockIdx.y, + gridDim.y, ... (`pick` publishes
-// one through shared memory). Offsets are clamped to [0, nslots] (and each end to >= its start):
+// CTA: every thread counts the items of kPer experts, a block scan gives each its first item. A
+// persistent CTA then walks items blockIdx.y, + gridDim.y, ... (`pick` publishes one through
+// shared memory). Offsets are clamped to [0, nslots] (and each end to >= its start):
 // garbage offsets give wrong work, never an out-of-bounds position.
 template <int kE, int kThreads, int kNB>
 struct ItemList {
@@ -104,10 +105,11 @@ struct ItemList {
 
   // Item `it` (< total, CTA-uniform) into `item`, and item `it + stride` (if any) into `next`; their
   // owners re-read their experts' offsets (cached). The first barrier lets the previous item's
-  // readers finish.
+  // readers finish, and orders thread 0's reset of `next` (it is also next's only reader) before
+  // the owner's write.
   __device__ __forceinline__ void pick(const int* offsets, int base, int nslots, int it, int stride) {
-    __syncthreads();
     if (threadIdx.x == 0) next.e = -1;
+    __syncthreads();
     const int start = first[threadIdx.x], end = start + count[threadIdx.x];
     const int nx = it + stride;
     if ((it >= start && it < end) || (nx < total && nx >= start && nx < end)) {
@@ -412,10 +414,8 @@ __device__ __forceinline__ void combine(const float* y, const int* ids, const fl
   const int t = blockIdx.x;
   const int col = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
   if (col >= C::kHidden) return;
-  // Every slot's id, weight and partial loaded before the first FMA (k independent loads in flight
-  // instead of k dependent round trips), then summed in slot order.
-  // ptxas interleaves the loads with the FMAs two at a time (32 registers); prefetches into L1
-  // issued first keep all k rows in flight whatever that order.
+  // All k slot rows in flight at once, then summed in slot order: ptxas interleaves the loads with
+  // the FMAs two at a time (32 registers), so L1 prefetches issued first carry the k round trips.
 #pragma unroll
   for (int j = 0; j < C::kTopK; ++j)
     asm volatile("prefetch.global.L1 [%0];\n" ::"l"(y + static_cast<size_t>(t * C::kTopK + j) * C::kHidden + col));
