@@ -330,6 +330,19 @@ def library() -> list:
 LISTS["library"] = library
 
 
+def hf_adapter() -> list:
+    """tests/gpu/test_hf_adapter.py: what k3gen.api.hf launches for tests/hf_tiny.py's model (2 MLA
+    heads, 8 experts top-2 in 2 groups, routed scale 1.5; tests/nogpu/library/test_hf_adapter.py
+    checks this list against k3gen.api.hf.specs of that model)."""
+    from k3gen.api.fla import fla_specs
+    return fla_specs(SM90) + [KvCacheWriteSpec(target=SM90, kv=KvDtype.BF16),
+                              MlaDecodeSpec(target=SM90, heads=2, kv=KvDtype.BF16),
+                              MoeRouteSpec(target=SM90, experts=8, top_k=2, n_group=2, topk_group=1, routed_scale=1.5)]
+
+
+LISTS["hf_adapter"] = hf_adapter
+
+
 def model_hf_tiny() -> list:
     """tests/gpu/test_model_checkpoints.py: the tiny transformers Kimi-Linear (tests/hf_tiny.py: softplus
     KDA gate, 2 KDA and 2 MLA heads, hidden 256, q_lora 1536 and a plain q_proj) at TP1 for every KV and
