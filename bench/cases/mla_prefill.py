@@ -1,0 +1,91 @@
+"""mla_prefill: causal MLA prefill attention (qk 192 / v 128) vs torch SDPA and the BF16 matmul rate."""
+from __future__ import annotations
+
+import statistics
+
+from bench.harness import _events_time, case, make_row, time_graph
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """BF16 torch.mm n^3 of this run, eager back to back (PERF.md's matmul rate)."""
+    import torch
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    torch.cuda.synchronize()
+    us = statistics.median(_events_time(lambda: [a @ b for _ in range(10)], 5)) / 10
+    return 2 * n ** 3 / us / 1e6
+
+
+@case
+def mla_prefill(ceiling: float, quick: bool = False) -> list:
+    """H12 / H96, one 4096-token sequence and an 8 x 1024 varlen batch, BF16 output (the peer's) and
+    the model's FP32 output, vs torch SDPA (causal, q/k 192, v 128, the shared rope key expanded per
+    head) timed in the same run; TFLOP/s count the useful causal pairs, T (T + 1) / 2 per sequence,
+    and are also given as a fraction of the same-run BF16 matmul rate."""
+    import torch
+    import torch.nn.functional as F
+
+    from k3gen.ops.mla_prefill.launcher import MlaPrefill
+    from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype
+    from k3gen.targets import get_target
+
+    tgt = get_target("sm90")
+    mm = matmul_tflops()
+    print(f"  bf16 matmul 8192^3: {mm:.0f} TFLOP/s", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = torch.bfloat16
+    rows, same = [], {}
+    for H in (12, 96):
+        for B, T in ((1, 4096), (8, 1024)):
+            N = B * T
+            cu = torch.arange(0, N + 1, T, device="cuda", dtype=torch.int32)
+            flops = B * 2 * H * 320 * T * (T + 1) / 2
+            sets = []
+            for _ in range(2):
+                kv = torch.randn(N, H, 256, device="cuda", generator=gen).to(bf)
+                crow = torch.randn(N, 576, device="cuda", generator=gen).to(bf)
+                sets.append(dict(q=torch.randn(N, H, 192, device="cuda", generator=gen).to(bf), kn=kv[..., :128],
+                                 kp=crow[:, 512:], v=kv[..., 128:]))
+            # The peer: [B, H, T, d] with k = [k_nope | k_pe] per head.
+            peer_sets = []
+            for s in sets:
+                q = s["q"].view(B, T, H, 192).transpose(1, 2)
+                k = torch.cat([s["kn"], s["kp"][:, None, :].expand(N, H, 64)], -1).view(B, T, H, 192).transpose(1, 2)
+                v = s["v"].reshape(B, T, H, 128).transpose(1, 2)
+                peer_sets.append((q.contiguous(), k.contiguous(), v.contiguous()))
+            peer_us, peer_err = None, ""
+            try:
+                peer_us = time_graph([lambda p=p: F.scaled_dot_product_attention(p[0], p[1], p[2], is_causal=True,
+                                                                                   scale=192 ** -0.5)
+                                      for p in peer_sets], reps=10)
+            except Exception as e:  # noqa: BLE001  (keep our rows whatever the peer does)
+                peer_err = repr(e)[:200]
+            del peer_sets
+            for od in (OutDtype.BF16, OutDtype.FP32):
+                if od is OutDtype.FP32 and B > 1:
+                    continue
+                print(f"  mla_prefill H{H} B{B} T{T} {od.value}", flush=True)
+                op = MlaPrefill(MlaPrefillSpec(target=tgt, heads=H, out_dtype=od)).load()
+                dt = bf if od is OutDtype.BF16 else torch.float32
+                for s in sets:
+                    s["out"] = torch.empty(N, H, 128, device="cuda", dtype=dt)
+                us = time_graph([lambda s=s: op(s["q"], s["kn"], s["kp"], s["v"], cu, cu, s["out"], T)
+                                 for s in sets], reps=10)
+                tf = flops / us / 1e6
+                nbytes = N * H * (192 + 256) * 2 + N * 64 * 2 + N * H * 128 * (2 if od is OutDtype.BF16 else 4)
+                extra = {"heads": H, "batch": B, "tokens": T, "out": od.value, "tflops": tf,
+                         "matmul_tflops": mm, "pct_matmul": 100 * tf / mm}
+                if peer_us:
+                    extra["peer_tflops"] = flops / peer_us / 1e6
+                if peer_err:
+                    extra["peer_error"] = peer_err
+                print(f"    {us:.1f} us, {tf:.0f} TFLOP/s ({100 * tf / mm:.0f}% of matmul)"
+                      + (f"; SDPA {peer_us:.1f} us, x{peer_us / us:.2f}" if peer_us else f"; SDPA: {peer_err}"),
+                      flush=True)
+                rows.append(make_row("mla_prefill", f"H{H} B{B} T{T} {od.value}", us, nbytes, ceiling, same,
+                                     peer="torch sdpa" if peer_us else "", peer_us=peer_us, extra=extra))
+            del sets
+            torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,327 @@
+// mla_prefill on sm_90a: causal flash attention for the unabsorbed MLA form (variant "wgmma" of
+// k3gen/ops/mla_prefill/variants.py; contract: k3gen/ops/mla_prefill/spec.py).
+//
+// Per head h: s = [q_nope | q_pe] . [k_nope_h | k_pe] * scale (k_pe: one rope key for all heads),
+// causal with a prefix (query row i of a sequence with prefix p = len_k - len_q sees keys <= p + i),
+// online softmax in FP32, o = P V_h accumulated in FP32.
+//
+// Grid (H, q_blocks, B), 384 threads, one CTA per SM (213 KB of shared memory):
+//   warpgroup 0, the producer: cp.async copies of each 128-key tile (K = 3 SW128 blocks of
+//     [128 keys][64 dims]: k_nope 0-63, 64-127, k_pe; V = 2 blocks) into a 2-stage ring, keys past the
+//     sequence zero-filled; a thread waits for its own copies, fences them to the async proxy and
+//     arrives on the stage's full barrier (128 arrivals).
+//   warpgroups 1, 2, the consumers: 64 query rows each (a 128-row q-block per CTA): S = Q K^T
+//     (12 x m64n128k16, Q and K from shared memory), the masked online softmax in registers, P (BF16)
+//     stays in registers as the A operand of O += P V (8 x m64n128k16, V read N-major), then each
+//     arrives on the stage's empty barrier (256 arrivals).
+// Why cp.async and not TMA: the rows of a head are strided views (k_nope / v may be slices of one
+// kv_b expansion, k_pe a slice of the cache rows), a varlen sequence's tile may run past its end
+// (zero-filled per 16 bytes here), and no tensor map has to be encoded per call.
+// Long first: blockIdx.y = 0 is the last (largest causal) q-block; heads vary fastest, so the
+// heaviest CTAs of every head are dispatched in the first wave.
+// cu_seqlens are clamped on the device to [0, nq] / [0, nk] (never an out-of-bounds row).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "k3gen/common/sm90_async.cuh"
+
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "mla_prefill's wgmma kernel needs sm_90a"
+#endif
+
+namespace k3gen {
+namespace mla {
+namespace prefill {
+
+constexpr int kThreads = 384;
+constexpr int kBM = 128;                  // query rows per CTA (2 consumer warpgroups x 64)
+constexpr int kBN = 128;                  // keys per tile
+constexpr int kDqk = 192, kDnope = 128, kDpe = 64, kDv = 128;
+constexpr int kStages = 2;
+constexpr int kQBlk = 64 * 128;           // one [64 rows][64 dims] SW128 block of a consumer's Q
+constexpr int kKBlk = kBN * 128;          // one [128 keys][64 dims] SW128 block of K or V
+constexpr int kQBytes = 2 * 3 * kQBlk;    // 49152
+constexpr int kKBytes = 3 * kKBlk;        // 49152
+constexpr int kVBytes = 2 * kKBlk;        // 32768
+constexpr int kStageBytes = kKBytes + kVBytes;
+constexpr int kStageOff = kQBytes;
+constexpr int kBarOff = kStageOff + kStages * kStageBytes;
+constexpr int kSmem = kBarOff + 4 * 8 + 1024;   // + slack to align the base to 1024
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+static_assert(kSmem <= 232448, "one CTA per SM");
+constexpr float kLog2e = 1.4426950408889634f;
+#define K3GEN_PF_NEG_INF (__int_as_float(0xff800000u))
+
+struct Params {
+  const __nv_bfloat16* q;        // [nq, H, 192] rows q_row apart, heads q_head apart
+  const __nv_bfloat16* k_nope;   // [nk, H, 128]
+  const __nv_bfloat16* k_pe;     // [nk, 64]
+  const __nv_bfloat16* v;        // [nk, H, 128]
+  const int* cu_q;               // [B + 1]
+  const int* cu_k;               // [B + 1]
+  void* out;                     // [nq, H, 128] contiguous, BF16 or FP32
+  long long q_row, q_head, kn_row, kn_head, kpe_row, v_row, v_head;
+  int nq, nk, q_blocks;
+};
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, unsigned src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Byte offset of 16-byte chunk c (8 per 128-byte row) of row r in an SW128 block.
+__device__ __forceinline__ unsigned sw128(int r, int c) {
+  return static_cast<unsigned>((r >> 3) * 1024 + (r & 7) * 128 + ((c ^ (r & 7)) << 4));
+}
+// K-major SW128 operand (LBO unused), SBO = the 8-row group stride.
+__device__ __forceinline__ unsigned long long desc_k(unsigned a) { return sm90::wgmma_desc<16, 1024, 1>(a); }
+// V as the N-major B operand: 8-key groups 1024 bytes apart (SBO), the two 64-dim blocks kKBlk apart (LBO).
+__device__ __forceinline__ unsigned long long desc_v(unsigned a) { return sm90::wgmma_desc<kKBlk, 1024, 1>(a); }
+
+using MmaS = sm90::WgmmaBf16SS<128, 0, 0>;
+
+// O[64 x 128] += P[64 x 16] V[16 x 128]: P from registers (the mma.sync m16n8k16 A fragment of the
+// warp's 16 rows), V N-major from shared memory. The registers stay unchanged until the wgmma retired.
+__device__ __forceinline__ void mma_pv(float (&d)[64], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                       unsigned long long db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+
+template <int N>
+__device__ __forceinline__ void pin(float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) sm90::fence_operand(x[i]);
+}
+
+// The sequence's rows, clamped to the tensors: q rows q0 .. q0 + lq - 1, keys k0 .. k0 + lk - 1.
+struct Seq {
+  int q0, lq, k0, lk;
+};
+__device__ __forceinline__ Seq seq_of(const Params& p, int b) {
+  Seq s;
+  s.q0 = min(max(p.cu_q[b], 0), p.nq);
+  s.lq = min(max(p.cu_q[b + 1], s.q0), p.nq) - s.q0;
+  s.k0 = min(max(p.cu_k[b], 0), p.nk);
+  s.lk = min(max(p.cu_k[b + 1], s.k0), p.nk) - s.k0;
+  return s;
+}
+
+// Q rows i0 .. i0 + 127 of head h into consumer blocks (rows past the sequence zero-filled), all threads.
+__device__ __forceinline__ void load_q(const Params& p, const Seq& s, int h, int i0, unsigned aQ) {
+  for (int i = threadIdx.x; i < kBM * (kDqk / 8); i += kThreads) {
+    const int r = i / (kDqk / 8), c = i - r * (kDqk / 8);
+    const bool ok = i0 + r < s.lq;
+    const __nv_bfloat16* src =
+        ok ? p.q + static_cast<long long>(s.q0 + i0 + r) * p.q_row + h * p.q_head + c * 8 : p.q;
+    const int rr = r & 63;
+    cp_async16(aQ + (r >> 6) * 3 * kQBlk + (c >> 3) * kQBlk + sw128(rr, c & 7), src, ok ? 16u : 0u);
+  }
+}
+
+// Keys kv0 .. kv0 + 127 of head h into the stage at aK (K blocks, then V blocks), 128 producer threads.
+__device__ __forceinline__ void load_kv(const Params& p, const Seq& s, int h, int kv0, unsigned aK, int t) {
+  const unsigned aV = aK + kKBytes;
+#pragma unroll 4
+  for (int i = t; i < kBN * 40; i += 128) {   // 24 K chunks + 16 V chunks per key
+    const int key = i / 40, c = i - key * 40;
+    const bool ok = kv0 + key < s.lk;
+    const long long row = s.k0 + kv0 + key;
+    const __nv_bfloat16* src;
+    unsigned dst;
+    if (c < 16) {
+      src = p.k_nope + row * p.kn_row + h * p.kn_head + c * 8;
+      dst = aK + (c >> 3) * kKBlk + sw128(key, c & 7);
+    } else if (c < 24) {
+      src = p.k_pe + row * p.kpe_row + (c - 16) * 8;
+      dst = aK + 2 * kKBlk + sw128(key, c & 7);
+    } else {
+      src = p.v + row * p.v_row + h * p.v_head + (c - 24) * 8;
+      dst = aV + ((c - 24) >> 3) * kKBlk + sw128(key, c & 7);
+    }
+    cp_async16(dst, ok ? src : p.k_pe, ok ? 16u : 0u);
+  }
+}
+
+// One tile's softmax on S (log2 domain): masked past each row's limit when kMask, P rounded to BF16
+// into pk (keys 8 j + 2 (lane % 4) + {0, 1} of row half r in pk[2 j + r]), the rows' rescale factors a.
+template <bool kMask>
+__device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], float (&l)[2], const int (&lim)[2], int col0,
+                                        float scale, unsigned (&pk)[32], float (&a)[2]) {
+  float mx[2] = {K3GEN_PF_NEG_INF, K3GEN_PF_NEG_INF};
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const int r = (i >> 1) & 1;
+    float x = sc[i] * scale;
+    if (kMask) x = col0 + 8 * (i >> 2) + (i & 1) <= lim[r] ? x : K3GEN_PF_NEG_INF;
+    sc[i] = x;
+    mx[r] = fmaxf(mx[r], x);
+  }
+  float msub[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float m_new = fmaxf(m[r], mx[r]);
+    // A row with nothing visible yet keeps its state: factor 1, probabilities 0.
+    a[r] = m_new == K3GEN_PF_NEG_INF ? 1.f : exp2f(m[r] - m_new);
+    msub[r] = m_new == K3GEN_PF_NEG_INF ? 0.f : m_new;
+    m[r] = m_new;
+  }
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const __nv_bfloat162 pb =
+          __floats2bfloat162_rn(exp2f(sc[4 * j + 2 * r] - msub[r]), exp2f(sc[4 * j + 2 * r + 1] - msub[r]));
+      const float2 pf = __bfloat1622float2(pb);   // the denominator sums what the MMA sums
+      sum[r] += pf.x + pf.y;
+      pk[2 * j + r] = *reinterpret_cast<const unsigned*>(&pb);
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l[r] = l[r] * a[r] + sum[r];
+}
+
+template <class C>
+__device__ void run(const Params& p) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const unsigned base = smem_u32(smem);
+  const unsigned bar = base + kBarOff;   // full[0..1], empty[0..1]
+  const int h = blockIdx.x, b = blockIdx.z;
+  const int qb = p.q_blocks - 1 - static_cast<int>(blockIdx.y);
+  const int i0 = qb * kBM;
+  const Seq s = seq_of(p, b);
+  if (i0 >= s.lq) return;   // CTA-uniform: this sequence has fewer q-blocks
+  const int pre = s.lk - s.lq;
+  // Keys up to pre + (last row of the block), clipped to the sequence.
+  const int kend = max(0, min(s.lk, pre + min(i0 + kBM, s.lq)));
+  const int n = (kend + kBN - 1) / kBN;
+
+  const int tid = threadIdx.x, wgi = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      sm90::mbar_init(bar + 8 * st, 128);        // every producer thread, after its copies landed
+      sm90::mbar_init(bar + 16 + 8 * st, 256);   // every consumer thread
+    }
+    sm90::fence_mbar_init();
+  }
+  load_q(p, s, h, i0, base);
+  cp_async_commit();
+  cp_async_wait_all();
+  sm90::fence_proxy_async();   // Q (cp.async, generic proxy) is read by wgmma (async proxy)
+  __syncthreads();
+
+  if (wgi == 0) {
+    sm90::setmaxnreg_dec<kProducerRegs>();
+    for (int it = 0; it < n; ++it) {
+      const int st = it & 1;
+      if (it >= kStages) sm90::mbar_wait_or_trap(bar + 16 + 8 * st, ((it >> 1) - 1) & 1);
+      load_kv(p, s, h, it * kBN, base + kStageOff + st * kStageBytes, wt);
+      cp_async_commit();
+      cp_async_wait_all();
+      sm90::fence_proxy_async();
+      sm90::mbar_arrive(bar + 8 * st);
+    }
+    return;
+  }
+  sm90::setmaxnreg_inc<kConsumerRegs>();
+  const int c = wgi - 1;
+  const unsigned aQ = base + c * 3 * kQBlk;
+  const int rloc = 64 * c + 16 * warp + (lane >> 2);   // this thread's rows rloc, rloc + 8 of the block
+  int lim[2];
+  float m[2], l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = i0 + rloc + 8 * r;
+    lim[r] = i < s.lq ? min(pre + i, s.lk - 1) : -1;
+    m[r] = K3GEN_PF_NEG_INF;
+    l[r] = 0.f;
+  }
+  // Tiles wholly at or below this warpgroup's first row's limit need no mask.
+  const int free_end = pre + i0 + 64 * c;
+  const float scale = C::kSoftmaxScale * kLog2e;
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float sc[64];
+  for (int it = 0; it < n; ++it) {
+    const int st = it & 1;
+    const unsigned aK = base + kStageOff + st * kStageBytes, aV = aK + kKBytes;
+    sm90::mbar_wait_asm(bar + 8 * st, (it >> 1) & 1);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDqk / 16; ++ks)
+      MmaS::mma(sc, desc_k(aQ + (ks >> 2) * kQBlk + (ks & 3) * 32), desc_k(aK + (ks >> 2) * kKBlk + (ks & 3) * 32),
+                ks);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    pin(sc);
+    unsigned pk[32];
+    float a[2];
+    const int kv0 = it * kBN;
+    if (kv0 + kBN - 1 <= free_end)
+      softmax<false>(sc, m, l, lim, kv0 + 2 * (lane & 3), scale, pk, a);
+    else
+      softmax<true>(sc, m, l, lim, kv0 + 2 * (lane & 3), scale, pk, a);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] *= (i & 2) ? a[1] : a[0];
+    pin(o);   // keeps the multiplies above the fence (NVVM sinks register-only arithmetic past asm)
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk)
+      mma_pv(o, pk[4 * kk], pk[4 * kk + 1], pk[4 * kk + 2], pk[4 * kk + 3], desc_v(aV + kk * 2048));
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    pin(o);
+    sm90::mbar_arrive(bar + 16 + 8 * st);
+  }
+  float w[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    w[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = i0 + rloc + 8 * r;
+    if (i >= s.lq) continue;
+    const long long off = (static_cast<long long>(s.q0 + i) * C::kHeads + h) * kDv + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float x = o[4 * j + 2 * r] * w[r], y = o[4 * j + 2 * r + 1] * w[r];
+      if constexpr (C::kOutF32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(p.out) + off + 8 * j) = make_float2(x, y);
+      } else {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + off + 8 * j) = v;
+      }
+    }
+  }
+}
+
+}  // namespace prefill
+}  // namespace mla
+}  // namespace k3gen

@@ -1,0 +1,105 @@
+"""mla_prefill: causal flash attention of MLA prefill in the unabsorbed form (SPEC.md section 4,
+"Prefill uses the unabsorbed form").
+
+Kernel contract (shared by the template, the reference and the launcher). Per head h of `heads`:
+
+    s[i, j] = ([q_nope | q_pe][i, h] . [k_nope[j, h] | k_pe[j]]) * 1/sqrt(192)
+    o[i, h] = sum_j softmax_j(s[i, :])[j] * v[j, h]       (FP32 softmax and sums)
+
+- `q[Nq, H, 192]` BF16 (per head `[q_nope 128 | q_pe 64]`: the Q-B projection output as it comes),
+  `k_nope[Nk, H, 128]`, `v[Nk, H, 128]` BF16 (any token and head strides, unit inner stride, 16-byte
+  aligned rows: e.g. the two halves of one kv_b expansion [Nk, H, 256]), `k_pe[Nk, 64]` BF16 (one
+  rope key shared by all heads; any row stride, e.g. columns 512.. of the cache rows).
+- `cu_seqlens_q[B + 1]`, `cu_seqlens_k[B + 1]` int32, non-decreasing from 0 to Nq / Nk. Sequence b
+  owns query rows cu_q[b] .. cu_q[b+1] - 1 and keys cu_k[b] .. cu_k[b+1] - 1, len_k >= len_q; its
+  prefix p = len_k - len_q (keys already in the cache, expanded by the caller): query row i (0-based
+  in the sequence) sees keys 0 .. p + i (bottom-right causal; p = 0 is plain causal prefill).
+- `out[Nq, H, 128]` contiguous, `out_dtype` (FP32: what the model multiplies by sigmoid(gate); BF16).
+- `max_seqlen_q`: a host int >= every len_q, which sizes the grid (a graph replays for any
+  lengths up to it). cu_seqlens are clamped on the device to [0, Nq] / [0, Nk], so bad offsets
+  never address outside the tensors; the launcher checks them on the host when validating.
+
+Launch (variant `wgmma`, include/k3gen/mla/prefill.cuh): grid (H, ceil(max_seqlen_q / 128), B),
+384 threads, `smem_bytes` of dynamic shared memory, one CTA per SM.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+from k3gen.errors import SpecError
+from k3gen.ir.checks import check_enum_fields, check_heads
+from k3gen.ir.dims import sym
+from k3gen.ir.spec import OpSpec, register_op
+
+NOPE, ROPE, QK_HEAD, V_HEAD = 128, 64, 192, 128
+SOFTMAX_SCALE = QK_HEAD ** -0.5
+BLOCK_M = 128        # query rows per CTA
+BLOCK_N = 128        # keys per tile
+THREADS = 384
+# Q (2 x 3 SW128 blocks of [64][64]) + 2 stages of K (3 x [128][64]) and V (2 x [128][64]) + 4
+# barriers + 1024 bytes to align the base (the template static_asserts the header agrees).
+SMEM_BYTES = 2 * 3 * 64 * 128 + 2 * (5 * BLOCK_N * 128) + 4 * 8 + 1024
+MAX_GRID_YZ = 65535
+
+
+class OutDtype(str, enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PrefillKernel(str, enum.Enum):
+    AUTO = "auto"
+    WGMMA = "wgmma"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@register_op("mla_prefill")
+@dataclass(frozen=True, kw_only=True)
+class MlaPrefillSpec(OpSpec):
+    heads: int                              # per rank: 6 .. 96 (K3 TP16 .. TP1); grid.x
+    out_dtype: OutDtype = OutDtype.FP32
+    kernel: PrefillKernel = PrefillKernel.AUTO
+
+    variant_field: ClassVar[str] = "kernel"
+
+    def resolve(self) -> None:
+        check_heads(self.heads, 128, "heads are grid.x (K3 has 96 per rank at most)")
+        check_enum_fields(self, (("out_dtype", OutDtype), ("kernel", PrefillKernel)))
+
+    @property
+    def softmax_scale(self) -> float:
+        return SOFTMAX_SCALE
+
+    @property
+    def smem_bytes(self) -> int:
+        return SMEM_BYTES
+
+    def q_blocks(self, max_seqlen_q: int) -> int:
+        return -(-max_seqlen_q // BLOCK_M)
+
+    def grid(self, batch: int, max_seqlen_q: int) -> tuple[int, int, int]:
+        return (self.heads, self.q_blocks(max_seqlen_q), batch)
+
+    def slug(self) -> str:
+        return f"h{self.heads}-{self.out_dtype.value}"
+
+    # -- estimates (sympy over N tokens in one sequence, no prefix) ------------------------------
+    def bytes_moved(self):
+        N = sym("N")
+        H = self.heads
+        out = 4 if self.out_dtype is OutDtype.FP32 else 2
+        return N * H * (QK_HEAD + NOPE + V_HEAD) * 2 + N * ROPE * 2 + N * H * V_HEAD * out
+
+    def flops(self):
+        """Useful FLOPs of one causal sequence of N tokens: QK (192) and PV (128) over the N (N + 1) / 2
+        visible pairs (what SDPA's peers count as N^2 / 2)."""
+        N = sym("N")
+        return 2 * self.heads * (QK_HEAD + V_HEAD) * N * (N + 1) / 2
+

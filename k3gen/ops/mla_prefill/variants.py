@@ -1,0 +1,35 @@
+"""The kernels that implement mla_prefill, in the order `auto` tries them (the spec's `kernel`
+field carries the choice).
+
+`wgmma` (sm_90a): FA3-style warp specialization, Q and K from shared memory through descriptors, P
+from registers for PV, V as the N-major B operand (include/k3gen/mla/prefill.cuh). The SM100 family
+has no wgmma, and no tcgen05 variant is written yet: specs for those targets are refused with
+this reason, and the model keeps its PyTorch attention there (targets.has_prefill_kernel).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3gen.ir.variant import Variant, VariantTable
+from k3gen.ops.mla_prefill.spec import MlaPrefillSpec
+
+_WGMMA = (lambda s: s.target.mma == "wgmma",
+          "needs wgmma (sm_90a); no tcgen05 prefill kernel exists yet for this target")
+
+
+@dataclass(frozen=True)
+class PrefillVariant(Variant):
+    header: str = ""
+
+    def inputs(self, spec) -> dict:
+        return {"header": self.header, "doc": self.doc,
+                "out_f32": "true" if spec.out_dtype.value == "fp32" else "false"}
+
+
+VARIANTS = VariantTable("mla_prefill", (
+    PrefillVariant("wgmma", lowering="nvrtc", header="k3gen/mla/prefill.cuh",
+                   doc="warp-specialized: cp.async producer, two consumer warpgroups of 64 rows, "
+                       "QK^T m64n128k16 (SS), PV m64n128k16 (P in registers)",
+                   checks=(_WGMMA,)),
+))
+MlaPrefillSpec.variants = VARIANTS

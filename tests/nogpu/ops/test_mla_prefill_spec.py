@@ -1,0 +1,185 @@
+"""mla_prefill on the CPU: spec fields and refusals, the launch plan, the reference against a naive
+FP64 loop (varlen, prefixes) and against the model's reference attention, the sm_90a compile (HGMMA,
+no spills, the register split) and the launcher's typed argument errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3gen.errors import SpecError
+from k3gen.ops import spec_from_canonical
+from k3gen.ops.mla_prefill.launcher import MlaPrefill, check_offsets
+from k3gen.ops.mla_prefill.reference import mla_prefill, naive
+from k3gen.ops.mla_prefill.spec import SMEM_BYTES, SOFTMAX_SCALE, MlaPrefillSpec, OutDtype
+from k3gen.targets import TARGETS
+
+SM90 = TARGETS["sm90"]
+BF = torch.bfloat16
+
+
+def test_fields_slug_and_canonical_round_trip():
+    s = MlaPrefillSpec(target=SM90, heads=12)
+    assert s.kernel.value == "wgmma" and s.out_dtype is OutDtype.FP32 and s.slug() == "h12-fp32"
+    b = MlaPrefillSpec(target=SM90, heads=96, out_dtype=OutDtype.BF16)
+    assert b.slug() == "h96-bf16" and b.digest() != s.digest()
+    assert spec_from_canonical(b.canonical(), SM90) == b
+    assert abs(s.softmax_scale - 192 ** -0.5) < 1e-15 and SOFTMAX_SCALE == s.softmax_scale
+    assert s.entry == "k3gen_mla_prefill" and s.smem_bytes == SMEM_BYTES <= 232448
+
+
+@pytest.mark.parametrize("bad", [0, -1, 129, True, 12.0])
+def test_bad_heads(bad):
+    with pytest.raises(SpecError, match="heads"):
+        MlaPrefillSpec(target=SM90, heads=bad)
+
+
+def test_bad_enums():
+    with pytest.raises(SpecError, match="out_dtype"):
+        MlaPrefillSpec(target=SM90, heads=12, out_dtype="fp16")
+    with pytest.raises(SpecError, match="kernel"):
+        MlaPrefillSpec(target=SM90, heads=12, kernel="mma")
+
+
+@pytest.mark.parametrize("target", ["sm103-nvfp4", "sm107-nvfp4", "sm100-mxfp4"])
+def test_blackwell_targets_refused_with_a_reason(target):
+    with pytest.raises(SpecError, match="needs wgmma"):
+        MlaPrefillSpec(target=TARGETS[target], heads=12)
+
+
+def test_launch_plan():
+    s = MlaPrefillSpec(target=SM90, heads=12)
+    assert s.grid(1, 4096) == (12, 32, 1) and s.grid(8, 1000) == (12, 8, 8) and s.grid(3, 1) == (12, 1, 3)
+    from k3gen.ir.dims import evaluate
+    assert evaluate(s.flops(), N=4096) == 2 * 12 * 320 * 4096 * 4097 // 2
+
+
+def _inputs(H, cq, ck, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    nq, nk = cq[-1], ck[-1]
+    q = (torch.randn(nq, H, 192, generator=g) * scale).to(BF)
+    kv = torch.randn(nk, H, 256, generator=g).to(BF)
+    rows = torch.randn(nk, 576, generator=g).to(BF)
+    return q, kv[..., :128], rows[:, 512:], kv[..., 128:]
+
+
+def test_reference_matches_the_naive_formula_with_prefixes():
+    cq, ck = [0, 1, 4, 4, 9], [0, 3, 6, 6, 16]     # prefixes 2, 0, (empty), 2
+    q, kn, kp, v = _inputs(2, cq, ck, seed=1, scale=2.0)
+    got = mla_prefill(q, kn, kp, v, torch.tensor(cq), torch.tensor(ck))
+    want = naive(q, kn, kp, v, cq, ck)
+    assert got.dtype == torch.float32 and got.shape == (9, 2, 128)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_without_keys_are_zero():
+    q, kn, kp, v = _inputs(1, [0, 3], [0, 1], seed=2)   # len_k < len_q: rows 0, 1 see nothing
+    got = mla_prefill(q, kn, kp, v, [0, 3], [0, 1])
+    assert torch.count_nonzero(got[:2]) == 0 and torch.allclose(got[2, 0], v[0, 0].float())
+
+
+def test_reference_equals_the_model_attention_without_prefix():
+    from model.mla_attention import prefill_attention
+    cu = [0, 5, 17, 18]
+    q, kn, kp, v = _inputs(3, cu, cu, seed=3)
+    got = mla_prefill(q, kn, kp, v, cu, cu)
+    want = prefill_attention(q[..., :128], q[..., 128:], kn, kp, v, cu)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_continuation_pieces_equal_one_piece():
+    """Keys of the prefix + new rows: the rows of a later piece equal the same rows of one piece."""
+    q, kn, kp, v = _inputs(2, [0, 20], [0, 20], seed=4)
+    whole = mla_prefill(q, kn, kp, v, [0, 20], [0, 20])
+    for lo in (0, 7, 13):
+        part = mla_prefill(q[lo:], kn, kp, v, [0, 20 - lo], [0, 20])
+        assert torch.allclose(part, whole[lo:], rtol=1e-6, atol=1e-7)
+
+
+# -- compile ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("out_dtype", list(OutDtype))
+def test_compiles_to_hgmma_without_spills(out_dtype):
+    from k3gen.pipeline.build import build_one
+    from k3gen.pipeline.inspect import sass_text
+    r = build_one(MlaPrefillSpec(target=SM90, heads=12, out_dtype=out_dtype))
+    (k,) = r.resources
+    assert k["function"] == "k3gen_mla_prefill" and k["local"] == 0 and k["stack"] == 0, k
+    assert k["registers"] <= 168, k   # 384 threads, one CTA per SM; setmaxnreg splits 56 / 224
+    text = sass_text(r.cubin)
+    # QK: 12 K-steps over 192 dims (Q, K from shared memory); PV: 8 K-steps, P from registers, V N-major.
+    assert text.count("HGMMA.64x128x16.F32.BF16") == 20 and text.count(".tnspB") == 8
+    assert "HMMA" not in k["sass"] and "USETMAXREG" in text and "LDGSTS" in text
+    # One wait per GEMM (ptxas did not serialize the wgmmas).
+    assert text.count("WARPGROUP.DEPBAR") <= 2 and text.count("WARPGROUP.ARRIVE") <= 2
+
+
+def test_template_checks_the_plan():
+    from k3gen.pipeline.build import lower
+    src = lower(MlaPrefillSpec(target=SM90, heads=6)).source
+    assert '#include "k3gen/mla/prefill.cuh"' in src and f"kSmem == {SMEM_BYTES}" in src
+    assert "kHeads = 6;" in src and "kOutF32 = true;" in src
+
+
+# -- launcher argument errors (CPU tensors: every check runs before the device check) ------------
+def _args(H=2, nq=5, nk=5, out_dtype=torch.float32):
+    q, kn, kp, v = _inputs(H, [0, nq], [0, nk])
+    cu = torch.tensor([0, nq], dtype=torch.int32)
+    ck = torch.tensor([0, nk], dtype=torch.int32)
+    return dict(q=q, k_nope=kn, k_pe=kp, v=v, cu_seqlens_q=cu, cu_seqlens_k=ck,
+                out=torch.empty(nq, H, 128, dtype=out_dtype), max_seqlen_q=nq)
+
+
+def _call(op, **kw):
+    op.check(kw["q"], kw["k_nope"], kw["k_pe"], kw["v"], kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["out"],
+             kw["max_seqlen_q"])
+
+
+def test_well_formed_cpu_inputs_fail_only_at_the_device_check():
+    op = MlaPrefill(MlaPrefillSpec(target=SM90, heads=2))
+    with pytest.raises(SpecError, match="device"):
+        _call(op, **_args())
+
+
+@pytest.mark.parametrize("name,bad", [
+    ("q", lambda a: a["q"].float()),
+    ("q", lambda a: a["q"][..., :128]),
+    ("q", lambda a: torch.zeros(5, 3, 192, dtype=BF)),
+    ("q", lambda a: torch.zeros(5 * 386, dtype=BF).as_strided((5, 2, 192), (386, 193, 1))),   # unaligned heads
+    ("k_nope", lambda a: a["k_nope"].contiguous().half()),
+    ("k_nope", lambda a: torch.zeros(5, 3, 128, dtype=BF)),
+    ("k_pe", lambda a: torch.zeros(5, 2, 64, dtype=BF)),
+    ("k_pe", lambda a: torch.zeros(5, 128, dtype=BF)[:, ::2]),
+    ("v", lambda a: torch.zeros(5, 2, 256, dtype=BF)[..., 1:129]),
+    ("cu_seqlens_q", lambda a: a["cu_seqlens_q"].long()),
+    ("cu_seqlens_k", lambda a: torch.tensor([0, 2, 5], dtype=torch.int32)),
+    ("out", lambda a: a["out"].to(BF)),
+    ("out", lambda a: torch.empty(5, 2, 129)[..., :128]),
+    ("max_seqlen_q", lambda a: 5.0),
+    ("max_seqlen_q", lambda a: -1),
+])
+def test_broken_arguments_raise_spec_errors(name, bad):
+    op = MlaPrefill(MlaPrefillSpec(target=SM90, heads=2))
+    a = _args()
+    a[name] = bad(a)
+    with pytest.raises(SpecError, match=name):
+        _call(op, **a)
+
+
+def test_bf16_spec_wants_a_bf16_out():
+    op = MlaPrefill(MlaPrefillSpec(target=SM90, heads=2, out_dtype=OutDtype.BF16))
+    with pytest.raises(SpecError, match="out"):
+        _call(op, **_args())
+    with pytest.raises(SpecError, match="device"):
+        _call(op, **_args(out_dtype=BF))
+
+
+def test_host_validation_of_offsets():
+    op = MlaPrefill(MlaPrefillSpec(target=SM90, heads=2))
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    op.validate_inputs(i32([0, 3, 5]), i32([0, 4, 9]), 5, 9, 3)
+    for cq, ck, mx, what in (([0, 6], [0, 6], 6, "cu_seqlens_q"), ([1, 5], [0, 5], 5, "cu_seqlens_q"),
+                             ([0, 3, 2], [0, 3, 5], 3, "cu_seqlens_q"), ([0, 5], [0, 10], 5, "cu_seqlens_k"),
+                             ([0, 5], [0, 4], 5, "lengths"), ([0, 5], [0, 5], 4, "max_seqlen_q")):
+        with pytest.raises(SpecError, match=what):
+            op.validate_inputs(i32(cq), i32(ck), 5, 9, mx)
+    with pytest.raises(SpecError):
+        check_offsets("cu", [], 3)
