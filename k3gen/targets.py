@@ -21,6 +21,7 @@ from k3gen.ir.target import Target
 # Every op a full K3 rank launches, in build order; adding an op = one line here.
 K3_MENU = ("kv_cache_write", "kda_decode", "kda_verify", "kda_prefill", "act_quant_fp8", "fp8_block_gemm",
            "mla_q_absorb", "mla_vb_gate", "mla_decode",
+           "mla_prefill",   # wgmma targets only so far (has_prefill_kernel)
            "moe_experts",   # sm90 only so far: the fp4_cvt targets' tcgen05 variant is not built (its spec says why)
            "moe_route", "attn_res", "glu_act")
 
@@ -313,6 +314,12 @@ def has_expert_kernel(target: Target) -> bool:
     return not target.fp4_cvt
 
 
+def has_prefill_kernel(target: Target) -> bool:
+    """Whether `target` builds mla_prefill (the wgmma kernel; no tcgen05 one is written yet, so the
+    SM100 family keeps the model's PyTorch prefill attention)."""
+    return target.mma == "wgmma"
+
+
 def expert_specs(target: Target, m: ModelShape, tp: int, ep: int = 1, experts: str | None = None) -> list[OpSpec]:
     """moe_experts of a rank for the checkpoint's expert format `experts` (None: each FP4 format a
     checkpoint may carry, MXFP4 the official one, NVFP4 ModelOpt's: what a build for the model
@@ -407,6 +414,9 @@ def rank_specs(target: Target, *, kda_heads: int | None, mla_heads: int | None, 
         out += [KvCacheWriteSpec(target=t, kv=lay.kv, fp8_scales=lay.fp8_scales, max_drafts=lay.max_drafts),
                 *([qa, qa.gemm_spec] if q_absorb else []), MlaVbGateSpec(target=t, heads=mla_heads)]
         out += [mla_decode_spec(t, mla_heads, lay, T) for T in attention_tokens(lay.kv, m)]
+        if has_prefill_kernel(t):
+            from k3gen.ops.mla_prefill.spec import MlaPrefillSpec
+            out.append(MlaPrefillSpec(target=t, heads=mla_heads))
     shapes = sorted(set(gemm_shapes))
     out += [Fp8BlockGemmSpec(target=t, n=n, k=k, recipe=r) for n, k in shapes]
     ks = {k for _, k in shapes} if act_quant_ks is None else set(act_quant_ks)

@@ -19,7 +19,6 @@ from model import arch
 from model.config import ModelConfig
 from model.moe_torch import _mm  # noqa: F401  (FP64 products rounded to FP32: tests' row-invariant LM head)
 from model.ffn_ops import QAct, bf16, rows as n_rows
-from model.mla_attention import prefill_attention
 from model.ops import Ops
 from model.weights import DenseMlpWeights, KdaLayerWeights, MlaLayerWeights, MoeWeights
 
@@ -144,8 +143,7 @@ def mla_prefill(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float
     c = rows[:, :KV_LORA].float()
     k_nope = torch.einsum("nc,hdc->nhd", c, w.w_uk.float()).to(BF16)
     v = torch.einsum("nc,hdc->nhd", c, w.w_uv.float()).to(BF16)
-    ops._mark("mla_prefill_attention", "torch" if ops.kind == "kernel" else "ref")
-    o = prefill_attention(q[..., :NOPE], q[..., NOPE:], k_nope, rows[:, KV_LORA:], v, pf.cu_host)
+    o = ops.prefill_attention(q, k_nope, rows[:, KV_LORA:], v, pf)               # [N, H, 128] FP32
     g_off = _mla_offsets(w)[1]
     g = a[:, g_off:g_off + H * 128].float().view(N, H, 128)
     y = (o * torch.sigmoid(g)).to(BF16)

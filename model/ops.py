@@ -31,10 +31,12 @@ from k3gen.ops.kda_verify.reference import kda_verify as ref_kda_verify
 from k3gen.ops.kv_cache_write.reference import kv_cache_write as ref_kv_write
 from k3gen.ops.mla_q_absorb.reference import NOPE, Q_LORA, rms_norm_bf16
 from k3gen.ops.mla_vb_gate.reference import mla_vb_gate as ref_vb_gate
-from k3gen.targets import ServingOptions, SpecMenu, attention_tokens, mla_decode_spec, model_specs, rank_specs
+from k3gen.targets import (ServingOptions, SpecMenu, attention_tokens, has_prefill_kernel, mla_decode_spec, model_specs,
+                           rank_specs)
 
 import k3gen.api as api
 import k3gen.library as library
+import model.kernel_lib as K
 from model import mla_attention as attn
 from model.ffn_ops import KernelFfnOps, QAct, RefFfnOps
 from model.weights import Fp8Linear
@@ -62,6 +64,14 @@ class Ops:
         KernelOps runs the generated mla_decode instead)."""
         self._mark("mla_attention", "torch" if self.kind == "kernel" else "ref")
         return attn.paged_mla_attention(layout, q, cache, block_table, start, ring_slot, scale).to(BF16)
+
+
+    def prefill_attention(self, q, k_nope, k_pe, v, pf):
+        """Causal attention of a prefill's rows (no cached prefix: keys are the rows themselves):
+        q [N, H, 192] BF16, k_nope / v [N, H, 128], k_pe [N, 64] -> o [N, H, 128] FP32 (the PyTorch
+        loop; KernelOps runs the generated mla_prefill where its target has one)."""
+        self._mark("mla_prefill_attention", "torch" if self.kind == "kernel" else "ref")
+        return attn.prefill_attention(q[..., :NOPE], q[..., NOPE:], k_nope, k_pe, v, pf.cu_host)
 
 
 class RefOps(RefFfnOps, Ops):
@@ -332,6 +342,16 @@ class KernelOps(KernelFfnOps, Ops):
     def attention_tokens(self) -> list[int]:
         """Query tokens per launch of the mla_decode kernels this target runs."""
         return attention_tokens(self.kv_layout.kv, self.max_drafts)
+
+    def prefill_attention(self, q, k_nope, k_pe, v, pf):
+        """The generated mla_prefill (FP32 out) over the prompt rows, one launch for the varlen batch;
+        targets without the kernel (targets.has_prefill_kernel) keep the PyTorch attention."""
+        if not has_prefill_kernel(self.target):
+            return super().prefill_attention(q, k_nope, k_pe, v, pf)
+        self._mark("mla_prefill")
+        H = q.shape[1]
+        h = self._handle(("mla_prefill", H), heads=H)
+        return K.ops.mla_prefill(h, q, k_nope, k_pe, v, pf.cu_seqlens, pf.cu_seqlens, pf.max_len)
 
     def kv_write(self, layout, cache, rows, cu_rows, start_pos, block_table, ring_slot, scale, max_rows):
         self._mark("kv_cache_write")

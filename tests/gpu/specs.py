@@ -262,6 +262,12 @@ def mla_vb_gate() -> list:
     ]
 
 
+def mla_prefill() -> list:
+    """tests/gpu/test_mla_prefill.py and bench/cases/mla_prefill.py: both output dtypes at H 6 / 12 / 96."""
+    from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype
+    return [MlaPrefillSpec(target=SM90, heads=h, out_dtype=o) for h in (6, 12, 96) for o in OutDtype]
+
+
 def model_small() -> list:
     """tests/gpu/test_model_small.py: the small config at TP1 with 3 drafts."""
     return [s for kv, ssm in MODEL_COMBOS
@@ -309,6 +315,7 @@ def attn_res() -> list:
 
 LISTS = {f.__name__: f for f in (act_quant_fp8, fp8_block_gemm, kda_prefill, kda_verify, kv_cache_write, mla_decode, mla_q_absorb, mla_vb_gate,
                                  model_small, model_small_tp2, model_k3_layers, moe_route, attn_res)}
+LISTS["mla_prefill"] = mla_prefill
 
 
 def all_specs() -> list:

@@ -53,7 +53,7 @@ KERNELS = {"kernel:fp8_linear", "kernel:kda_decode", "kernel:kda_prefill", "kern
            "kernel:mla_vb_gate", "kernel:mla_decode", "kernel:moe_route", "kernel:attn_res", "kernel:glu_act"}
 # The routed experts (ops.moe_experts), the router logits, the prefill attention and Kimi-Linear's plain
 # q_proj absorption stay PyTorch stand-ins (test_model_small.py ALLOWED_TORCH says why).
-TORCH_OK = {"torch:mla_prefill_attention", "torch:moe_experts", "torch:router_logits", "torch:mla_q_proj_absorb"}
+TORCH_OK = {"torch:moe_experts", "torch:router_logits", "torch:mla_q_proj_absorb"}
 
 
 # -- the tiny transformers Kimi-Linear --------------------------------------------------------------

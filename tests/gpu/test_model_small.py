@@ -46,7 +46,7 @@ DRAFTS = 3
 # moe_route takes FP32 logits) and the unabsorbed prefill attention. The routed experts are moe_experts
 # (the checkpoint's NVFP4 experts as loaded). The embedding gather, the final norm and the
 # FP32 LM head are outside the ops and unrecorded.
-ALLOWED_TORCH = {"torch:mla_prefill_attention", "torch:router_logits"}
+ALLOWED_TORCH = {"torch:router_logits"}
 KERNEL_OPS = {"kernel:fp8_linear", "kernel:kda_decode", "kernel:kv_cache_write", "kernel:mla_q_absorb",
               "kernel:mla_vb_gate", "kernel:mla_decode", "kernel:moe_route", "kernel:attn_res", "kernel:glu_act",
               "kernel:routed_expert_norm", "kernel:moe_experts"}
