@@ -28,7 +28,7 @@ def mla_prefill(ceiling: float, quick: bool = False) -> list:
     import torch.nn.functional as F
 
     from k3gen.ops.mla_prefill.launcher import MlaPrefill
-    from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype
+    from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype, PrefillKernel
     from k3gen.targets import get_target
 
     tgt = get_target("sm90")
@@ -63,11 +63,12 @@ def mla_prefill(ceiling: float, quick: bool = False) -> list:
             except Exception as e:  # noqa: BLE001  (keep our rows whatever the peer does)
                 peer_err = repr(e)[:200]
             del peer_sets
-            for od in (OutDtype.BF16, OutDtype.FP32):
+            for kern, od in ((PrefillKernel.WGMMA, OutDtype.BF16), (PrefillKernel.WGMMA_OV, OutDtype.BF16),
+                             (PrefillKernel.WGMMA_OV, OutDtype.FP32)):
                 if od is OutDtype.FP32 and B > 1:
                     continue
-                print(f"  mla_prefill H{H} B{B} T{T} {od.value}", flush=True)
-                op = MlaPrefill(MlaPrefillSpec(target=tgt, heads=H, out_dtype=od)).load()
+                print(f"  mla_prefill H{H} B{B} T{T} {kern.value} {od.value}", flush=True)
+                op = MlaPrefill(MlaPrefillSpec(target=tgt, heads=H, out_dtype=od, kernel=kern)).load()
                 dt = bf if od is OutDtype.BF16 else torch.float32
                 for s in sets:
                     s["out"] = torch.empty(N, H, 128, device="cuda", dtype=dt)
@@ -75,7 +76,7 @@ def mla_prefill(ceiling: float, quick: bool = False) -> list:
                                  for s in sets], reps=10)
                 tf = flops / us / 1e6
                 nbytes = N * H * (192 + 256) * 2 + N * 64 * 2 + N * H * 128 * (2 if od is OutDtype.BF16 else 4)
-                extra = {"heads": H, "batch": B, "tokens": T, "out": od.value, "tflops": tf,
+                extra = {"heads": H, "batch": B, "tokens": T, "out": od.value, "kernel": kern.value, "tflops": tf,
                          "matmul_tflops": mm, "pct_matmul": 100 * tf / mm}
                 if peer_us:
                     extra["peer_tflops"] = flops / peer_us / 1e6
@@ -84,7 +85,7 @@ def mla_prefill(ceiling: float, quick: bool = False) -> list:
                 print(f"    {us:.1f} us, {tf:.0f} TFLOP/s ({100 * tf / mm:.0f}% of matmul)"
                       + (f"; SDPA {peer_us:.1f} us, x{peer_us / us:.2f}" if peer_us else f"; SDPA: {peer_err}"),
                       flush=True)
-                rows.append(make_row("mla_prefill", f"H{H} B{B} T{T} {od.value}", us, nbytes, ceiling, same,
+                rows.append(make_row("mla_prefill", f"H{H} B{B} T{T} {kern.value} {od.value}", us, nbytes, ceiling, same,
                                      peer="torch sdpa" if peer_us else "", peer_us=peer_us, extra=extra))
             del sets
             torch.cuda.empty_cache()

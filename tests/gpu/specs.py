@@ -68,23 +68,12 @@ def fp8_block_gemm() -> list:
 
 
 def kda_prefill() -> list:
-    """tests/gpu/test_kda_prefill.py."""
-    return [
-        KdaPrefillSpec(target=SM90, heads=6),
-        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=6),
-        KdaPrefillSpec(target=SM90, heads=6, ssm=SsmDtype.BF16),
-        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=6, ssm=SsmDtype.BF16),
-        KdaPrefillSpec(target=SM90, heads=12),
-        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=12),
-        KdaPrefillSpec(target=SM90, heads=12, ssm=SsmDtype.BF16),
-        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=12, ssm=SsmDtype.BF16),
-        KdaPrefillSpec(target=SM90, heads=96),
-        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=96),
-        KdaPrefillSpec(target=SM90, heads=96, ssm=SsmDtype.BF16),
-        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, heads=96, ssm=SsmDtype.BF16),
-        KdaPrefillSpec(target=SM90, gate=GateKind.SOFTPLUS, heads=12),
-        KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNKPAR, gate=GateKind.SOFTPLUS, heads=12),
-    ]
+    """tests/gpu/test_kda_prefill.py and bench/cases/kda_prefill.py: every algo (chunk64 is auto)."""
+    out = []
+    for algo in (PrefillAlgo.CHUNK64, PrefillAlgo.CHUNK16, PrefillAlgo.CHUNKPAR):
+        out += [KdaPrefillSpec(target=SM90, algo=algo, heads=h, ssm=s) for h in (6, 12, 96) for s in SsmDtype]
+        out.append(KdaPrefillSpec(target=SM90, algo=algo, gate=GateKind.SOFTPLUS, heads=12))
+    return out
 
 
 def kda_verify() -> list:
@@ -263,9 +252,10 @@ def mla_vb_gate() -> list:
 
 
 def mla_prefill() -> list:
-    """tests/gpu/test_mla_prefill.py and bench/cases/mla_prefill.py: both output dtypes at H 6 / 12 / 96."""
-    from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype
-    return [MlaPrefillSpec(target=SM90, heads=h, out_dtype=o) for h in (6, 12, 96) for o in OutDtype]
+    """tests/gpu/test_mla_prefill.py and bench/cases/mla_prefill.py: both kernels and output dtypes at H 6 / 12 / 96."""
+    from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype, PrefillKernel
+    return [MlaPrefillSpec(target=SM90, heads=h, out_dtype=o, kernel=k) for h in (6, 12, 96) for o in OutDtype
+            for k in (PrefillKernel.WGMMA, PrefillKernel.WGMMA_OV)]
 
 
 def model_small() -> list:

@@ -11,7 +11,7 @@ import torch
 
 from k3gen.ops.mla_prefill.launcher import MlaPrefill
 from k3gen.ops.mla_prefill.reference import mla_prefill
-from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype
+from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype, PrefillKernel
 from k3gen.runtime.graphs import capture
 from k3gen.targets import TARGETS
 from numerics import assert_close, poison, rel_rms
@@ -20,10 +20,11 @@ pytestmark = pytest.mark.gpu
 SM90 = TARGETS["sm90"]
 BF = torch.bfloat16
 LENGTHS = (1, 15, 16, 17, 63, 64, 65, 1000, 4096)
+KERNELS = (PrefillKernel.WGMMA, PrefillKernel.WGMMA_OV)
 
 
-def _op(H, out_dtype=OutDtype.FP32):
-    return MlaPrefill(MlaPrefillSpec(target=SM90, heads=H, out_dtype=out_dtype)).load()
+def _op(H, out_dtype=OutDtype.FP32, kernel=PrefillKernel.AUTO):
+    return MlaPrefill(MlaPrefillSpec(target=SM90, heads=H, out_dtype=out_dtype, kernel=kernel)).load()
 
 
 def _keys(H, nk, seed):
@@ -58,28 +59,32 @@ def _run(op, q, kn, kp, v, cq, ck, max_q, dtype=torch.float32):
 def test_varlen_batch_matches_reference(H):
     cu = _cu(LENGTHS)
     q, (kn, kp, v) = _q(H, cu[-1], H), _keys(H, cu[-1], H)
-    out = _run(_op(H), q, kn, kp, v, cu, cu, max(LENGTHS))
     ref = mla_prefill(q, kn, kp, v, cu, cu)
-    for b, n in enumerate(LENGTHS):
-        assert_close(out[cu[b]:cu[b + 1]], ref[cu[b]:cu[b + 1]], torch.bfloat16, what=f"H{H} length {n}")
+    for kernel in KERNELS:
+        out = _run(_op(H, kernel=kernel), q, kn, kp, v, cu, cu, max(LENGTHS))
+        for b, n in enumerate(LENGTHS):
+            assert_close(out[cu[b]:cu[b + 1]], ref[cu[b]:cu[b + 1]], torch.bfloat16,
+                         what=f"{kernel.value} H{H} length {n}")
 
 
-def test_bf16_output():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bf16_output(kernel):
     H, lengths = 12, (17, 300, 1)
     cu = _cu(lengths)
     q, (kn, kp, v) = _q(H, cu[-1], 5), _keys(H, cu[-1], 5)
-    out = _run(_op(H, OutDtype.BF16), q, kn, kp, v, cu, cu, 300, BF)
+    out = _run(_op(H, OutDtype.BF16, kernel), q, kn, kp, v, cu, cu, 300, BF)
     assert_close(out, mla_prefill(q, kn, kp, v, cu, cu), what="bf16 out")
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("pieces", [2, 7])
 @pytest.mark.parametrize("H", [12, 96])
-def test_continuation_equals_one_piece(H, pieces):
+def test_continuation_equals_one_piece(H, pieces, kernel):
     """A 1000-token prompt in `pieces` parts (uneven cuts), all parts in one varlen launch, part j with
     the keys of every earlier row as its prefix (its own copy of them), against the whole prompt."""
     n = 1000
     q, (kn, kp, v) = _q(H, n, 40 + pieces), _keys(H, n, 40 + pieces)
-    op = _op(H)
+    op = _op(H, kernel=kernel)
     whole = _run(op, q, kn, kp, v, [0, n], [0, n], n)
     cuts = sorted({0, n, *[int(n * (j / pieces) ** 1.3) + j for j in range(1, pieces)]})
     assert len(cuts) == pieces + 1
@@ -97,11 +102,12 @@ def test_continuation_equals_one_piece(H, pieces):
     assert rel_rms(out, whole) <= 4e-3   # kernel vs kernel: other tile alignments, same math
 
 
-def test_graph_replay_equals_eager():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_graph_replay_equals_eager(kernel):
     H, lengths = 12, (65, 1000, 3)
     cu = _cu(lengths)
     q, (kn, kp, v) = _q(H, cu[-1], 7), _keys(H, cu[-1], 7)
-    op = _op(H)
+    op = _op(H, kernel=kernel)
     i32 = dict(dtype=torch.int32, device="cuda")
     cq = torch.tensor(cu, **i32)
     out = poison(torch.empty(cu[-1], H, 128, device="cuda"))
@@ -116,22 +122,24 @@ def test_graph_replay_equals_eager():
     assert_close(eager, mla_prefill(q, kn, kp, v, cu, cu), torch.bfloat16)
 
 
-def test_sanitize_out_of_range_offsets_are_clamped():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sanitize_out_of_range_offsets_are_clamped(kernel):
     """Unvalidated offsets past the tensors, negative or decreasing ones address no row outside them:
     the kernel clamps each sequence to [0, N] (sequence 1: query rows 30..39 with no keys, written as
     zeros; sequence 2: empty)."""
     H = 6
     q, (kn, kp, v) = _q(H, 40, 9), _keys(H, 40, 9)
-    out = _run(_op(H), q, kn, kp, v, [0, 30, 1 << 30, -7], [0, 30, -5, 1 << 29], 1 << 12)
+    out = _run(_op(H, kernel=kernel), q, kn, kp, v, [0, 30, 1 << 30, -7], [0, 30, -5, 1 << 29], 1 << 12)
     assert_close(out[:30], mla_prefill(q[:30], kn[:30], kp[:30], v[:30], [0, 30], [0, 30]), torch.bfloat16)
     assert torch.count_nonzero(out[30:]) == 0
 
 
-def test_sanitize_small():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sanitize_small(kernel):
     """Small enough for compute-sanitizer memcheck / racecheck (tools/h200.sh selects `sanitize`):
     lengths 1, 17, 130 with prefixes 0, 5, 3."""
     H = 6
     cq, ck = _cu((1, 17, 130)), _cu((1, 22, 133))
     q, (kn, kp, v) = _q(H, cq[-1], 11), _keys(H, ck[-1], 11)
-    out = _run(_op(H), q, kn, kp, v, cq, ck, 130)
+    out = _run(_op(H, kernel=kernel), q, kn, kp, v, cq, ck, 130)
     assert_close(out, mla_prefill(q, kn, kp, v, cq, ck), torch.bfloat16)

@@ -19,7 +19,7 @@ Kernel contract (shared by the template, the reference and the launcher). Per he
   lengths up to it). cu_seqlens are clamped on the device to [0, Nq] / [0, Nk], so bad offsets
   never address outside the tensors; the launcher checks them on the host when validating.
 
-Launch (variant `wgmma`, include/k3gen/mla/prefill.cuh): grid (H, ceil(max_seqlen_q / 128), B),
+Launch (variants `wgmma`, `wgmma_ov`: include/k3gen/mla/prefill.cuh): grid (H, ceil(max_seqlen_q / 128), B),
 384 threads, `smem_bytes` of dynamic shared memory, one CTA per SM.
 """
 from __future__ import annotations
@@ -38,9 +38,9 @@ SOFTMAX_SCALE = QK_HEAD ** -0.5
 BLOCK_M = 128        # query rows per CTA
 BLOCK_N = 128        # keys per tile
 THREADS = 384
-# Q (2 x 3 SW128 blocks of [64][64]) + 2 stages of K (3 x [128][64]) and V (2 x [128][64]) + 4
+# Q (2 x 3 SW128 blocks of [64][64]) + 2 stages of K (3 x [128][64]) and V (2 x [128][64]) + 8
 # barriers + 1024 bytes to align the base (the template static_asserts the header agrees).
-SMEM_BYTES = 2 * 3 * 64 * 128 + 2 * (5 * BLOCK_N * 128) + 4 * 8 + 1024
+SMEM_BYTES = 2 * 3 * 64 * 128 + 2 * (5 * BLOCK_N * 128) + 8 * 8 + 1024
 MAX_GRID_YZ = 65535
 
 
@@ -54,7 +54,8 @@ class OutDtype(str, enum.Enum):
 
 class PrefillKernel(str, enum.Enum):
     AUTO = "auto"
-    WGMMA = "wgmma"
+    WGMMA = "wgmma"          # per tile: QK, softmax, PV in sequence (the other warpgroup fills the gaps)
+    WGMMA_OV = "wgmma_ov"    # FA3's overlap: QK of tile i and PV of tile i - 1 in flight, softmax under the PV
 
     def __str__(self) -> str:
         return self.value
@@ -88,7 +89,7 @@ class MlaPrefillSpec(OpSpec):
         return (self.heads, self.q_blocks(max_seqlen_q), batch)
 
     def slug(self) -> str:
-        return f"h{self.heads}-{self.out_dtype.value}"
+        return f"h{self.heads}-{self.out_dtype.value}" + ("-ov" if self.kernel is PrefillKernel.WGMMA_OV else "")
 
     # -- estimates (sympy over N tokens in one sequence, no prefix) ------------------------------
     def bytes_moved(self):

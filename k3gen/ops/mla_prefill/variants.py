@@ -20,9 +20,10 @@ _WGMMA = (lambda s: s.target.mma == "wgmma",
 @dataclass(frozen=True)
 class PrefillVariant(Variant):
     header: str = ""
+    overlap: bool = False
 
     def inputs(self, spec) -> dict:
-        return {"header": self.header, "doc": self.doc,
+        return {"header": self.header, "doc": self.doc, "overlap": "true" if self.overlap else "false",
                 "out_f32": "true" if spec.out_dtype.value == "fp32" else "false"}
 
 
@@ -30,6 +31,10 @@ VARIANTS = VariantTable("mla_prefill", (
     PrefillVariant("wgmma", lowering="nvrtc", header="k3gen/mla/prefill.cuh",
                    doc="warp-specialized: cp.async producer, two consumer warpgroups of 64 rows, "
                        "QK^T m64n128k16 (SS), PV m64n128k16 (P in registers)",
+                   checks=(_WGMMA,)),
+    PrefillVariant("wgmma_ov", lowering="nvrtc", header="k3gen/mla/prefill.cuh", overlap=True,
+                   doc="wgmma's warpgroups with FA3's intra-warpgroup overlap: QK of tile i issued before "
+                       "PV of tile i - 1, the softmax of tile i under that PV",
                    checks=(_WGMMA,)),
 ))
 MlaPrefillSpec.variants = VARIANTS

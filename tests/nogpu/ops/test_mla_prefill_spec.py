@@ -10,7 +10,7 @@ from k3gen.errors import SpecError
 from k3gen.ops import spec_from_canonical
 from k3gen.ops.mla_prefill.launcher import MlaPrefill, check_offsets
 from k3gen.ops.mla_prefill.reference import mla_prefill, naive
-from k3gen.ops.mla_prefill.spec import SMEM_BYTES, SOFTMAX_SCALE, MlaPrefillSpec, OutDtype
+from k3gen.ops.mla_prefill.spec import SMEM_BYTES, SOFTMAX_SCALE, MlaPrefillSpec, OutDtype, PrefillKernel
 from k3gen.targets import TARGETS
 
 SM90 = TARGETS["sm90"]
@@ -25,6 +25,8 @@ def test_fields_slug_and_canonical_round_trip():
     assert spec_from_canonical(b.canonical(), SM90) == b
     assert abs(s.softmax_scale - 192 ** -0.5) < 1e-15 and SOFTMAX_SCALE == s.softmax_scale
     assert s.entry == "k3gen_mla_prefill" and s.smem_bytes == SMEM_BYTES <= 232448
+    ov = MlaPrefillSpec(target=SM90, heads=12, kernel=PrefillKernel.WGMMA_OV)
+    assert ov.slug() == "h12-fp32-ov" and ov.impl.overlap and not s.impl.overlap
 
 
 @pytest.mark.parametrize("bad", [0, -1, 129, True, 12.0])
@@ -96,20 +98,23 @@ def test_continuation_pieces_equal_one_piece():
 
 
 # -- compile ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("out_dtype", list(OutDtype))
-def test_compiles_to_hgmma_without_spills(out_dtype):
+@pytest.mark.parametrize("kernel,out_dtype", [(k, o) for k in (PrefillKernel.WGMMA, PrefillKernel.WGMMA_OV)
+                                               for o in OutDtype])
+def test_compiles_to_hgmma_without_spills(kernel, out_dtype):
     from k3gen.pipeline.build import build_one
     from k3gen.pipeline.inspect import sass_text
-    r = build_one(MlaPrefillSpec(target=SM90, heads=12, out_dtype=out_dtype))
+    r = build_one(MlaPrefillSpec(target=SM90, heads=12, out_dtype=out_dtype, kernel=kernel))
     (k,) = r.resources
     assert k["function"] == "k3gen_mla_prefill" and k["local"] == 0 and k["stack"] == 0, k
     assert k["registers"] <= 168, k   # 384 threads, one CTA per SM; setmaxnreg splits 56 / 224
     text = sass_text(r.cubin)
     # QK: 12 K-steps over 192 dims (Q, K from shared memory); PV: 8 K-steps, P from registers, V N-major.
-    assert text.count("HGMMA.64x128x16.F32.BF16") == 20 and text.count(".tnspB") == 8
+    # The overlapped schedule has a prologue QK and an epilogue PV besides its loop.
+    copies = 2 if kernel is PrefillKernel.WGMMA_OV else 1
+    assert text.count("HGMMA.64x128x16.F32.BF16") == 20 * copies and text.count(".tnspB") == 8 * copies
     assert "HMMA" not in k["sass"] and "USETMAXREG" in text and "LDGSTS" in text
-    # One wait per GEMM (ptxas did not serialize the wgmmas).
-    assert text.count("WARPGROUP.DEPBAR") <= 2 and text.count("WARPGROUP.ARRIVE") <= 2
+    # One wait per GEMM group (ptxas did not serialize the wgmmas): loop QK, loop PV (+ prologue, epilogue).
+    assert text.count("WARPGROUP.DEPBAR") <= 2 * copies and text.count("WARPGROUP.ARRIVE") <= 2 * copies
 
 
 def test_template_checks_the_plan():

@@ -9,11 +9,13 @@
 //   warpgroup 0, the producer: cp.async copies of each 128-key tile (K = 3 SW128 blocks of
 //     [128 keys][64 dims]: k_nope 0-63, 64-127, k_pe; V = 2 blocks) into a 2-stage ring, keys past the
 //     sequence zero-filled; a thread waits for its own copies, fences them to the async proxy and
-//     arrives on the stage's full barrier (128 arrivals).
+//     arrives on the stage's K-full, then V-full barrier (128 arrivals each).
 //   warpgroups 1, 2, the consumers: 64 query rows each (a 128-row q-block per CTA): S = Q K^T
 //     (12 x m64n128k16, Q and K from shared memory), the masked online softmax in registers, P (BF16)
-//     stays in registers as the A operand of O += P V (8 x m64n128k16, V read N-major), then each
-//     arrives on the stage's empty barrier (256 arrivals).
+//     stays in registers as the A operand of O += P V (8 x m64n128k16, V read N-major); K and V of a
+//     stage are released separately (K-empty / V-empty, 256 arrivals), so the next K lands while V
+//     is still read. kOverlap (variant wgmma_ov) issues QK of tile i before PV of tile i - 1 and runs
+//     the softmax of tile i while that PV is in flight (FA3's intra-warpgroup pipelining).
 // Why cp.async and not TMA: the rows of a head are strided views (k_nope / v may be slices of one
 // kv_b expansion, k_pe a slice of the cache rows), a varlen sequence's tile may run past its end
 // (zero-filled per 16 bytes here), and no tensor map has to be encoded per call.
@@ -47,7 +49,7 @@ constexpr int kVBytes = 2 * kKBlk;        // 32768
 constexpr int kStageBytes = kKBytes + kVBytes;
 constexpr int kStageOff = kQBytes;
 constexpr int kBarOff = kStageOff + kStages * kStageBytes;
-constexpr int kSmem = kBarOff + 4 * 8 + 1024;   // + slack to align the base to 1024
+constexpr int kSmem = kBarOff + 8 * 8 + 1024;   // + slack to align the base to 1024
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
 static_assert(kSmem <= 232448, "one CTA per SM");
@@ -73,7 +75,8 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, unsign
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // Byte offset of 16-byte chunk c (8 per 128-byte row) of row r in an SW128 block.
 __device__ __forceinline__ unsigned sw128(int r, int c) {
@@ -114,6 +117,12 @@ __device__ __forceinline__ void pin(float (&x)[N]) {
   for (int i = 0; i < N; ++i) sm90::fence_operand(x[i]);
 }
 
+// The same for PV's A registers: live (unchanged, not reused) until the wgmma that reads them retired.
+__device__ __forceinline__ void pin(unsigned (&x)[32]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+r"(x[i])::"memory");
+}
+
 // The sequence's rows, clamped to the tensors: q rows q0 .. q0 + lq - 1, keys k0 .. k0 + lk - 1.
 struct Seq {
   int q0, lq, k0, lk;
@@ -139,35 +148,35 @@ __device__ __forceinline__ void load_q(const Params& p, const Seq& s, int h, int
   }
 }
 
-// Keys kv0 .. kv0 + 127 of head h into the stage at aK (K blocks, then V blocks), 128 producer threads.
-__device__ __forceinline__ void load_kv(const Params& p, const Seq& s, int h, int kv0, unsigned aK, int t) {
-  const unsigned aV = aK + kKBytes;
-#pragma unroll 4
-  for (int i = t; i < kBN * 40; i += 128) {   // 24 K chunks + 16 V chunks per key
-    const int key = i / 40, c = i - key * 40;
+// K of keys kv0 .. kv0 + 127 of head h into the stage's K blocks (k_nope 0-63, 64-127, k_pe), 128
+// producer threads; keys past the sequence zero-filled.
+__device__ __forceinline__ void load_k(const Params& p, const Seq& s, int h, int kv0, unsigned aK, int t) {
+#pragma unroll 2
+  for (int i = t; i < kBN * 24; i += 128) {
+    const int key = i / 24, c = i - key * 24;
     const bool ok = kv0 + key < s.lk;
     const long long row = s.k0 + kv0 + key;
-    const __nv_bfloat16* src;
-    unsigned dst;
-    if (c < 16) {
-      src = p.k_nope + row * p.kn_row + h * p.kn_head + c * 8;
-      dst = aK + (c >> 3) * kKBlk + sw128(key, c & 7);
-    } else if (c < 24) {
-      src = p.k_pe + row * p.kpe_row + (c - 16) * 8;
-      dst = aK + 2 * kKBlk + sw128(key, c & 7);
-    } else {
-      src = p.v + row * p.v_row + h * p.v_head + (c - 24) * 8;
-      dst = aV + ((c - 24) >> 3) * kKBlk + sw128(key, c & 7);
-    }
-    cp_async16(dst, ok ? src : p.k_pe, ok ? 16u : 0u);
+    const __nv_bfloat16* src = c < 16 ? p.k_nope + row * p.kn_row + h * p.kn_head + c * 8
+                                      : p.k_pe + row * p.kpe_row + (c - 16) * 8;
+    cp_async16(aK + (c >> 3) * kKBlk + sw128(key, c & 7), ok ? src : p.k_pe, ok ? 16u : 0u);
+  }
+}
+// V of the same keys into the stage's two V blocks.
+__device__ __forceinline__ void load_v(const Params& p, const Seq& s, int h, int kv0, unsigned aV, int t) {
+#pragma unroll 2
+  for (int i = t; i < kBN * 16; i += 128) {
+    const int key = i >> 4, c = i & 15;
+    const bool ok = kv0 + key < s.lk;
+    const __nv_bfloat16* src = p.v + (s.k0 + kv0 + key) * p.v_row + h * p.v_head + c * 8;
+    cp_async16(aV + (c >> 3) * kKBlk + sw128(key, c & 7), ok ? src : p.k_pe, ok ? 16u : 0u);
   }
 }
 
-// One tile's softmax on S (log2 domain): masked past each row's limit when kMask, P rounded to BF16
-// into pk (keys 8 j + 2 (lane % 4) + {0, 1} of row half r in pk[2 j + r]), the rows' rescale factors a.
+// One tile's softmax on S (log2 domain), in place: masked past each row's limit when kMask, the
+// probabilities exp2(s - m_new) into sc, the running max m updated, the rows' rescale factors into a.
 template <bool kMask>
-__device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], float (&l)[2], const int (&lim)[2], int col0,
-                                        float scale, unsigned (&pk)[32], float (&a)[2]) {
+__device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], const int (&lim)[2], int col0, float scale,
+                                        float (&a)[2]) {
   float mx[2] = {K3GEN_PF_NEG_INF, K3GEN_PF_NEG_INF};
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
@@ -188,14 +197,20 @@ __device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], float (&
     msub[r] = m_new == K3GEN_PF_NEG_INF ? 0.f : m_new;
     m[r] = m_new;
   }
+#pragma unroll
+  for (int i = 0; i < 64; ++i) sc[i] = exp2f(sc[i] - msub[(i >> 1) & 1]);
+}
+
+// P rounded to BF16 into pk (keys 8 j + 2 (lane % 4) + {0, 1} of row half r in pk[2 j + r]: the A
+// fragments of PV) and the row sums l rescaled by a plus what the MMA will sum (the rounded values).
+__device__ __forceinline__ void pack(const float (&sc)[64], const float (&a)[2], float (&l)[2], unsigned (&pk)[32]) {
   float sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const __nv_bfloat162 pb =
-          __floats2bfloat162_rn(exp2f(sc[4 * j + 2 * r] - msub[r]), exp2f(sc[4 * j + 2 * r + 1] - msub[r]));
-      const float2 pf = __bfloat1622float2(pb);   // the denominator sums what the MMA sums
+      const __nv_bfloat162 pb = __floats2bfloat162_rn(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]);
+      const float2 pf = __bfloat1622float2(pb);
       sum[r] += pf.x + pf.y;
       pk[2 * j + r] = *reinterpret_cast<const unsigned*>(&pb);
     }
@@ -203,12 +218,59 @@ __device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], float (&
   for (int r = 0; r < 2; ++r) l[r] = l[r] * a[r] + sum[r];
 }
 
+// Barriers (8 bytes each): K full / V full (128 producer arrivals, after the thread's copies landed
+// and were fenced to the async proxy), K empty / V empty (256 consumer arrivals), two stages each.
+struct Bars {
+  unsigned base;
+  __device__ unsigned kfull(int s) const { return base + 8 * s; }
+  __device__ unsigned vfull(int s) const { return base + 16 + 8 * s; }
+  __device__ unsigned kempty(int s) const { return base + 32 + 8 * s; }
+  __device__ unsigned vempty(int s) const { return base + 48 + 8 * s; }
+};
+
+__device__ __forceinline__ void qk(float (&sc)[64], unsigned aQ, unsigned aK) {
+#pragma unroll
+  for (int ks = 0; ks < kDqk / 16; ++ks)
+    MmaS::mma(sc, desc_k(aQ + (ks >> 2) * kQBlk + (ks & 3) * 32), desc_k(aK + (ks >> 2) * kKBlk + (ks & 3) * 32), ks);
+}
+__device__ __forceinline__ void pv(float (&o)[64], const unsigned (&pk)[32], unsigned aV) {
+#pragma unroll
+  for (int kk = 0; kk < kBN / 16; ++kk)
+    mma_pv(o, pk[4 * kk], pk[4 * kk + 1], pk[4 * kk + 2], pk[4 * kk + 3], desc_v(aV + kk * 2048));
+}
+__device__ __forceinline__ void rescale(float (&o)[64], const float (&a)[2]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] *= (i & 2) ? a[1] : a[0];
+}
+
+// Keys tile `it` into its stage: K copies, then V copies (each stage waits for its own release),
+// then K and V signalled separately, so a consumer can start QK while V still lands.
+__device__ __forceinline__ void produce(const Params& p, const Seq& s, int h, int n, unsigned base, const Bars& bars,
+                                        int wt) {
+  for (int it = 0; it < n; ++it) {
+    const int st = it & 1, ph = ((it >> 1) - 1) & 1;
+    const unsigned aK = base + kStageOff + st * kStageBytes;
+    if (it >= kStages) sm90::mbar_wait_or_trap(bars.kempty(st), ph);
+    load_k(p, s, h, it * kBN, aK, wt);
+    cp_async_commit();
+    if (it >= kStages) sm90::mbar_wait_or_trap(bars.vempty(st), ph);
+    load_v(p, s, h, it * kBN, aK + kKBytes, wt);
+    cp_async_commit();
+    cp_async_wait<1>();
+    sm90::fence_proxy_async();
+    sm90::mbar_arrive(bars.kfull(st));
+    cp_async_wait<0>();
+    sm90::fence_proxy_async();
+    sm90::mbar_arrive(bars.vfull(st));
+  }
+}
+
 template <class C>
 __device__ void run(const Params& p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const unsigned base = smem_u32(smem);
-  const unsigned bar = base + kBarOff;   // full[0..1], empty[0..1]
+  const Bars bars{base + kBarOff};
   const int h = blockIdx.x, b = blockIdx.z;
   const int qb = p.q_blocks - 1 - static_cast<int>(blockIdx.y);
   const int i0 = qb * kBM;
@@ -222,28 +284,22 @@ __device__ void run(const Params& p) {
   const int tid = threadIdx.x, wgi = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
-      sm90::mbar_init(bar + 8 * st, 128);        // every producer thread, after its copies landed
-      sm90::mbar_init(bar + 16 + 8 * st, 256);   // every consumer thread
+      sm90::mbar_init(bars.kfull(st), 128);
+      sm90::mbar_init(bars.vfull(st), 128);
+      sm90::mbar_init(bars.kempty(st), 256);
+      sm90::mbar_init(bars.vempty(st), 256);
     }
     sm90::fence_mbar_init();
   }
   load_q(p, s, h, i0, base);
   cp_async_commit();
-  cp_async_wait_all();
+  cp_async_wait<0>();
   sm90::fence_proxy_async();   // Q (cp.async, generic proxy) is read by wgmma (async proxy)
   __syncthreads();
 
   if (wgi == 0) {
     sm90::setmaxnreg_dec<kProducerRegs>();
-    for (int it = 0; it < n; ++it) {
-      const int st = it & 1;
-      if (it >= kStages) sm90::mbar_wait_or_trap(bar + 16 + 8 * st, ((it >> 1) - 1) & 1);
-      load_kv(p, s, h, it * kBN, base + kStageOff + st * kStageBytes, wt);
-      cp_async_commit();
-      cp_async_wait_all();
-      sm90::fence_proxy_async();
-      sm90::mbar_arrive(bar + 8 * st);
-    }
+    produce(p, s, h, n, base, bars, wt);
     return;
   }
   sm90::setmaxnreg_inc<kConsumerRegs>();
@@ -262,47 +318,97 @@ __device__ void run(const Params& p) {
   // Tiles wholly at or below this warpgroup's first row's limit need no mask.
   const int free_end = pre + i0 + 64 * c;
   const float scale = C::kSoftmaxScale * kLog2e;
+  const int col = 2 * (lane & 3);
+  auto stage_k = [&](int it) { return base + kStageOff + (it & 1) * kStageBytes; };
+  auto soft = [&](float (&sc)[64], int it, float (&a)[2]) {
+    if (it * kBN + kBN - 1 <= free_end)
+      softmax<false>(sc, m, lim, it * kBN + col, scale, a);
+    else
+      softmax<true>(sc, m, lim, it * kBN + col, scale, a);
+  };
   float o[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   float sc[64];
-  for (int it = 0; it < n; ++it) {
-    const int st = it & 1;
-    const unsigned aK = base + kStageOff + st * kStageBytes, aV = aK + kKBytes;
-    sm90::mbar_wait_asm(bar + 8 * st, (it >> 1) & 1);
+  unsigned pk[32];
+  float a[2];
+  if constexpr (!C::kOverlap) {
+    // Per tile: QK, softmax, PV, each waited for before the next step.
+    for (int it = 0; it < n; ++it) {
+      const int st = it & 1;
+      sm90::mbar_wait_asm(bars.kfull(st), (it >> 1) & 1);
+      sm90::wgmma_fence();
+      qk(sc, aQ, stage_k(it));
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      pin(sc);
+      sm90::mbar_arrive(bars.kempty(st));
+      soft(sc, it, a);
+      pack(sc, a, l, pk);
+      rescale(o, a);
+      pin(o);   // keeps the multiplies above the fence (NVVM sinks register-only arithmetic past asm)
+      sm90::mbar_wait_asm(bars.vfull(st), (it >> 1) & 1);
+      sm90::wgmma_fence();
+      pv(o, pk, stage_k(it) + kKBytes);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      pin(o);
+      pin(pk);
+      sm90::mbar_arrive(bars.vempty(st));
+    }
+  } else if (n > 0) {
+    // FA3's intra-warpgroup overlap: QK of tile it runs on the tensor cores while PV of tile it - 1
+    // follows it, and the softmax of tile it runs while that PV is in flight (P of tile it - 1 stays
+    // in pk until the PV retired; the probabilities of tile it wait in sc as FP32).
+    sm90::mbar_wait_asm(bars.kfull(0), 0);
     sm90::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kDqk / 16; ++ks)
-      MmaS::mma(sc, desc_k(aQ + (ks >> 2) * kQBlk + (ks & 3) * 32), desc_k(aK + (ks >> 2) * kKBlk + (ks & 3) * 32),
-                ks);
+    qk(sc, aQ, stage_k(0));
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     pin(sc);
-    unsigned pk[32];
-    float a[2];
-    const int kv0 = it * kBN;
-    if (kv0 + kBN - 1 <= free_end)
-      softmax<false>(sc, m, l, lim, kv0 + 2 * (lane & 3), scale, pk, a);
-    else
-      softmax<true>(sc, m, l, lim, kv0 + 2 * (lane & 3), scale, pk, a);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] *= (i & 2) ? a[1] : a[0];
-    pin(o);   // keeps the multiplies above the fence (NVVM sinks register-only arithmetic past asm)
+    sm90::mbar_arrive(bars.kempty(0));
+    soft(sc, 0, a);
+    pack(sc, a, l, pk);
+    for (int it = 1; it < n; ++it) {
+      const int st = it & 1, sp = st ^ 1;
+      sm90::mbar_wait_asm(bars.kfull(st), (it >> 1) & 1);
+      sm90::wgmma_fence();
+      qk(sc, aQ, stage_k(it));
+      sm90::wgmma_commit();
+      rescale(o, a);
+      pin(o);
+      sm90::mbar_wait_asm(bars.vfull(sp), ((it - 1) >> 1) & 1);
+      sm90::wgmma_fence();
+      pv(o, pk, stage_k(it - 1) + kKBytes);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();
+      pin(sc);
+      sm90::mbar_arrive(bars.kempty(st));
+      soft(sc, it, a);
+      sm90::wgmma_wait<0>();
+      pin(o);
+      pin(pk);
+      sm90::mbar_arrive(bars.vempty(sp));
+      pack(sc, a, l, pk);
+    }
+    const int sl = (n - 1) & 1;
+    rescale(o, a);
+    pin(o);
+    sm90::mbar_wait_asm(bars.vfull(sl), ((n - 1) >> 1) & 1);
     sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk)
-      mma_pv(o, pk[4 * kk], pk[4 * kk + 1], pk[4 * kk + 2], pk[4 * kk + 3], desc_v(aV + kk * 2048));
+    pv(o, pk, stage_k(n - 1) + kKBytes);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     pin(o);
-    sm90::mbar_arrive(bar + 16 + 8 * st);
+    pin(pk);
+    sm90::mbar_arrive(bars.vempty(sl));
   }
   float w[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    w[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    w[r] = l[r] > 0.f ? __fdividef(1.f, l[r]) : 0.f;   // l <= the key count: far from __fdividef's 2^126 limit
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
