@@ -64,3 +64,50 @@ def chunk_emulation(q, k, v, g, beta, state, chunk: int = 16):
         s = s * torch.exp(G[-1])[None, :] + vnew.t() @ kd
     o = torch.cat(outs) if outs else torch.empty(0, v.shape[1], dtype=q.dtype)
     return o, s
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+@torch.no_grad()
+def chunk64_emulation(q, k, v, g, beta, state, *, bf16: bool = True):
+    """The chunk64 kernels' algebra (include/k3gen/kda/prefill_chunk64.cuh) with their rounding
+    points: per 64-token chunk, A and Aqk on the 16 x 16 diagonal blocks per element in FP32; off
+    the diagonal from BF16 factor tiles referred to G at the end of the previous 16-token block
+    (every exp of a difference <= 0); T = (I + A)^-1 applied in FP32; W, e^G Q, K e^(G_C - G),
+    Aqk and the state S as BF16 operands with FP32 sums; U and the state FP32. Arguments and
+    returns as chunk_emulation. bf16=False keeps every operand in the input dtype (the algebra
+    alone, for the FP64 check)."""
+    rnd = _bf16 if bf16 else (lambda x: x)
+    T, C, B = q.shape[0], 64, 16
+    s = state.clone()
+    outs = []
+    for t0 in range(0, T, C):
+        qc, kc, vc, gc, bc = (x[t0:t0 + C] for x in (q, k, v, g, beta))
+        n = qc.shape[0]
+        G = gc.cumsum(0)
+        A = torch.zeros(n, n, dtype=q.dtype)
+        P = torch.zeros(n, n, dtype=q.dtype)
+        for i in range(0, n, B):
+            r = slice(i, min(i + B, n))
+            dec = torch.exp((G[r, None, :] - G[None, r, :]).clamp(max=0))
+            P[r, r] = torch.tril((qc[r, None, :] * kc[None, r, :] * dec).sum(-1))
+            A[r, r] = torch.tril((kc[r, None, :] * kc[None, r, :] * dec).sum(-1), -1)
+            if i:
+                ref = G[i - 1]
+                right = rnd(kc[:i] * torch.exp(ref - G[:i]))
+                left = torch.exp(G[r] - ref)
+                P[r, :i] = rnd(qc[r] * left) @ right.t()
+                A[r, :i] = rnd(kc[r] * left) @ right.t()
+        A = bc[:, None] * A
+        rhs = bc[:, None] * torch.cat([kc * torch.exp(G), vc], dim=1)
+        x = torch.linalg.solve_triangular(torch.eye(n, dtype=q.dtype) + A, rhs, upper=False, unitriangular=True)
+        W, U = rnd(x[:, :kc.shape[1]]), x[:, kc.shape[1]:]
+        sb = rnd(s)
+        vnew = U - W @ sb.t()                                              # [n, V]
+        outs.append(rnd(qc * torch.exp(G)) @ sb.t() + rnd(P) @ rnd(vnew))
+        kd = rnd(kc * torch.exp(G[-1] - G))
+        s = s * torch.exp(G[-1])[None, :] + rnd(vnew).t() @ kd
+    o = torch.cat(outs) if outs else torch.empty(0, v.shape[1], dtype=q.dtype)
+    return o, s

@@ -50,6 +50,7 @@ class PrefillAlgo(str, enum.Enum):
     AUTO = "auto"          # resolved at construction to the first variant that can (variants.py)
     CHUNK16 = "chunk16"    # chunked WY form, tensor cores, one CTA per (sequence, head)
     CHUNKPAR = "chunkpar"  # chunk16's algebra in three kernels: parallel prep / emit, sequential state pass
+    CHUNK64 = "chunk64"    # 64-token WY chunks, BF16 tensor-core operands, FP32 sums and state, three kernels
 
     def __str__(self) -> str:
         return self.value
@@ -61,6 +62,18 @@ CHUNK_SMEM_BYTES = 88 * 1024
 # (par::Tiles: four [16][136] FP32 tiles, P [16][17], e^(G_C) [128]; the template static_asserts it).
 PAR_ITEM = 64
 PAR_TILE_BYTES = (4 * 16 * (KDA_DK + 8) + 16 * 17 + KDA_DK) * 4
+# chunk64 (include/k3gen/kda/prefill_chunk64.cuh, whose static_asserts check these): one chunk's
+# record c64::Rec = -W, e^G Q ([64][136] BF16 each), K^T ([128][72] BF16), Aqk ([64][72] BF16),
+# e^(G_C) (FP32 [128]) = the head the state kernel copies whole, then U^T (FP32 [128][72]).
+C64_REC_HEAD = 2 * 64 * (KDA_DK + 8) * 2 + KDA_DK * 72 * 2 + 64 * 72 * 2 + KDA_DK * 4
+C64_REC_BYTES = C64_REC_HEAD + KDA_DV * 72 * 4
+C64_PREP_SMEM = 220 * 1024
+C64_STATE_WARPS = (2, 4, 8)  # warps (16 state rows each) per state CTA: 8 / W CTAs per (sequence, head)
+
+
+def c64_state_smem(warps: int) -> int:
+    """Dynamic shared memory of the chunk64 state kernel: two records' heads and the CTA's U^T rows."""
+    return 2 * (C64_REC_HEAD + 16 * warps * 72 * 4) + 128
 
 
 @register_op("kda_prefill")
@@ -93,18 +106,23 @@ class KdaPrefillSpec(KdaState, OpSpec):
 
     @property
     def smem_bytes(self) -> int:
-        return CHUNK_SMEM_BYTES
+        """Dynamic shared memory of the first kernel launched (chunk64: prep)."""
+        return C64_PREP_SMEM if self.algo is PrefillAlgo.CHUNK64 else CHUNK_SMEM_BYTES
 
     par_item = PAR_ITEM
     par_tile_bytes = PAR_TILE_BYTES
 
     def workspace_items(self, tokens: int, batch: int) -> int:
-        """Work items of `chunkpar`'s prep / emit grids: sequence b owns items cu[b] // 64 + b onward."""
+        """Work items of the prep / emit grids (chunkpar, chunk64): sequence b owns items
+        cu[b] // 64 + b onward."""
         return tokens // PAR_ITEM + batch
 
     def workspace_bytes(self, tokens: int, batch: int) -> int:
-        """`chunkpar` workspace: prepared tiles of every 16-token sub-chunk slot, then the raw FP32
-        outputs [N, H, 128]; 0 for the single-kernel chunk16."""
+        """chunkpar: prepared tiles of every 16-token sub-chunk slot; chunk64: one record per item
+        and head; then the raw FP32 outputs [N, H, 128]. 0 for the single-kernel chunk16."""
+        if self.algo is PrefillAlgo.CHUNK64:
+            tiles = self.workspace_items(tokens, batch) * self.heads * C64_REC_BYTES
+            return tiles + tokens * self.heads * KDA_DV * int(FP32.bytes)
         if self.algo is not PrefillAlgo.CHUNKPAR:
             return 0
         tiles = self.workspace_items(tokens, batch) * (PAR_ITEM // 16) * self.heads * PAR_TILE_BYTES

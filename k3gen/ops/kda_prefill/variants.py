@@ -7,18 +7,28 @@ from dataclasses import dataclass
 
 from k3gen.ir.variant import VariantTable
 from k3gen.ops.kda_decode.variants import ASYNC_COPIES, KdaKernel
-from k3gen.ops.kda_prefill.spec import KdaPrefillSpec
+from k3gen.ops.kda_prefill.spec import (C64_REC_BYTES, C64_REC_HEAD, C64_STATE_WARPS, KdaPrefillSpec,
+                                          c64_state_smem)
 
 
 @dataclass(frozen=True)
 class PrefillKernel(KdaKernel):
     three_pass: bool = False   # prep / state / emit launches over a workspace instead of one kernel
+    chunk64: bool = False      # the 64-token BF16 tensor-core form (its own three kernels)
 
     def inputs(self, spec) -> dict:
-        return {**super().inputs(spec), "doc": self.doc, "three_pass": self.three_pass}
+        out = {**super().inputs(spec), "doc": self.doc, "three_pass": self.three_pass, "chunk64": self.chunk64}
+        if self.chunk64:
+            out.update(c64_rec_bytes=C64_REC_BYTES, c64_rec_head=C64_REC_HEAD, c64_warps=C64_STATE_WARPS,
+                       c64_state_smem={w: c64_state_smem(w) for w in C64_STATE_WARPS})
+        return out
 
 
 VARIANTS = VariantTable("kda_prefill", (
+    PrefillKernel("chunk64", lowering="nvrtc", header="k3gen/kda/prefill_chunk64.cuh", three_pass=True, chunk64=True,
+                  doc="64-token WY chunks, BF16 mma.sync operands with FP32 sums, FP32 state and solve; "
+                      "parallel prep and emit, sequential state pass split over the state rows",
+                  checks=(ASYNC_COPIES,)),
     PrefillKernel("chunk16", lowering="nvrtc", header="k3gen/kda/prefill_chunk.cuh",
                   doc="chunked WY form, 3xTF32 mma.sync, one CTA per (sequence, head)",
                   checks=(ASYNC_COPIES,)),

@@ -10,9 +10,10 @@ from k3gen.errors import SpecError, TargetError
 from k3gen.ir import evaluate
 from k3gen.ops import spec_from_canonical
 from k3gen.ir.dtypes import GateKind, SsmDtype
-from k3gen.ops.kda_prefill.spec import CHUNK_SMEM_BYTES, KdaPrefillSpec, PrefillAlgo
+from k3gen.ops.kda_prefill.spec import (C64_PREP_SMEM, C64_REC_BYTES, C64_STATE_WARPS, CHUNK_SMEM_BYTES,
+                                        KdaPrefillSpec, PrefillAlgo, c64_state_smem)
 from k3gen.ops.kda_decode.reference import kda_token_loop, random_weights
-from k3gen.ops.kda_prefill.reference import chunk_emulation, kda_prefill
+from k3gen.ops.kda_prefill.reference import chunk64_emulation, chunk_emulation, kda_prefill
 from helpers import assert_each_rejected
 from k3gen.targets import KDA_PREFILL_HEADS, TARGETS, build_specs
 
@@ -42,16 +43,20 @@ def test_targets_and_build_specs():
     for t in (SM90, SM103, SM107):
         for s in (KdaPrefillSpec(target=t, heads=h, ssm=d) for h in KDA_PREFILL_HEADS for d in SsmDtype):
             assert spec_from_canonical(s.canonical(), t) == s
-    # The chunk16 kernel is built for the NVFP4 targets and SM90 (not the frozen original target).
+    # auto is chunk64, built for the NVFP4 targets and SM90 (not the frozen original target).
     for t in (SM90, SM103, SM107):
         specs = [s for s in build_specs(t) if s.op == "kda_prefill"]
-        assert len(specs) == len(KDA_PREFILL_HEADS) * 2 and all(s.algo is PrefillAlgo.CHUNK16 for s in specs)
+        assert len(specs) == len(KDA_PREFILL_HEADS) * 2 and all(s.algo is PrefillAlgo.CHUNK64 for s in specs)
     assert not [s for s in build_specs(SM100) if s.op == "kda_prefill"]
-    assert KdaPrefillSpec(target=SM90, heads=12).slug() == "h12-bounded-fp32"
+    assert KdaPrefillSpec(target=SM90, heads=12, algo=PrefillAlgo.CHUNK16).slug() == "h12-bounded-fp32"
     par = KdaPrefillSpec(target=SM90, heads=12, algo=PrefillAlgo.CHUNKPAR)
     assert par.slug() == "h12-bounded-fp32-chunkpar" and par.smem_bytes == CHUNK_SMEM_BYTES
-    assert KdaPrefillSpec(target=SM90, heads=12).algo is PrefillAlgo.CHUNK16  # auto: what the model runs
-    assert spec_from_canonical(par.canonical(), SM90) == par
+    c64 = KdaPrefillSpec(target=SM90, heads=12)
+    assert c64.algo is PrefillAlgo.CHUNK64 and c64.slug() == "h12-bounded-fp32-chunk64"  # auto: what the model runs
+    assert c64.smem_bytes == C64_PREP_SMEM <= 227 * 1024
+    assert all(c64_state_smem(w) <= 227 * 1024 for w in C64_STATE_WARPS)
+    for s in (par, c64):
+        assert spec_from_canonical(s.canonical(), SM90) == s
 
 
 def test_bytes_moved():
@@ -168,6 +173,68 @@ def test_chunk_algebra_equals_token_recurrence(T, gate_scale):
         assert float((s.double() - rs).norm() / rs.norm()) <= tol
 
 
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 63, 64, 65, 129, 700])
+@pytest.mark.parametrize("gate_scale", [1.0, 8.0])
+def test_chunk64_algebra_equals_token_recurrence(T, gate_scale):
+    """chunk64's algebra (reference.chunk64_emulation: 64-token chunks, the off-diagonal decay split
+    at each 16-token block's reference point): in FP64 without BF16 rounding equal to the token
+    recurrence to rounding; with the kernel's BF16 operand rounding within 5e-3 relative RMS, half
+    of tests/numerics.py's KDA_CHUNK64 bounds (the emulation measures ~2.4e-3, flat in T).
+    gate_scale 8 (decays near e^-40 per token, a softplus-like gate): finite, no overflow."""
+    from numerics import KDA_CHUNK64_OUT, KDA_CHUNK64_STATE
+    g0 = torch.Generator().manual_seed(T)
+    nrm = torch.nn.functional.normalize
+    q = nrm(torch.randn(T, K, generator=g0), dim=-1) * K ** -0.5
+    k = nrm(torch.randn(T, K, generator=g0), dim=-1)
+    v = torch.randn(T, K, generator=g0)
+    g = -5 * gate_scale * torch.sigmoid(torch.randn(T, K, generator=g0) * 3)
+    b = torch.sigmoid(torch.randn(T, generator=g0))
+    s0 = torch.randn(K, K, generator=g0) * 0.05
+    ro, rs = _token_recurrence(*(x.double() for x in (q, k, v, g, b, s0)))
+    o, s = chunk64_emulation(*(x.double() for x in (q, k, v, g, b, s0)), bf16=False)
+    assert float((o - ro).norm() / ro.norm()) <= 1e-12 and float((s - rs).norm() / rs.norm()) <= 1e-12
+    o, s = chunk64_emulation(*(x.float() for x in (q, k, v, g, b, s0)))
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert float((o.double() - ro).norm() / ro.norm()) <= KDA_CHUNK64_OUT.rel_rms / 2
+    assert float((s.double() - rs).norm() / rs.norm()) <= KDA_CHUNK64_STATE.rel_rms / 2
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm103-nvfp4", "sm107-nvfp4"])
+@pytest.mark.parametrize("ssm,gate", [(SsmDtype.FP32, GateKind.BOUNDED), (SsmDtype.BF16, GateKind.BOUNDED),
+                                      (SsmDtype.FP32, GateKind.SOFTPLUS)])
+def test_chunk64_compiles_without_spills(target, ssm, gate):
+    """prep, the three state kernels and emit in one cubin: no local memory (spills), BF16 HMMA
+    where the algebra says: prep 8 k steps x (8 gate channel tiles + 3 off-diagonal units) per warp
+    (a loop body each), each state kernel 64 (V_new) + 64 (O) + 20 (causal Aqk) + 64 (state) per chunk."""
+    from k3gen.pipeline.build import build_one
+    from k3gen.pipeline.inspect import cubin_arch, sass_text
+    spec = KdaPrefillSpec(target=TARGETS[target], heads=12, ssm=ssm, gate=gate)
+    assert spec.algo is PrefillAlgo.CHUNK64
+    r = build_one(spec)
+    assert cubin_arch(r.cubin) == spec.target.arch
+    by = {x["function"]: x for x in r.resources}
+    assert set(by) == {"k3gen_kda_prefill", "k3gen_kda_prefill_emit",
+                       *(f"k3gen_kda_prefill_state{w}" for w in C64_STATE_WARPS)}, sorted(by)
+    assert all(x["local"] == 0 and x["registers"] <= 255 for x in r.resources), r.resources
+    text = sass_text(r.cubin)
+    assert "STL" not in text and "LDL" not in text, "local-memory traffic"
+    hmma = {f: sum(n for k, n in x["sass"].items() if k.startswith("HMMA")) for f, x in by.items()}
+    assert hmma["k3gen_kda_prefill"] == 64 + 8 and hmma["k3gen_kda_prefill_emit"] == 0, hmma
+    assert all(hmma[f"k3gen_kda_prefill_state{w}"] == 64 + 64 + 20 + 64 for w in C64_STATE_WARPS), hmma
+
+
+def test_chunk64_workspace_and_state_warps():
+    """One record per (item, head) plus the raw FP32 outputs; the state pass takes the fewest warps
+    per CTA whose grid fits one CTA per SM (132 on the H200), else 8."""
+    from k3gen.ops.kda_prefill.launcher import c64_state_warps
+    spec = KdaPrefillSpec(target=SM90, heads=12)
+    assert C64_REC_BYTES == 99840 and C64_REC_BYTES % 16 == 0
+    assert spec.workspace_bytes(4096, 1) == 65 * 12 * C64_REC_BYTES + 4096 * 12 * 128 * 4
+    assert type(spec.workspace_bytes(4096, 3)) is int
+    assert [c64_state_warps(h, b, 132) for h, b in ((12, 1), (1, 1), (33, 1), (34, 1), (12, 5), (12, 8), (96, 1), (96, 4))] \
+        == [2, 2, 2, 4, 4, 8, 8, 8]
+
+
 @pytest.mark.parametrize("target", ["sm90", "sm103-nvfp4", "sm107-nvfp4"])
 @pytest.mark.parametrize("ssm,gate,algo", [(SsmDtype.FP32, GateKind.BOUNDED, PrefillAlgo.CHUNK16),
                                            (SsmDtype.BF16, GateKind.BOUNDED, PrefillAlgo.CHUNK16),
@@ -178,6 +245,7 @@ def test_compiles_without_spills(target, ssm, gate, algo):
     from k3gen.pipeline.build import build_one
     from k3gen.pipeline.inspect import cubin_arch
     spec = KdaPrefillSpec(target=TARGETS[target], heads=12, ssm=ssm, gate=gate, algo=algo)
+    assert spec.algo is algo
     r = build_one(spec)
     assert cubin_arch(r.cubin) == spec.target.arch
     assert r.resources and all(x["local"] == 0 and x["stack"] == 0 for x in r.resources), r.resources
@@ -235,4 +303,4 @@ def test_chunkpar_work_items_and_workspace():
     spec = KdaPrefillSpec(target=SM90, heads=12, algo=PrefillAlgo.CHUNKPAR)
     assert spec.workspace_bytes(4096, 1) == 65 * 4 * 12 * 36416 + 4096 * 12 * 128 * 4
     assert type(spec.workspace_bytes(4096, 3)) is int  # a size torch.empty accepts
-    assert KdaPrefillSpec(target=SM90, heads=12).workspace_bytes(4096, 1) == 0
+    assert KdaPrefillSpec(target=SM90, heads=12, algo=PrefillAlgo.CHUNK16).workspace_bytes(4096, 1) == 0

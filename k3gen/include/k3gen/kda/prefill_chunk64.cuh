@@ -1,0 +1,652 @@
+// kda_prefill `chunk64`: the chunked WY form of SPEC.md section 2 with 64-token chunks, BF16 tensor-core
+// operands and FP32 sums, an FP32 state and an FP32 triangular solve. Contract: the docstring of
+// k3gen/ops/kda_prefill/spec.py; FP32 twin: reference.py (token loop; chunk64_emulation is this file's
+// algebra with its rounding points). Three launches over a workspace sized from (N, B, H):
+//
+// 1. prep (grid H x J, J = N / 64 + B; item j of sequence b covers tokens 64 c .. 64 c + 63 with
+//    c = j - base(b), base(b) = cu[b] / 64 + b): conv + SiLU, L2 norms, the f_b gate GEMM, the
+//    cumulative log decay G (from the chunk start), beta, then
+//      A[r,s]   = beta_r sum_i k_r[i] k_s[i] e^(G_r[i]-G_s[i])  (s < r)
+//      Aqk[r,s] =        sum_i q_r[i] k_s[i] e^(G_r[i]-G_s[i])  (s <= r)
+//    On the four 16 x 16 diagonal blocks every factor is formed per element (FP32). Off them, with
+//    block i's reference ref_i = G at the last token of block i-1 (G is non-increasing), the factors
+//    split into x_r e^(G_r - ref_i) and k_s e^(ref_i - G_s), both exp of a difference <= 0: finite for
+//    any gate (softplus included), stored as BF16 tiles and contracted on tensor cores. Then the
+//    forward substitution (I + A) [W | U] = diag(beta) [e^G K | V] in FP32, one column a thread, and
+//    the chunk's record (Rec): -W, e^G Q, (K e^(G_C - G))^T, Aqk as BF16, U^T and e^(G_C) as FP32.
+// 2. state (grid H x B x 8 / W, W warps): warp w owns 16 rows of S^T (the rows are independent), all
+//    128 k, in mma m16n8 accumulators; a pair of accumulator tiles is already an m16n8k16 A fragment,
+//    so per chunk, on the warp's own registers:
+//      V_new^T = U^T + S^T (-W)^T ;  O^T = S^T (e^G Q)^T + V_new^T Aqk^T ;
+//      S^T <- S^T e^(G_C) + V_new^T (K e^(G_C - G))
+//    with the next records bulk-copied (double buffer) while this one computes. Raw O to workspace.
+// 3. emit (grid H x J): gated RMSNorm of the item's raw O rows to BF16 `out` (zeros for padding).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "k3gen/kda/common.cuh"
+
+namespace k3gen {
+namespace kda {
+namespace c64 {
+
+constexpr int kThreads = 256;          // prep and emit
+constexpr int kC = 64;                 // tokens per chunk
+constexpr int kBlk = 16;               // diagonal block: the exp reference points
+constexpr int kBLd = kDim + 8;         // BF16 [row][128] tiles: row stride (conflict-free fragment loads)
+constexpr int kTLd = kC + 8;           // [row][64] tiles: row stride
+constexpr int kALd = kC + 4;           // FP32 A / Aqk rows (16-byte aligned)
+constexpr int kRowVecs = kDim * 2 / 16;
+constexpr int kOff = 3 * kBlk;         // rows of the off-diagonal factor tiles (blocks 1..3)
+
+// One chunk's record in the workspace, [J][H]. The state kernel copies the head (up to ut) whole
+// and the rows of ut it owns, into a StateBuf of the same layout.
+struct __align__(16) Rec {
+  __nv_bfloat16 w[kC][kBLd];    // -W [t][k]
+  __nv_bfloat16 qg[kC][kBLd];   // e^G q [t][k]
+  __nv_bfloat16 kgt[kDim][kTLd];  // (k e^(G_C - G))^T [k][t]
+  __nv_bfloat16 aqk[kC][kTLd];  // Aqk [t][s], zero above the diagonal
+  float egl[kDim];              // e^(G_C)
+  float ut[kDim][kTLd];         // U^T [v][t]
+};
+constexpr unsigned kRecHead = 2 * kC * kBLd * 2 + kDim * kTLd * 2 + kC * kTLd * 2 + kDim * 4;
+static_assert(sizeof(Rec) == kRecHead + kDim * kTLd * 4 && kRecHead % 16 == 0, "record layout (spec.py)");
+
+template <int W>
+struct __align__(16) StateBuf {
+  __nv_bfloat16 w[kC][kBLd];
+  __nv_bfloat16 qg[kC][kBLd];
+  __nv_bfloat16 kgt[kDim][kTLd];
+  __nv_bfloat16 aqk[kC][kTLd];
+  float egl[kDim];
+  float ut[16 * W][kTLd];
+};
+
+template <int W>
+struct __align__(128) StateSmem {
+  StateBuf<W> b[2];
+  unsigned long long bar[2];
+};
+
+struct __align__(128) PrepSmem {
+  float q[kC][kDim];            // post-conv q -> normalized
+  float k[kC][kDim];
+  float v[kC][kDim];
+  float g[kC][kDim];            // log decay -> cumulative G
+  union {
+    uint4 fb[kDim * kRowVecs];  // f_b rows of this head (gate GEMM)
+    struct {
+      __nv_bfloat16 left[2 * kOff][kBLd];   // block i: rows 32(i-1) + [q | k] e^(G_r - ref_i)
+      __nv_bfloat16 right[2 * kOff][kBLd];  // block i: rows 8 i (i-1) + s: k_s e^(ref_i - G_s), s < 16 i
+    } f;
+  } u1;
+  union {
+    unsigned short fa[kC][kBLd];  // f_a rows, raw BF16
+    struct {
+      float A[kC][kALd];
+      float P[kC][kALd];          // Aqk
+    } a;
+  } u2;
+  float dtb[kDim];
+  float beta[kC];
+  unsigned long long bar;
+};
+
+struct Params {
+  const __nv_bfloat16* qkvg;
+  const __nv_bfloat16* fa;
+  const __nv_bfloat16* beta;
+  __nv_bfloat16* out;
+  long long qkvg_stride, fa_stride, beta_stride;
+  const __nv_bfloat16* conv_w;
+  const uint4* fb_w;
+  const float* dt_bias;
+  const float* a_log;
+  const float* norm_w;
+  const int* cu_seqlens;
+  const int* slots;
+  const int* resume;
+  void* ssm;
+  __nv_bfloat16* conv;
+  int num_slots;
+  Rec* rec;       // [J][H]
+  float* o;       // [N][H][128] raw O
+  int batch;
+};
+
+template <Gate G>
+__device__ __forceinline__ float log_decay(float z, float a) {
+  if constexpr (G == Gate::kBounded) {
+    return kBoundedLower * sigmoidf_(a * z);
+  } else {
+    const float sp = z > 20.0f ? z : log1pf(expf(z));
+    return -a * sp;
+  }
+}
+
+// d += A B, BF16 operands, FP32 accumulate (A: 16 x 16 row-major fragment, B: 16 x 8 column-major).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ __nv_bfloat16 bf(float x) { return __float2bfloat16(x); }
+
+// The A fragment (16 x 16, k = 16 kk ..) made of accumulator tiles 2 kk and 2 kk + 1 (m16n8 layout:
+// c0, c1 row g cols 2t, 2t+1; c2, c3 row g+8): exactly m16n8k16's a0..a3.
+__device__ __forceinline__ void afrag(unsigned (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack_bf16x2(lo[0], lo[1]);
+  a[1] = pack_bf16x2(lo[2], lo[3]);
+  a[2] = pack_bf16x2(hi[0], hi[1]);
+  a[3] = pack_bf16x2(hi[2], hi[3]);
+}
+
+// ---- work items (prep, emit) -------------------------------------------------------------------
+__device__ __forceinline__ long long item_base(const int* cu, int b) { return __ldg(cu + b) / kC + b; }
+
+__device__ __forceinline__ int seq_of_item(const int* cu, int batch, long long j) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (item_base(cu, mid) <= j) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+struct Item {
+  int h, b, len, t0;
+  long long tok0;
+};
+__device__ __forceinline__ Item item_of(const Params& p) {
+  Item it;
+  it.h = blockIdx.x;
+  const long long j = blockIdx.y;
+  it.b = seq_of_item(p.cu_seqlens, p.batch, j);
+  it.tok0 = __ldg(p.cu_seqlens + it.b);
+  it.len = __ldg(p.cu_seqlens + it.b + 1) - static_cast<int>(it.tok0);
+  it.t0 = static_cast<int>(j - item_base(p.cu_seqlens, it.b)) * kC;
+  return it;
+}
+
+// ---- 1. prep -----------------------------------------------------------------------------------
+template <class C>
+__device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
+  constexpr int H = C::kHeads, D = H * kDim;
+  const Item it = item_of(p);
+  const int slot = __ldg(p.slots + it.b);
+  if (it.t0 >= it.len || slot < 0 || slot >= p.num_slots) return;  // uniform, before any barrier
+  const int h = it.h, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int n = it.len - it.t0 < kC ? it.len - it.t0 : kC;
+  const long long tok = it.tok0 + it.t0;
+  if (tid == 0) {
+    mbar_init(&sm.bar, 1);
+    fence_proxy_async_smem();
+    mbar_arrive_expect_tx(&sm.bar, kDim * (kDim * 2 + 4));
+    bulk_g2s(sm.u1.fb, p.fb_w + static_cast<long long>(h) * kDim * kRowVecs, kDim * kDim * 2, &sm.bar);
+    bulk_g2s(sm.dtb, p.dt_bias + h * kDim, kDim * 4, &sm.bar);
+  }
+  __syncthreads();  // no thread may poll the barrier before thread 0 has initialised it (stale shared memory)
+  // Conv windows: the slot's for the first item, else the three raw inputs before t0.
+  const int sec = tid >> 7, ch = tid & (kDim - 1);
+  const bool has_v = tid < kDim;
+  const int cqk = sec * D + h * kDim + ch, cv = 2 * D + h * kDim + ch;
+  float wq[3], wv[3];
+  if (it.t0 == 0) {
+    const bool resume = __ldg(p.resume + it.b) != 0;
+    const unsigned short* wb = reinterpret_cast<const unsigned short*>(p.conv) + static_cast<long long>(slot) * (3 * D) * 3;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      wq[i] = resume ? bf16_bits_to_float(wb[cqk * 3 + i]) : 0.0f;
+      wv[i] = resume && has_v ? bf16_bits_to_float(wb[cv * 3 + i]) : 0.0f;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const __nv_bfloat16* xrow = p.qkvg + (tok - 3 + i) * p.qkvg_stride;
+      wq[i] = __bfloat162float(xrow[cqk]);
+      wv[i] = has_v ? __bfloat162float(xrow[cv]) : 0.0f;
+    }
+  }
+  {
+    float tq4[4], tv4[4];
+    multi::taps_of(p.conv_w, cqk, tq4);
+    multi::taps_of(p.conv_w, cv, tv4);
+    float* qk_tile = sec == 0 ? &sm.q[0][0] : &sm.k[0][0];
+#pragma unroll 1
+    for (int sb = 0; sb < kC / 16; ++sb) {
+      float xq[16], xv[16];  // every load of the block issued before the first use
+#pragma unroll
+      for (int t = 0; t < 16; ++t) {
+        const int tt = 16 * sb + t;
+        const __nv_bfloat16* xrow = p.qkvg + (tok + tt) * p.qkvg_stride;
+        xq[t] = tt < n ? __bfloat162float(xrow[cqk]) : 0.0f;
+        xv[t] = tt < n && has_v ? __bfloat162float(xrow[cv]) : 0.0f;
+      }
+#pragma unroll
+      for (int t = 0; t < 16; ++t) {
+        const int tt = 16 * sb + t;
+        float yq = 0.0f, yv = 0.0f;
+        if (tt < n) {
+          yq = conv_silu(tq4, wq[0], wq[1], wq[2], xq[t]);
+          wq[0] = wq[1], wq[1] = wq[2], wq[2] = xq[t];
+          if (has_v) {
+            yv = conv_silu(tv4, wv[0], wv[1], wv[2], xv[t]);
+            wv[0] = wv[1], wv[1] = wv[2], wv[2] = xv[t];
+          }
+        }
+        qk_tile[tt * kDim + ch] = yq;
+        if (has_v) sm.v[tt][ch] = yv;
+      }
+    }
+  }
+  {  // f_a rows: thread tid stages 32 channels of token tid / 4 (any row stride, 2-byte aligned)
+    const int t = tid >> 2, c0 = 32 * (tid & 3);
+    const unsigned short* farow = reinterpret_cast<const unsigned short*>(p.fa) + (tok + t) * p.fa_stride + c0;
+#pragma unroll
+    for (int q4 = 0; q4 < 4; ++q4) {
+      unsigned f[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = t < n ? farow[8 * q4 + e] : 0u;
+      *reinterpret_cast<uint4*>(&sm.u2.fa[t][c0 + 8 * q4]) =
+          make_uint4(f[0] | f[1] << 16, f[2] | f[3] << 16, f[4] | f[5] << 16, f[6] | f[7] << 16);
+    }
+  }
+  if (tid < kC) sm.beta[tid] = tid < n ? sigmoidf_(__bfloat162float(p.beta[(tok + tid) * p.beta_stride + h])) : 0.0f;
+  mbar_wait(&sm.bar, 0);
+  __syncthreads();
+  {  // gate pre-activations z[t][c] = f_a[t] . f_b[c]: warp w tokens 16 (w & 3) .., channels 64 (w >> 2) ..
+    const int mt = warp & 3, c0 = 64 * (warp >> 2), r0 = 16 * mt + gq;
+    const unsigned* fa32 = reinterpret_cast<const unsigned*>(&sm.u2.fa[0][0]);
+    const unsigned* fb32 = reinterpret_cast<const unsigned*>(sm.u1.fb);
+    constexpr int kFaW = kBLd / 2, kFbW = kDim / 2;
+    float z[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) z[nt][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kDim / 16; ++kk) {
+      const int w0 = 8 * kk + tq;
+      const unsigned a[4] = {fa32[r0 * kFaW + w0], fa32[(r0 + 8) * kFaW + w0], fa32[r0 * kFaW + w0 + 4],
+                             fa32[(r0 + 8) * kFaW + w0 + 4]};
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int c = c0 + 8 * nt + gq;
+        mma_bf16(z[nt], a, fb32[c * kFbW + w0], fb32[c * kFbW + w0 + 4]);
+      }
+    }
+    const float a_gate = expf(__ldg(p.a_log + h));
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = r0 + 8 * (e >> 1), c = c0 + 8 * nt + 2 * tq + (e & 1);
+        sm.g[t][c] = t < n ? log_decay<C::kGate>(z[nt][e] + sm.dtb[c], a_gate) : 0.0f;
+      }
+  }
+  __syncthreads();
+  // L2 norms (warp w: rows 16 w .. 16 w + 15 of [q | k]) and the cumulative decay (threads < 128).
+#pragma unroll 1
+  for (int i = 0; i < 16; ++i) {
+    const int row = 16 * warp + i;
+    float* r = row < kC ? sm.q[row] : sm.k[row - kC];
+    float x[4], ss = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      x[e] = r[lane + 32 * e];
+      ss = fmaf(x[e], x[e], ss);
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+    const float sc = rsqrtf(ss + kL2Eps) * (row < kC ? 0.08838834764831845f : 1.0f);  // q: 128^-0.5
+#pragma unroll
+    for (int e = 0; e < 4; ++e) r[lane + 32 * e] = x[e] * sc;
+  }
+  if (tid < kDim) {
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int t = 0; t < kC; ++t) {
+      acc += sm.g[t][tid];
+      sm.g[t][tid] = acc;
+    }
+  }
+  __syncthreads();
+  // Off-diagonal factor tiles (BF16) and the diagonal blocks (FP32, per-element decay).
+#pragma unroll 1
+  for (int e = tid; e < kOff * kDim; e += kThreads) {
+    const int c = e & (kDim - 1), rr = e >> 7;
+    const int i = 1 + (rr >> 4), r = kBlk * i + (rr & 15);
+    const float f = expf(sm.g[r][c] - sm.g[kBlk * i - 1][c]);
+    sm.u1.f.left[32 * (i - 1) + (rr & 15)][c] = bf(sm.q[r][c] * f);
+    sm.u1.f.left[32 * (i - 1) + 16 + (rr & 15)][c] = bf(sm.k[r][c] * f);
+  }
+#pragma unroll 1
+  for (int e = tid; e < 2 * kOff * kDim; e += kThreads) {
+    const int c = e & (kDim - 1), rr = e >> 7;
+    const int i = rr < 16 ? 1 : (rr < 48 ? 2 : 3);
+    const int s = rr - 8 * i * (i - 1);
+    sm.u1.f.right[rr][c] = bf(sm.k[s][c] * expf(sm.g[kBlk * i - 1][c] - sm.g[s][c]));
+  }
+  constexpr int kPairs = kBlk * (kBlk + 1) / 2;
+#pragma unroll 1
+  for (int pr = warp; pr < (kC / kBlk) * kPairs; pr += kThreads / 32) {
+    const int blk = pr / kPairs, l = pr - blk * kPairs;
+    int rl = 0;
+    while ((rl + 1) * (rl + 2) / 2 <= l) ++rl;
+    const int r = kBlk * blk + rl, s = kBlk * blk + (l - rl * (rl + 1) / 2);
+    float pa = 0.0f, aa = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = lane + 32 * e;
+      const float ks = sm.k[s][i] * expf(sm.g[r][i] - sm.g[s][i]);
+      pa = fmaf(sm.q[r][i], ks, pa);
+      aa = fmaf(sm.k[r][i], ks, aa);
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) {
+      pa += __shfl_xor_sync(0xffffffffu, pa, m);
+      aa += __shfl_xor_sync(0xffffffffu, aa, m);
+    }
+    if (lane == 0) {
+      sm.u2.a.P[r][s] = pa;
+      sm.u2.a.A[r][s] = s < r ? sm.beta[r] * aa : 0.0f;
+    }
+  }
+  __syncthreads();
+  // Off-diagonal blocks on tensor cores: 24 units (block row i, q or k rows, an 8-column s tile).
+#pragma unroll 1
+  for (int u = warp; u < 24; u += kThreads / 32) {
+    const int i = u < 4 ? 1 : (u < 12 ? 2 : 3);
+    const int rem = u - (i == 1 ? 0 : (i == 2 ? 4 : 12));
+    const int qk = rem & 1, nt = rem >> 1;
+    const unsigned* L = reinterpret_cast<const unsigned*>(&sm.u1.f.left[32 * (i - 1) + 16 * qk][0]);
+    const unsigned* R = reinterpret_cast<const unsigned*>(&sm.u1.f.right[8 * i * (i - 1) + 8 * nt][0]);
+    constexpr int kW = kBLd / 2;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int kk = 0; kk < kDim / 16; ++kk) {
+      const int w0 = 8 * kk + tq;
+      const unsigned a[4] = {L[gq * kW + w0], L[(gq + 8) * kW + w0], L[gq * kW + w0 + 4], L[(gq + 8) * kW + w0 + 4]};
+      mma_bf16(d, a, R[gq * kW + w0], R[gq * kW + w0 + 4]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = kBlk * i + gq + 8 * (e >> 1), s = 8 * nt + 2 * tq + (e & 1);
+      if (qk == 0)
+        sm.u2.a.P[r][s] = d[e];
+      else
+        sm.u2.a.A[r][s] = sm.beta[r] * d[e];
+    }
+  }
+  __syncthreads();
+  // Forward substitution, one column a thread (threads < 128: W from e^G k; the others: U from v),
+  // then the record. Rows past n are zero throughout (zero k, v, beta, decay).
+  Rec* rec = p.rec + (static_cast<long long>(blockIdx.y) * H + h);
+  {
+    const int c = tid & (kDim - 1);
+    const bool wcol = tid < kDim;
+    if (wcol) {  // the parts that need no solve first: fewer values live next to x
+      const float gl = sm.g[kC - 1][c];
+      rec->egl[c] = expf(gl);
+#pragma unroll 4
+      for (int r = 0; r < kC; ++r) rec->qg[r][c] = bf(sm.q[r][c] * expf(sm.g[r][c]));
+#pragma unroll 1
+      for (int r8 = 0; r8 < kC / 8; ++r8) {
+        unsigned wd[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = 8 * r8 + 2 * e;
+          wd[e] = pack_bf16x2(sm.k[t][c] * expf(gl - sm.g[t][c]), sm.k[t + 1][c] * expf(gl - sm.g[t + 1][c]));
+        }
+        *reinterpret_cast<uint4*>(&rec->kgt[c][8 * r8]) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+      }
+    }
+    float x[kC];
+#pragma unroll
+    for (int r = 0; r < kC; ++r) {
+      const float y = wcol ? sm.k[r][c] * expf(sm.g[r][c]) : sm.v[r][c];
+      float acc = sm.beta[r] * y;
+      const float* Ar = sm.u2.a.A[r];
+#pragma unroll
+      for (int s = 0; s < r; ++s) acc = fmaf(-Ar[s], x[s], acc);
+      x[r] = acc;
+    }
+    if (wcol) {
+#pragma unroll
+      for (int r = 0; r < kC; ++r) rec->w[r][c] = bf(-x[r]);
+    } else {
+#pragma unroll
+      for (int r4 = 0; r4 < kC / 4; ++r4)
+        *reinterpret_cast<float4*>(&rec->ut[c][4 * r4]) = make_float4(x[4 * r4], x[4 * r4 + 1], x[4 * r4 + 2], x[4 * r4 + 3]);
+    }
+  }
+#pragma unroll 1
+  for (int e = tid; e < kC * kC / 2; e += kThreads) {
+    const int t = e >> 5, s = 2 * (e & 31);
+    const float a0 = s <= t ? sm.u2.a.P[t][s] : 0.0f, a1 = s + 1 <= t ? sm.u2.a.P[t][s + 1] : 0.0f;
+    *reinterpret_cast<unsigned*>(&rec->aqk[t][s]) = pack_bf16x2(a0, a1);
+  }
+}
+
+// ---- 2. state ----------------------------------------------------------------------------------
+template <bool kBf16>
+__device__ __forceinline__ void load_state(const void* head, float (&st)[16][4], int rb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * rb + g;
+#pragma unroll
+  for (int kt = 0; kt < 16; ++kt) {
+    const int k = 8 * kt + 2 * t;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const long long off = static_cast<long long>(v + 8 * hr) * kDim + k;
+      if constexpr (kBf16) {
+        const unsigned u = *reinterpret_cast<const unsigned*>(static_cast<const __nv_bfloat16*>(head) + off);
+        st[kt][2 * hr] = __uint_as_float(u << 16);
+        st[kt][2 * hr + 1] = __uint_as_float(u & 0xffff0000u);
+      } else {
+        const float2 f = *reinterpret_cast<const float2*>(static_cast<const float*>(head) + off);
+        st[kt][2 * hr] = f.x;
+        st[kt][2 * hr + 1] = f.y;
+      }
+    }
+  }
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void store_state(void* head, const float (&st)[16][4], int rb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, v = 16 * rb + g;
+#pragma unroll
+  for (int kt = 0; kt < 16; ++kt) {
+    const int k = 8 * kt + 2 * t;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const long long off = static_cast<long long>(v + 8 * hr) * kDim + k;
+      if constexpr (kBf16)
+        *reinterpret_cast<unsigned*>(static_cast<__nv_bfloat16*>(head) + off) =
+            pack_bf16x2(st[kt][2 * hr], st[kt][2 * hr + 1]);
+      else
+        *reinterpret_cast<float2*>(static_cast<float*>(head) + off) = make_float2(st[kt][2 * hr], st[kt][2 * hr + 1]);
+    }
+  }
+}
+
+// One chunk on this warp's 16 rows of S^T (row block rb; wl = its block within the CTA's ut rows):
+// writes raw O of the first n tokens to o (row stride ldo). No barrier.
+template <int W>
+__device__ __forceinline__ void chunk_step(float (&st)[16][4], const StateBuf<W>& t, float* o, long long ldo, int n,
+                                           int rb, int wl) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const unsigned* W32 = reinterpret_cast<const unsigned*>(&t.w[0][0]);
+  const unsigned* Q32 = reinterpret_cast<const unsigned*>(&t.qg[0][0]);
+  const unsigned* K32 = reinterpret_cast<const unsigned*>(&t.kgt[0][0]);
+  const unsigned* A32 = reinterpret_cast<const unsigned*>(&t.aqk[0][0]);
+  constexpr int kBW = kBLd / 2, kTW = kTLd / 2;
+  float vn[8][4], oi[8][4];
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const float2 u0 = *reinterpret_cast<const float2*>(&t.ut[16 * wl + g][8 * nt + 2 * tq]);
+    const float2 u1 = *reinterpret_cast<const float2*>(&t.ut[16 * wl + g + 8][8 * nt + 2 * tq]);
+    vn[nt][0] = u0.x, vn[nt][1] = u0.y, vn[nt][2] = u1.x, vn[nt][3] = u1.y;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) oi[nt][e] = 0.0f;
+  }
+  // V_new^T = U^T + S^T (-W)^T and O^T = S^T (e^G Q)^T, contracting k in 8 steps of 16.
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    unsigned a[4];
+    afrag(a, st[2 * kk], st[2 * kk + 1]);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int w = (8 * nt + g) * kBW + 8 * kk + tq;
+      mma_bf16(vn[nt], a, W32[w], W32[w + 4]);
+      mma_bf16(oi[nt], a, Q32[w], Q32[w + 4]);
+    }
+  }
+  unsigned va[4][4];
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) afrag(va[ks], vn[2 * ks], vn[2 * ks + 1]);
+  // O^T += V_new^T Aqk^T over s <= t (s blocks of 16 past the 8-token tile are zero).
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int ks = 0; ks <= nt / 2; ++ks) {
+      const int w = (8 * nt + g) * kTW + 8 * ks + tq;
+      mma_bf16(oi[nt], va[ks], A32[w], A32[w + 4]);
+    }
+  // S^T <- S^T e^(G_C) + V_new^T (K e^(G_C - G)).
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const float2 e = *reinterpret_cast<const float2*>(&t.egl[8 * nt + 2 * tq]);
+    st[nt][0] *= e.x;
+    st[nt][1] *= e.y;
+    st[nt][2] *= e.x;
+    st[nt][3] *= e.y;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const int w = (8 * nt + g) * kTW + 8 * ks + tq;
+      mma_bf16(st[nt], va[ks], K32[w], K32[w + 4]);
+    }
+  }
+  const int v = 16 * rb + g;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int r = 8 * nt + 2 * tq;
+    if (r < n) {
+      o[r * ldo + v] = oi[nt][0];
+      o[r * ldo + v + 8] = oi[nt][2];
+    }
+    if (r + 1 < n) {
+      o[(r + 1) * ldo + v] = oi[nt][1];
+      o[(r + 1) * ldo + v + 8] = oi[nt][3];
+    }
+  }
+}
+
+template <class C, int W>
+__device__ __forceinline__ void state(const Params& p, StateSmem<W>& sm) {
+  constexpr int H = C::kHeads, D = H * kDim;
+  constexpr long long kHead = kDim * kDim;
+  constexpr unsigned kUtBytes = 16 * W * kTLd * 4;
+  const int h = blockIdx.x, b = blockIdx.y, wl = threadIdx.x >> 5;
+  const int rb = W * blockIdx.z + wl;
+  const long long tok0 = __ldg(p.cu_seqlens + b);
+  const int len = __ldg(p.cu_seqlens + b + 1) - static_cast<int>(tok0);
+  const int slot = __ldg(p.slots + b);
+  if (slot < 0 || slot >= p.num_slots || len <= 0) return;  // prep and emit handle padding
+  const Rec* recs = p.rec + item_base(p.cu_seqlens, b) * H + h;  // chunk c at recs[c * H]
+  const int nc = (len + kC - 1) / kC;
+  auto issue = [&](int buf, int c) {
+    const Rec* r = recs + static_cast<long long>(c) * H;
+    mbar_arrive_expect_tx(&sm.bar[buf], kRecHead + kUtBytes);
+    bulk_g2s(&sm.b[buf], r, kRecHead, &sm.bar[buf]);
+    bulk_g2s(&sm.b[buf].ut[0][0], &r->ut[16 * W * blockIdx.z][0], kUtBytes, &sm.bar[buf]);
+  };
+  if (threadIdx.x == 0) {
+    mbar_init(&sm.bar[0], 1);
+    mbar_init(&sm.bar[1], 1);
+    fence_proxy_async_smem();
+    for (int c = 0; c < 2 && c < nc; ++c) issue(c, c);
+  }
+  const bool resume = __ldg(p.resume + b) != 0;
+  void* head = C::kBf16State
+                   ? static_cast<void*>(static_cast<__nv_bfloat16*>(p.ssm) + (static_cast<long long>(slot) * H + h) * kHead)
+                   : static_cast<void*>(static_cast<float*>(p.ssm) + (static_cast<long long>(slot) * H + h) * kHead);
+  float st[16][4];
+  if (resume) {
+    load_state<C::kBf16State>(head, st, rb);
+  } else {
+#pragma unroll
+    for (int kt = 0; kt < 16; ++kt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[kt][e] = 0.0f;
+  }
+  __syncthreads();  // barriers initialised before anyone polls them
+#pragma unroll 1
+  for (int c = 0; c < nc; ++c) {
+    const int buf = c & 1;
+    mbar_wait(&sm.bar[buf], (c >> 1) & 1);
+    const int n = len - c * kC < kC ? len - c * kC : kC;
+    chunk_step<W>(st, sm.b[buf], p.o + ((tok0 + static_cast<long long>(c) * kC) * H + h) * kDim,
+                  static_cast<long long>(H) * kDim, n, rb, wl);
+    __syncthreads();  // every warp is done with b[buf]
+    if (threadIdx.x == 0 && c + 2 < nc) {
+      fence_proxy_async_smem();  // generic reads of b[buf] before the async-proxy refill
+      issue(buf, c + 2);
+    }
+  }
+  store_state<C::kBf16State>(head, st, rb);
+  if (blockIdx.z != 0) return;
+  // The window after the prompt: the last three of (old window, x_0 .. x_{len-1}); prep read the old
+  // window in an earlier kernel. Raw BF16 bits: exact.
+  unsigned short* wb = reinterpret_cast<unsigned short*>(p.conv) + static_cast<long long>(slot) * (3 * D) * 3;
+  const unsigned short* x = reinterpret_cast<const unsigned short*>(p.qkvg);
+#pragma unroll 1
+  for (int c = threadIdx.x; c < 3 * kDim; c += W * 32) {
+    const int chan = (c >> 7) * D + h * kDim + (c & (kDim - 1));
+    unsigned short nw[3];
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const int m = len + i;  // index into (old window, x)
+      nw[i] = m >= 3 ? x[(tok0 + m - 3) * p.qkvg_stride + chan] : (resume ? wb[chan * 3 + m] : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 3; ++i) wb[chan * 3 + i] = nw[i];
+  }
+}
+
+// ---- 3. emit -----------------------------------------------------------------------------------
+template <class C>
+__device__ __forceinline__ void emit(const Params& p) {
+  constexpr int H = C::kHeads, D = H * kDim;
+  const Item it = item_of(p);
+  if (it.t0 >= it.len) return;
+  const int n = it.len - it.t0 < kC ? it.len - it.t0 : kC;
+  const long long tok = it.tok0 + it.t0;
+  const int slot = __ldg(p.slots + it.b), h = it.h;
+  if (slot < 0 || slot >= p.num_slots) {
+    for (int i = threadIdx.x; i < n * kDim; i += kThreads)
+      p.out[((tok + i / kDim) * H + h) * kDim + i % kDim] = __float2bfloat16(0.0f);
+    return;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float* o_rows = p.o + (tok * H + h) * kDim;
+  constexpr long long ldo = static_cast<long long>(H) * kDim;
+#pragma unroll 1
+  for (int t = warp; t < n; t += kThreads / 32) {
+    const long long tk = tok + t;
+    gated_rmsnorm<H>(
+        p, tk, h, lane, [&](int i) { return o_rows[t * ldo + 4 * lane + i]; },
+        [&](int i) { return __ldg(p.norm_w + 4 * lane + i); },
+        [&](int i) {
+          const __nv_bfloat16* go = p.qkvg + tk * p.qkvg_stride + 3 * D + h * kDim + 4 * lane;
+          return sigmoidf_(__bfloat162float(go[i]));
+        });
+  }
+}
+
+}  // namespace c64
+}  // namespace kda
+}  // namespace k3gen
