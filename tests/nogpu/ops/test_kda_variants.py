@@ -64,13 +64,13 @@ def test_verify_variant_reasons():
 
 def test_prefill_variant_reasons():
     table = KdaPrefillSpec.variants
-    assert table.names() == ("chunk16", "chunkpar")
+    assert table.names() == ("chunk64", "chunk16", "chunkpar")
     spec = KdaPrefillSpec(target=SM90, heads=12)
-    assert spec.algo is PrefillAlgo.CHUNK16
+    assert spec.algo is PrefillAlgo.CHUNK64
     for name in table.names():
         assert table.get(name).can_implement(spec) is None
         assert "sm_90" in table.get(name).can_implement(_on(spec, SM80))
-    with pytest.raises(SpecError, match="no kda_prefill kernel can implement.*chunk16: needs bulk copies"):
+    with pytest.raises(SpecError, match="no kda_prefill kernel can implement.*chunk64: needs bulk copies"):
         KdaPrefillSpec(target=SM80, heads=12)
     with pytest.raises(SpecError, match="algo='token'"):
         KdaPrefillSpec(target=SM90, heads=12, algo="token")
