@@ -47,10 +47,10 @@ def _cu(lengths):
     return out
 
 
-def _run(op, q, kn, kp, v, cq, ck, max_q, dtype=torch.float32):
+def _run(op, q, kn, kp, v, cq, ck, max_q, dtype=torch.float32, heads_fast=None):
     i32 = dict(dtype=torch.int32, device="cuda")
     out = poison(torch.empty(q.shape[0], q.shape[1], 128, dtype=dtype, device="cuda"))
-    op(q, kn, kp, v, torch.tensor(cq, **i32), torch.tensor(ck, **i32), out, max_q)
+    op(q, kn, kp, v, torch.tensor(cq, **i32), torch.tensor(ck, **i32), out, max_q, heads_fast=heads_fast)
     torch.cuda.synchronize()
     return out
 
@@ -67,13 +67,30 @@ def test_varlen_batch_matches_reference(H):
                          what=f"{kernel.value} H{H} length {n}")
 
 
+@pytest.mark.parametrize("heads_fast", [True, False])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_bf16_output(kernel):
-    H, lengths = 12, (17, 300, 1)
+def test_bf16_output_contiguous_keys_both_grid_orders(kernel, heads_fast):
+    """Contiguous k_nope / v / k_pe (the model's einsum outputs) and both grid orders."""
+    H, lengths = 12, (17, 300, 1, 129)
     cu = _cu(lengths)
-    q, (kn, kp, v) = _q(H, cu[-1], 5), _keys(H, cu[-1], 5)
-    out = _run(_op(H, OutDtype.BF16, kernel), q, kn, kp, v, cu, cu, 300, BF)
+    q, (kn, kp, v) = _q(H, cu[-1], 5), (t.contiguous() for t in _keys(H, cu[-1], 5))
+    out = _run(_op(H, OutDtype.BF16, kernel), q, kn, kp, v, cu, cu, 300, BF, heads_fast=heads_fast)
     assert_close(out, mla_prefill(q, kn, kp, v, cu, cu), what="bf16 out")
+
+
+def test_nan_in_another_sequence_stays_there():
+    """A tail tile's V rows past the sequence end belong to the next sequence: a NaN there must not
+    reach this sequence (its V comes by zero-filling copies), and K rows there are masked by a select."""
+    H, lengths = 6, (100, 200)
+    cu = _cu(lengths)
+    q, (kn, kp, v) = _q(H, cu[-1], 6), _keys(H, cu[-1], 6)
+    kn[100:110] = float("nan")
+    v[100:110] = float("inf")
+    kp[100:110] = float("nan")
+    for kernel in KERNELS:
+        out = _run(_op(H, kernel=kernel), q, kn, kp, v, cu, cu, 200)
+        assert_close(out[:100], mla_prefill(q[:100], kn[:100], kp[:100], v[:100], [0, 100], [0, 100]),
+                     torch.bfloat16, what=kernel.value)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -10,10 +10,11 @@ import ctypes
 
 from k3gen.config import settings
 from k3gen.errors import SpecError
-from k3gen.ops.mla_prefill.spec import MAX_GRID_YZ, NOPE, QK_HEAD, ROPE, THREADS, V_HEAD, OutDtype
+from k3gen.ops.mla_prefill.spec import BLOCK_N, MAX_GRID_YZ, NOPE, QK_HEAD, ROPE, THREADS, V_HEAD, OutDtype
 from k3gen.runtime.checks import check_one_device, check_tensor
 from k3gen.runtime.launcher import Launcher
-from k3gen.runtime.loader import I32, PTR
+from k3gen.runtime.loader import I32, PTR, ArgPack
+from k3gen.runtime.tma import encode_tma_2d
 
 I64 = ctypes.c_longlong
 
@@ -24,15 +25,47 @@ def _rows(name, t, rows, heads, width) -> None:
     import torch
     shape = (rows, width) if heads is None else (rows, heads, width)
     check_tensor(name, t, torch.bfloat16, shape, contiguous=False, inner_unit=True)
-    if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+    outer = [st for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1]
+    if t.stride(-1) != 1 or any(st % 8 or st < width for st in outer) or t.data_ptr() % 16:
         raise SpecError(name, (tuple(t.shape), t.stride()), [f"bf16 {list(shape)}"],
-                        "unit inner stride, 16-byte aligned rows (strides multiples of 8 elements)")
+                        f"unit inner stride, 16-byte aligned rows, token / head strides multiples of 8 and >= {width}")
 
 
 def check_offsets(name: str, cu: list[int], rows: int) -> None:
     if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > rows:
         raise SpecError(name, cu[:8] + (["..."] if len(cu) > 8 else []),
                         f"non-decreasing offsets from 0 to at most {rows}")
+
+
+def encode_tma_3d(ptr: int, dims: tuple[int, int, int], strides: tuple[int, int], box: tuple[int, int, int]) -> bytes:
+    """128-byte CUtensorMap of a uint8 [dims[2]][dims[1]][dims[0]] array (byte strides of dims 1, 2),
+    128B swizzle, zero fill out of bounds (runtime/tma.encode_tma_2d in three dimensions)."""
+    import ctypes as c
+
+    from cuda.bindings import driver as d
+
+    from k3gen.runtime.loader import _check
+    u64, u32 = d.cuuint64_t, d.cuuint32_t
+    tmap = _check(d.cuTensorMapEncodeTiled(
+        d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, ptr, [u64(v) for v in dims],
+        [u64(v) for v in strides], [u32(v) for v in box], [u32(1)] * 3,
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    return c.string_at(int(tmap.getPtr()), 128)
+
+
+def head_map(t) -> bytes:
+    """k_nope / v [rows, H, 128] BF16: box [128 rows][1 head][128 bytes] (one SW128 block)."""
+    rows, heads = t.shape[0], t.shape[1]
+    head_stride = t.stride(1) * 2 if heads > 1 else 256
+    return encode_tma_3d(t.data_ptr(), (256, heads, max(rows, 1)), (head_stride, max(t.stride(0) * 2, 16)),
+                         (128, 1, BLOCK_N))
+
+
+def rope_map(t) -> bytes:
+    """k_pe [rows, 64] BF16: box [128 rows][128 bytes]."""
+    return encode_tma_2d(t.data_ptr(), (128, max(t.shape[0], 1)), (max(t.stride(0) * 2, 16),), (128, BLOCK_N))
 
 
 class MlaPrefill(Launcher):
@@ -84,21 +117,31 @@ class MlaPrefill(Launcher):
             if lq > max_seqlen_q:
                 raise SpecError("max_seqlen_q", max_seqlen_q, f">= {lq}", f"sequence {b} has {lq} query rows")
 
-    def __call__(self, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, out, max_seqlen_q: int):
-        """out[Nq, H, 128] = causal attention of each sequence (spec.py); returns out."""
+    def __call__(self, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, out, max_seqlen_q: int,
+                 heads_fast: bool | None = None):
+        """out[Nq, H, 128] = causal attention of each sequence (spec.py); returns out. `heads_fast`
+        overrides the grid order (None: spec.heads_fast(Nk); benchmarks compare both)."""
         import torch
         B, nq, nk = self.check(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, out, max_seqlen_q)
         if settings().validate:
             self.validate_inputs(cu_seqlens_q, cu_seqlens_k, nq, nk, max_seqlen_q)
         if B == 0 or nq == 0 or max_seqlen_q == 0:
             return out
+        if nk == 0:   # no key anywhere: every row is zero (and an empty tensor has no address to map)
+            return out.zero_()
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         qb = self.spec.q_blocks(max_seqlen_q)
+        fast = self.spec.heads_fast(nk) if heads_fast is None else bool(heads_fast)
         args = (q.data_ptr(), q.stride(0), q.stride(1), k_nope.data_ptr(), k_nope.stride(0), k_nope.stride(1),
                 k_pe.data_ptr(), k_pe.stride(0), v.data_ptr(), v.stride(0), v.stride(1),
-                cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), out.data_ptr(), nq, nk, qb)
-        types = (PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I64, I64, PTR, PTR, PTR, I32, I32, I32)
+                cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), out.data_ptr(), nq, nk, qb, int(fast))
+        types = (PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I64, I64, PTR, PTR, PTR, I32, I32, I32, I32)
+        pack = ArgPack()
+        for val, t in zip(args, types):
+            pack.add(t(val))
+        for raw in (head_map(k_nope), rope_map(k_pe), head_map(v)):
+            pack.add(raw)
         self.load()._allow_smem(dev)
-        self.kernel.launch(self.spec.grid(B, max_seqlen_q), (THREADS, 1, 1), args, types, dev,
-                           torch.cuda.current_stream(out.device).cuda_stream, self.spec.smem_bytes)
+        self.kernel.launch_ex(self.spec.grid(B, max_seqlen_q, fast), (THREADS, 1, 1), None, pack.address(), None,
+                              dev, torch.cuda.current_stream(out.device).cuda_stream, self.spec.smem_bytes)
         return out

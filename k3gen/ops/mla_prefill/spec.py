@@ -20,7 +20,9 @@ Kernel contract (shared by the template, the reference and the launcher). Per he
   never address outside the tensors; the launcher checks them on the host when validating.
 
 Launch (variants `wgmma`, `wgmma_ov`: include/k3gen/mla/prefill.cuh): grid (H, ceil(max_seqlen_q / 128), B),
-384 threads, `smem_bytes` of dynamic shared memory, one CTA per SM.
+or (ceil(max_seqlen_q / 128), H, B) when the K/V of all heads outgrow L2 (`heads_fast`), 384 threads,
+`smem_bytes` of dynamic shared memory, one CTA per SM; three TMA maps (k_nope, k_pe, v) encoded
+per call on the host (no device state: graph-capturable).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ THREADS = 384
 # barriers + 1024 bytes to align the base (the template static_asserts the header agrees).
 SMEM_BYTES = 2 * 3 * 64 * 128 + 2 * (5 * BLOCK_N * 128) + 8 * 8 + 1024
 MAX_GRID_YZ = 65535
+L2_KV_BYTES = 32 << 20
 
 
 class OutDtype(str, enum.Enum):
@@ -85,8 +88,15 @@ class MlaPrefillSpec(OpSpec):
     def q_blocks(self, max_seqlen_q: int) -> int:
         return -(-max_seqlen_q // BLOCK_M)
 
-    def grid(self, batch: int, max_seqlen_q: int) -> tuple[int, int, int]:
-        return (self.heads, self.q_blocks(max_seqlen_q), batch)
+    def grid(self, batch: int, max_seqlen_q: int, heads_fast: bool = True) -> tuple[int, int, int]:
+        qb = self.q_blocks(max_seqlen_q)
+        return (self.heads, qb, batch) if heads_fast else (qb, self.heads, batch)
+
+    def heads_fast(self, nk: int) -> bool:
+        """Grid order: heads fastest (every head's largest q-block in the first wave) while the K/V
+        rows of all heads fit in about half the H200's 60 MB L2 (H12 T4096: 26 MB); beyond it a head's q-blocks run
+        together so its K/V is read from DRAM about once."""
+        return nk * (self.heads * (NOPE + V_HEAD) + ROPE) * 2 <= L2_KV_BYTES
 
     def slug(self) -> str:
         return f"h{self.heads}-{self.out_dtype.value}" + ("-ov" if self.kernel is PrefillKernel.WGMMA_OV else "")

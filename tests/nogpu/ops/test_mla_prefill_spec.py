@@ -51,6 +51,9 @@ def test_blackwell_targets_refused_with_a_reason(target):
 def test_launch_plan():
     s = MlaPrefillSpec(target=SM90, heads=12)
     assert s.grid(1, 4096) == (12, 32, 1) and s.grid(8, 1000) == (12, 8, 8) and s.grid(3, 1) == (12, 1, 3)
+    assert s.grid(1, 4096, heads_fast=False) == (32, 12, 1)
+    # K/V of every head within the L2 share: heads fastest (H12 T4096); H96 T4096 runs a head's q-blocks together.
+    assert s.heads_fast(4096) and not MlaPrefillSpec(target=SM90, heads=96).heads_fast(4096)
     from k3gen.ir.dims import evaluate
     assert evaluate(s.flops(), N=4096) == 2 * 12 * 320 * 4096 * 4097 // 2
 
@@ -112,7 +115,8 @@ def test_compiles_to_hgmma_without_spills(kernel, out_dtype):
     # The overlapped schedule has a prologue QK and an epilogue PV besides its loop.
     copies = 2 if kernel is PrefillKernel.WGMMA_OV else 1
     assert text.count("HGMMA.64x128x16.F32.BF16") == 20 * copies and text.count(".tnspB") == 8 * copies
-    assert "HMMA" not in k["sass"] and "USETMAXREG" in text and "LDGSTS" in text
+    # K / V boxes by TMA (3 + 2 per tile), Q and a tail tile's V by cp.async.
+    assert "HMMA" not in k["sass"] and "USETMAXREG" in text and "LDGSTS" in text and text.count("UTMALDG") == 5
     # One wait per GEMM group (ptxas did not serialize the wgmmas): loop QK, loop PV (+ prologue, epilogue).
     assert text.count("WARPGROUP.DEPBAR") <= 2 * copies and text.count("WARPGROUP.ARRIVE") <= 2 * copies
 

@@ -5,20 +5,19 @@
 // causal with a prefix (query row i of a sequence with prefix p = len_k - len_q sees keys <= p + i),
 // online softmax in FP32, o = P V_h accumulated in FP32.
 //
-// Grid (H, q_blocks, B), 384 threads, one CTA per SM (213 KB of shared memory):
-//   warpgroup 0, the producer: cp.async copies of each 128-key tile (K = 3 SW128 blocks of
-//     [128 keys][64 dims]: k_nope 0-63, 64-127, k_pe; V = 2 blocks) into a 2-stage ring, keys past the
-//     sequence zero-filled; a thread waits for its own copies, fences them to the async proxy and
-//     arrives on the stage's K-full, then V-full barrier (128 arrivals each).
+// Grid (H, q_blocks, B) or (q_blocks, H, B) (Params::heads_fast), 384 threads, one CTA per SM (213 KB of shared memory):
+//   warpgroup 0, the producer: TMA boxes of each 128-key tile (K = 3 SW128 blocks of [128 keys][64
+//     dims]: k_nope 0-63, 64-127, k_pe; V = 2 blocks) into a 2-stage ring, on the stage's K-full and
+//     V-full barriers; the V of a tile that runs past the sequence end by zero-filling cp.async.
 //   warpgroups 1, 2, the consumers: 64 query rows each (a 128-row q-block per CTA): S = Q K^T
 //     (12 x m64n128k16, Q and K from shared memory), the masked online softmax in registers, P (BF16)
 //     stays in registers as the A operand of O += P V (8 x m64n128k16, V read N-major); K and V of a
 //     stage are released separately (K-empty / V-empty, 256 arrivals), so the next K lands while V
 //     is still read. kOverlap (variant wgmma_ov) issues QK of tile i before PV of tile i - 1 and runs
 //     the softmax of tile i while that PV is in flight (FA3's intra-warpgroup pipelining).
-// Why cp.async and not TMA: the rows of a head are strided views (k_nope / v may be slices of one
-// kv_b expansion, k_pe a slice of the cache rows), a varlen sequence's tile may run past its end
-// (zero-filled per 16 bytes here), and no tensor map has to be encoded per call.
+// Q is copied once per CTA by cp.async (rows past the sequence zero-filled). H200, H12 T4096: K/V by
+// cp.async from the producer warpgroup (one tile in flight) ran at ~5.5 us per tile whatever the
+// consumer schedule; TMA keeps both stages in flight from one thread.
 // Long first: blockIdx.y = 0 is the last (largest causal) q-block; heads vary fastest, so the
 // heaviest CTAs of every head are dispatched in the first wave.
 // cu_seqlens are clamped on the device to [0, nq] / [0, nk] (never an out-of-bounds row).
@@ -54,6 +53,7 @@ constexpr int kProducerRegs = 56, kConsumerRegs = 224;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
 static_assert(kSmem <= 232448, "one CTA per SM");
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr unsigned kBarProducer = 1;   // named barrier of the producer warpgroup (tail-tile copies)
 #define K3GEN_PF_NEG_INF (__int_as_float(0xff800000u))
 
 struct Params {
@@ -65,7 +65,7 @@ struct Params {
   const int* cu_k;               // [B + 1]
   void* out;                     // [nq, H, 128] contiguous, BF16 or FP32
   long long q_row, q_head, kn_row, kn_head, kpe_row, v_row, v_head;
-  int nq, nk, q_blocks;
+  int nq, nk, q_blocks, heads_fast;
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -148,20 +148,8 @@ __device__ __forceinline__ void load_q(const Params& p, const Seq& s, int h, int
   }
 }
 
-// K of keys kv0 .. kv0 + 127 of head h into the stage's K blocks (k_nope 0-63, 64-127, k_pe), 128
-// producer threads; keys past the sequence zero-filled.
-__device__ __forceinline__ void load_k(const Params& p, const Seq& s, int h, int kv0, unsigned aK, int t) {
-#pragma unroll 2
-  for (int i = t; i < kBN * 24; i += 128) {
-    const int key = i / 24, c = i - key * 24;
-    const bool ok = kv0 + key < s.lk;
-    const long long row = s.k0 + kv0 + key;
-    const __nv_bfloat16* src = c < 16 ? p.k_nope + row * p.kn_row + h * p.kn_head + c * 8
-                                      : p.k_pe + row * p.kpe_row + (c - 16) * 8;
-    cp_async16(aK + (c >> 3) * kKBlk + sw128(key, c & 7), ok ? src : p.k_pe, ok ? 16u : 0u);
-  }
-}
-// V of the same keys into the stage's two V blocks.
+// V of keys kv0 .. kv0 + 127 of head h into the stage's two V blocks (keys past the sequence
+// zero-filled), 128 producer threads.
 __device__ __forceinline__ void load_v(const Params& p, const Seq& s, int h, int kv0, unsigned aV, int t) {
 #pragma unroll 2
   for (int i = t; i < kBN * 16; i += 128) {
@@ -218,8 +206,8 @@ __device__ __forceinline__ void pack(const float (&sc)[64], const float (&a)[2],
   for (int r = 0; r < 2; ++r) l[r] = l[r] * a[r] + sum[r];
 }
 
-// Barriers (8 bytes each): K full / V full (128 producer arrivals, after the thread's copies landed
-// and were fenced to the async proxy), K empty / V empty (256 consumer arrivals), two stages each.
+// Barriers (8 bytes each): K full / V full (one arrival: the TMA thread's expect_tx, or after the
+// producer's copies of a tail tile landed), K empty / V empty (256 consumer arrivals), two stages each.
 struct Bars {
   unsigned base;
   __device__ unsigned kfull(int s) const { return base + 8 * s; }
@@ -243,36 +231,72 @@ __device__ __forceinline__ void rescale(float (&o)[64], const float (&a)[2]) {
   for (int i = 0; i < 64; ++i) o[i] *= (i & 2) ? a[1] : a[0];
 }
 
-// Keys tile `it` into its stage: K copies, then V copies (each stage waits for its own release),
-// then K and V signalled separately, so a consumer can start QK while V still lands.
+// 3-D TMA box at (c0 = byte in the row, c1 = head, c2 = row) into shared `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const sm90::TmaMap* map, int c0, int c1, int c2,
+                                            unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
+          "r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// The TMA maps of the launcher (uint8, 128B swizzle, zero fill past the tensors): k_nope and v as
+// [rows][heads][256 bytes] with boxes [128 rows][1][128 bytes], k_pe as [rows][128 bytes] with box
+// [128 rows][128 bytes]; one box is one SW128 block of a stage.
+struct Maps {
+  const sm90::TmaMap* kn;
+  const sm90::TmaMap* kpe;
+  const sm90::TmaMap* v;
+};
+
+// Keys tile `it` into its stage, K and V each once its own buffer is released. One thread issues the
+// TMA boxes (K: k_nope 0-63, 64-127, k_pe; V: 2 boxes). K rows past the sequence are whatever the
+// tensor holds there (zeros past its end): every score there is replaced by -inf, a select. V rows
+// there would be multiplied by a zero probability, so the tile that runs past the sequence end gets
+// its V by zero-filling cp.async copies of all 128 producer threads instead (a NaN or Inf in another
+// sequence's rows must not reach this one's output).
 __device__ __forceinline__ void produce(const Params& p, const Seq& s, int h, int n, unsigned base, const Bars& bars,
-                                        int wt) {
+                                        const Maps& maps, int wt) {
   for (int it = 0; it < n; ++it) {
-    const int st = it & 1, ph = ((it >> 1) - 1) & 1;
-    const unsigned aK = base + kStageOff + st * kStageBytes;
+    const int st = it & 1, ph = ((it >> 1) - 1) & 1, kv0 = it * kBN, row = s.k0 + kv0;
+    const unsigned aK = base + kStageOff + st * kStageBytes, aV = aK + kKBytes;
     if (it >= kStages) sm90::mbar_wait_or_trap(bars.kempty(st), ph);
-    load_k(p, s, h, it * kBN, aK, wt);
-    cp_async_commit();
+    if (wt == 0) {
+      sm90::mbar_arrive_expect_tx(bars.kfull(st), kKBytes);
+      tma_load_3d(aK, maps.kn, 0, h, row, bars.kfull(st));
+      tma_load_3d(aK + kKBlk, maps.kn, 128, h, row, bars.kfull(st));
+      sm90::tma_load_2d(aK + 2 * kKBlk, maps.kpe, 0, row, bars.kfull(st));
+    }
     if (it >= kStages) sm90::mbar_wait_or_trap(bars.vempty(st), ph);
-    load_v(p, s, h, it * kBN, aK + kKBytes, wt);
-    cp_async_commit();
-    cp_async_wait<1>();
-    sm90::fence_proxy_async();
-    sm90::mbar_arrive(bars.kfull(st));
-    cp_async_wait<0>();
-    sm90::fence_proxy_async();
-    sm90::mbar_arrive(bars.vfull(st));
+    if (kv0 + kBN <= s.lk) {
+      if (wt == 0) {
+        sm90::mbar_arrive_expect_tx(bars.vfull(st), kVBytes);
+        tma_load_3d(aV, maps.v, 0, h, row, bars.vfull(st));
+        tma_load_3d(aV + kKBlk, maps.v, 128, h, row, bars.vfull(st));
+      }
+    } else {
+      load_v(p, s, h, kv0, aV, wt);
+      cp_async_commit();
+      cp_async_wait<0>();
+      sm90::fence_proxy_async();
+      sm90::barrier_sync_divergent(kBarProducer, 128);
+      if (wt == 0) sm90::mbar_arrive(bars.vfull(st));
+    }
   }
 }
 
 template <class C>
-__device__ void run(const Params& p) {
+__device__ void run(const Params& p, const Maps& maps) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const unsigned base = smem_u32(smem);
   const Bars bars{base + kBarOff};
-  const int h = blockIdx.x, b = blockIdx.z;
-  const int qb = p.q_blocks - 1 - static_cast<int>(blockIdx.y);
+  // heads_fast: grid (H, q_blocks, B), every head's largest q-block in the first wave (few heads, K/V
+  // of all heads in L2); else grid (q_blocks, H, B): a head's q-blocks run together, so its K/V is
+  // read from DRAM about once (many heads, K/V of all heads larger than L2). Largest q-block first.
+  const int h = p.heads_fast ? blockIdx.x : blockIdx.y, b = blockIdx.z;
+  const int qb = p.q_blocks - 1 - static_cast<int>(p.heads_fast ? blockIdx.y : blockIdx.x);
   const int i0 = qb * kBM;
   const Seq s = seq_of(p, b);
   if (i0 >= s.lq) return;   // CTA-uniform: this sequence has fewer q-blocks
@@ -284,8 +308,8 @@ __device__ void run(const Params& p) {
   const int tid = threadIdx.x, wgi = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
-      sm90::mbar_init(bars.kfull(st), 128);
-      sm90::mbar_init(bars.vfull(st), 128);
+      sm90::mbar_init(bars.kfull(st), 1);   // the TMA thread's expect_tx (or the copies' last arrival)
+      sm90::mbar_init(bars.vfull(st), 1);
       sm90::mbar_init(bars.kempty(st), 256);
       sm90::mbar_init(bars.vempty(st), 256);
     }
@@ -299,7 +323,12 @@ __device__ void run(const Params& p) {
 
   if (wgi == 0) {
     sm90::setmaxnreg_dec<kProducerRegs>();
-    produce(p, s, h, n, base, bars, wt);
+    if (wt == 0) {
+      sm90::tma_prefetch_map(maps.kn);
+      sm90::tma_prefetch_map(maps.kpe);
+      sm90::tma_prefetch_map(maps.v);
+    }
+    produce(p, s, h, n, base, bars, maps, wt);
     return;
   }
   sm90::setmaxnreg_inc<kConsumerRegs>();
