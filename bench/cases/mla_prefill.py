@@ -63,24 +63,25 @@ def mla_prefill(ceiling: float, quick: bool = False) -> list:
             except Exception as e:  # noqa: BLE001  (keep our rows whatever the peer does)
                 peer_err = repr(e)[:200]
             del peer_sets
-            W, OV = PrefillKernel.WGMMA, PrefillKernel.WGMMA_OV
+            K = PrefillKernel
             auto = MlaPrefillSpec(target=tgt, heads=H).heads_fast(N)
-            for kern, od, fast in ((W, OutDtype.BF16, auto), (OV, OutDtype.BF16, auto), (OV, OutDtype.BF16, not auto),
-                                   (W, OutDtype.FP32, auto)):
-                if od is OutDtype.FP32 and B > 1:
-                    continue
+            ob, of = OutDtype.BF16, OutDtype.FP32
+            plan = [(K.WGMMA, ob, auto), (K.WGMMA_OV, ob, auto), (K.WGMMA_PP, ob, auto)]
+            if B == 1:
+                plan += [(K.WGMMA_CP, ob, auto), (K.WGMMA_PP, ob, not auto), (K.WGMMA_PP, of, auto)]
+            for kern, od, fast in plan:
                 order = "heads-fast" if fast else "qblocks-fast"
                 print(f"  mla_prefill H{H} B{B} T{T} {kern.value} {od.value} {order}", flush=True)
                 op = MlaPrefill(MlaPrefillSpec(target=tgt, heads=H, out_dtype=od, kernel=kern)).load()
-                dt = bf if od is OutDtype.BF16 else torch.float32
+                dt = torch.bfloat16 if od is OutDtype.BF16 else torch.float32
                 for s in sets:
                     s["out"] = torch.empty(N, H, 128, device="cuda", dtype=dt)
-                us = time_graph([lambda s=s: op(s["q"], s["kn"], s["kp"], s["v"], cu, cu, s["out"], T, heads_fast=fast)
-                                 for s in sets], reps=10)
+                us = time_graph([lambda s=s: op(s["q"], s["kn"], s["kp"], s["v"], cu, cu, s["out"], T,
+                                                heads_fast=fast) for s in sets], reps=10)
                 tf = flops / us / 1e6
                 nbytes = N * H * (192 + 256) * 2 + N * 64 * 2 + N * H * 128 * (2 if od is OutDtype.BF16 else 4)
-                extra = {"heads": H, "batch": B, "tokens": T, "out": od.value, "kernel": kern.value, "order": order, "tflops": tf,
-                         "matmul_tflops": mm, "pct_matmul": 100 * tf / mm}
+                extra = {"heads": H, "batch": B, "tokens": T, "out": od.value, "kernel": kern.value, "order": order,
+                         "tflops": tf, "matmul_tflops": mm, "pct_matmul": 100 * tf / mm}
                 if peer_us:
                     extra["peer_tflops"] = flops / peer_us / 1e6
                 if peer_err:
@@ -88,8 +89,9 @@ def mla_prefill(ceiling: float, quick: bool = False) -> list:
                 print(f"    {us:.1f} us, {tf:.0f} TFLOP/s ({100 * tf / mm:.0f}% of matmul)"
                       + (f"; SDPA {peer_us:.1f} us, x{peer_us / us:.2f}" if peer_us else f"; SDPA: {peer_err}"),
                       flush=True)
-                rows.append(make_row("mla_prefill", f"H{H} B{B} T{T} {kern.value} {od.value} {order}", us, nbytes, ceiling, same,
-                                     peer="torch sdpa" if peer_us else "", peer_us=peer_us, extra=extra))
+                rows.append(make_row("mla_prefill", f"H{H} B{B} T{T} {kern.value} {od.value} {order}", us, nbytes,
+                                     ceiling, same, peer="torch sdpa" if peer_us else "", peer_us=peer_us,
+                                     extra=extra))
             del sets
             torch.cuda.empty_cache()
     return rows

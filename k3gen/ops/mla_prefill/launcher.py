@@ -139,7 +139,8 @@ class MlaPrefill(Launcher):
         pack = ArgPack()
         for val, t in zip(args, types):
             pack.add(t(val))
-        for raw in (head_map(k_nope), rope_map(k_pe), head_map(v)):
+        maps = (head_map(k_nope), rope_map(k_pe), head_map(v)) if self.spec.impl.tma else (bytes(128),) * 3
+        for raw in maps:
             pack.add(raw)
         self.load()._allow_smem(dev)
         self.kernel.launch_ex(self.spec.grid(B, max_seqlen_q, fast), (THREADS, 1, 1), None, pack.address(), None,

@@ -19,7 +19,8 @@ Kernel contract (shared by the template, the reference and the launcher). Per he
   lengths up to it). cu_seqlens are clamped on the device to [0, Nq] / [0, Nk], so bad offsets
   never address outside the tensors; the launcher checks them on the host when validating.
 
-Launch (variants `wgmma`, `wgmma_ov`: include/k3gen/mla/prefill.cuh): grid (H, ceil(max_seqlen_q / 128), B),
+Launch (variants `wgmma`, `wgmma_ov`, `wgmma_pp`, `wgmma_cp`: include/k3gen/mla/prefill.cuh):
+grid (H, ceil(max_seqlen_q / 128), B),
 or (ceil(max_seqlen_q / 128), H, B) when the K/V of all heads outgrow L2 (`heads_fast`), 384 threads,
 `smem_bytes` of dynamic shared memory, one CTA per SM; three TMA maps (k_nope, k_pe, v) encoded
 per call on the host (no device state: graph-capturable).
@@ -59,6 +60,8 @@ class PrefillKernel(str, enum.Enum):
     AUTO = "auto"
     WGMMA = "wgmma"          # per tile: QK, softmax, PV in sequence (the other warpgroup fills the gaps)
     WGMMA_OV = "wgmma_ov"    # FA3's overlap: QK of tile i and PV of tile i - 1 in flight, softmax under the PV
+    WGMMA_PP = "wgmma_pp"    # wgmma_ov with the two consumers taking turns at issuing their wgmmas (FA3's pingpong)
+    WGMMA_CP = "wgmma_cp"    # wgmma's consumers, K/V by cp.async from the producer warpgroup (no TMA maps)
 
     def __str__(self) -> str:
         return self.value
@@ -99,7 +102,9 @@ class MlaPrefillSpec(OpSpec):
         return nk * (self.heads * (NOPE + V_HEAD) + ROPE) * 2 <= L2_KV_BYTES
 
     def slug(self) -> str:
-        return f"h{self.heads}-{self.out_dtype.value}" + ("-ov" if self.kernel is PrefillKernel.WGMMA_OV else "")
+        tag = {PrefillKernel.WGMMA_OV: "-ov", PrefillKernel.WGMMA_PP: "-pp", PrefillKernel.WGMMA_CP: "-cp"}.get(
+            self.kernel, "")
+        return f"h{self.heads}-{self.out_dtype.value}{tag}"
 
     # -- estimates (sympy over N tokens in one sequence, no prefix) ------------------------------
     def bytes_moved(self):

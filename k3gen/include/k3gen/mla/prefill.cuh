@@ -5,7 +5,8 @@
 // causal with a prefix (query row i of a sequence with prefix p = len_k - len_q sees keys <= p + i),
 // online softmax in FP32, o = P V_h accumulated in FP32.
 //
-// Grid (H, q_blocks, B) or (q_blocks, H, B) (Params::heads_fast), 384 threads, one CTA per SM (213 KB of shared memory):
+// Grid (H, q_blocks, B) or (q_blocks, H, B) (Params::heads_fast), 384 threads, one CTA per SM
+// (213 KB of shared memory):
 //   warpgroup 0, the producer: TMA boxes of each 128-key tile (K = 3 SW128 blocks of [128 keys][64
 //     dims]: k_nope 0-63, 64-127, k_pe; V = 2 blocks) into a 2-stage ring, on the stage's K-full and
 //     V-full barriers; the V of a tile that runs past the sequence end by zero-filling cp.async.
@@ -54,6 +55,7 @@ static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file
 static_assert(kSmem <= 232448, "one CTA per SM");
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kBarProducer = 1;   // named barrier of the producer warpgroup (tail-tile copies)
+constexpr unsigned kBarTurn = 2;       // 2, 3: the consumers' turns at issuing wgmmas (kPingpong)
 #define K3GEN_PF_NEG_INF (__int_as_float(0xff800000u))
 
 struct Params {
@@ -148,6 +150,19 @@ __device__ __forceinline__ void load_q(const Params& p, const Seq& s, int h, int
   }
 }
 
+// K of keys kv0 .. kv0 + 127 of head h into the stage's K blocks (k_nope 0-63, 64-127, k_pe), 128
+// producer threads; keys past the sequence zero-filled (variant wgmma_cp).
+__device__ __forceinline__ void load_k(const Params& p, const Seq& s, int h, int kv0, unsigned aK, int t) {
+#pragma unroll 2
+  for (int i = t; i < kBN * 24; i += 128) {
+    const int key = i / 24, c = i - key * 24;
+    const bool ok = kv0 + key < s.lk;
+    const long long row = s.k0 + kv0 + key;
+    const __nv_bfloat16* src = c < 16 ? p.k_nope + row * p.kn_row + h * p.kn_head + c * 8
+                                      : p.k_pe + row * p.kpe_row + (c - 16) * 8;
+    cp_async16(aK + (c >> 3) * kKBlk + sw128(key, c & 7), ok ? src : p.k_pe, ok ? 16u : 0u);
+  }
+}
 // V of keys kv0 .. kv0 + 127 of head h into the stage's two V blocks (keys past the sequence
 // zero-filled), 128 producer threads.
 __device__ __forceinline__ void load_v(const Params& p, const Seq& s, int h, int kv0, unsigned aV, int t) {
@@ -250,6 +265,27 @@ struct Maps {
   const sm90::TmaMap* v;
 };
 
+// K of tile `it` (3 TMA boxes: k_nope 0-63, 64-127, k_pe) into its stage, on K-full; one thread.
+__device__ __forceinline__ void issue_k(const Seq& s, int h, int it, unsigned base, const Bars& bars,
+                                        const Maps& maps) {
+  const int st = it & 1, row = s.k0 + it * kBN;
+  const unsigned aK = base + kStageOff + st * kStageBytes;
+  sm90::mbar_arrive_expect_tx(bars.kfull(st), kKBytes);
+  tma_load_3d(aK, maps.kn, 0, h, row, bars.kfull(st));
+  tma_load_3d(aK + kKBlk, maps.kn, 128, h, row, bars.kfull(st));
+  sm90::tma_load_2d(aK + 2 * kKBlk, maps.kpe, 0, row, bars.kfull(st));
+}
+
+// V of tile `it` (2 TMA boxes) into its stage, on V-full; one thread.
+__device__ __forceinline__ void issue_v(const Seq& s, int h, int it, unsigned base, const Bars& bars,
+                                        const Maps& maps) {
+  const int st = it & 1, row = s.k0 + it * kBN;
+  const unsigned aV = base + kStageOff + st * kStageBytes + kKBytes;
+  sm90::mbar_arrive_expect_tx(bars.vfull(st), kVBytes);
+  tma_load_3d(aV, maps.v, 0, h, row, bars.vfull(st));
+  tma_load_3d(aV + kKBlk, maps.v, 128, h, row, bars.vfull(st));
+}
+
 // Keys tile `it` into its stage, K and V each once its own buffer is released. One thread issues the
 // TMA boxes (K: k_nope 0-63, 64-127, k_pe; V: 2 boxes). K rows past the sequence are whatever the
 // tensor holds there (zeros past its end): every score there is replaced by -inf, a select. V rows
@@ -259,22 +295,16 @@ struct Maps {
 __device__ __forceinline__ void produce(const Params& p, const Seq& s, int h, int n, unsigned base, const Bars& bars,
                                         const Maps& maps, int wt) {
   for (int it = 0; it < n; ++it) {
-    const int st = it & 1, ph = ((it >> 1) - 1) & 1, kv0 = it * kBN, row = s.k0 + kv0;
-    const unsigned aK = base + kStageOff + st * kStageBytes, aV = aK + kKBytes;
-    if (it >= kStages) sm90::mbar_wait_or_trap(bars.kempty(st), ph);
-    if (wt == 0) {
-      sm90::mbar_arrive_expect_tx(bars.kfull(st), kKBytes);
-      tma_load_3d(aK, maps.kn, 0, h, row, bars.kfull(st));
-      tma_load_3d(aK + kKBlk, maps.kn, 128, h, row, bars.kfull(st));
-      sm90::tma_load_2d(aK + 2 * kKBlk, maps.kpe, 0, row, bars.kfull(st));
+    const int st = it & 1, ph = ((it >> 1) - 1) & 1, kv0 = it * kBN;
+    const unsigned aV = base + kStageOff + st * kStageBytes + kKBytes;
+    // Tiles 0 and 1 were issued by run() before the Q copies (their V too unless it is a tail tile).
+    if (it >= kStages) {
+      sm90::mbar_wait_or_trap(bars.kempty(st), ph);
+      if (wt == 0) issue_k(s, h, it, base, bars, maps);
+      sm90::mbar_wait_or_trap(bars.vempty(st), ph);
     }
-    if (it >= kStages) sm90::mbar_wait_or_trap(bars.vempty(st), ph);
     if (kv0 + kBN <= s.lk) {
-      if (wt == 0) {
-        sm90::mbar_arrive_expect_tx(bars.vfull(st), kVBytes);
-        tma_load_3d(aV, maps.v, 0, h, row, bars.vfull(st));
-        tma_load_3d(aV + kKBlk, maps.v, 128, h, row, bars.vfull(st));
-      }
+      if (wt == 0 && it >= kStages) issue_v(s, h, it, base, bars, maps);
     } else {
       load_v(p, s, h, kv0, aV, wt);
       cp_async_commit();
@@ -283,6 +313,29 @@ __device__ __forceinline__ void produce(const Params& p, const Seq& s, int h, in
       sm90::barrier_sync_divergent(kBarProducer, 128);
       if (wt == 0) sm90::mbar_arrive(bars.vfull(st));
     }
+  }
+}
+
+// The cp.async producer (variant wgmma_cp, H200-measured at ~5.5 us per tile: one tile in flight):
+// every producer thread copies its share of K, then V, waits for its copies, fences them to the async
+// proxy and arrives on K-full, then V-full (128 arrivals each).
+__device__ __forceinline__ void produce_cp(const Params& p, const Seq& s, int h, int n, unsigned base,
+                                           const Bars& bars, int wt) {
+  for (int it = 0; it < n; ++it) {
+    const int st = it & 1, ph = ((it >> 1) - 1) & 1;
+    const unsigned aK = base + kStageOff + st * kStageBytes;
+    if (it >= kStages) sm90::mbar_wait_or_trap(bars.kempty(st), ph);
+    load_k(p, s, h, it * kBN, aK, wt);
+    cp_async_commit();
+    if (it >= kStages) sm90::mbar_wait_or_trap(bars.vempty(st), ph);
+    load_v(p, s, h, it * kBN, aK + kKBytes, wt);
+    cp_async_commit();
+    cp_async_wait<1>();
+    sm90::fence_proxy_async();
+    sm90::mbar_arrive(bars.kfull(st));
+    cp_async_wait<0>();
+    sm90::fence_proxy_async();
+    sm90::mbar_arrive(bars.vfull(st));
   }
 }
 
@@ -308,12 +361,19 @@ __device__ void run(const Params& p, const Maps& maps) {
   const int tid = threadIdx.x, wgi = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
-      sm90::mbar_init(bars.kfull(st), 1);   // the TMA thread's expect_tx (or the copies' last arrival)
-      sm90::mbar_init(bars.vfull(st), 1);
+      // TMA: the issuing thread's expect_tx (or one arrival after a tail tile's copies); cp.async: all.
+      sm90::mbar_init(bars.kfull(st), C::kTma ? 1 : 128);
+      sm90::mbar_init(bars.vfull(st), C::kTma ? 1 : 128);
       sm90::mbar_init(bars.kempty(st), 256);
       sm90::mbar_init(bars.vempty(st), 256);
     }
     sm90::fence_mbar_init();
+    // The first two tiles stream while the CTA copies Q (a tail tile's V is copied by produce()).
+    if constexpr (C::kTma)
+      for (int it = 0; it < min(n, kStages); ++it) {
+        issue_k(s, h, it, base, bars, maps);
+        if ((it + 1) * kBN <= s.lk) issue_v(s, h, it, base, bars, maps);
+      }
   }
   load_q(p, s, h, i0, base);
   cp_async_commit();
@@ -323,12 +383,16 @@ __device__ void run(const Params& p, const Maps& maps) {
 
   if (wgi == 0) {
     sm90::setmaxnreg_dec<kProducerRegs>();
-    if (wt == 0) {
-      sm90::tma_prefetch_map(maps.kn);
-      sm90::tma_prefetch_map(maps.kpe);
-      sm90::tma_prefetch_map(maps.v);
+    if constexpr (C::kTma) {
+      if (wt == 0) {
+        sm90::tma_prefetch_map(maps.kn);
+        sm90::tma_prefetch_map(maps.kpe);
+        sm90::tma_prefetch_map(maps.v);
+      }
+      produce(p, s, h, n, base, bars, maps, wt);
+    } else {
+      produce_cp(p, s, h, n, base, bars, wt);
     }
-    produce(p, s, h, n, base, bars, maps, wt);
     return;
   }
   sm90::setmaxnreg_inc<kConsumerRegs>();
@@ -389,10 +453,24 @@ __device__ void run(const Params& p, const Maps& maps) {
     // FA3's intra-warpgroup overlap: QK of tile it runs on the tensor cores while PV of tile it - 1
     // follows it, and the softmax of tile it runs while that PV is in flight (P of tile it - 1 stays
     // in pk until the PV retired; the probabilities of tile it wait in sc as FP32).
+    // kPingpong (variant wgmma_pp): the two consumers take turns at issuing their wgmmas (named
+    // barriers kBarTurn + c), so one's softmax runs while the other's GEMMs occupy the tensor cores;
+    // every wait on a stage happens before taking the turn.
+    auto take = [&] {
+      if constexpr (C::kPingpong) sm90::barrier_sync_divergent(kBarTurn + c, 256);
+    };
+    auto pass = [&](bool last) {
+      if constexpr (C::kPingpong)
+        if (!(last && c == 1)) sm90::barrier_arrive(kBarTurn + (c ^ 1), 256);   // none left dangling
+    };
+    if constexpr (C::kPingpong)
+      if (c == 1) sm90::barrier_arrive(kBarTurn, 256);   // consumer 0 goes first
     sm90::mbar_wait_asm(bars.kfull(0), 0);
+    take();
     sm90::wgmma_fence();
     qk(sc, aQ, stage_k(0));
     sm90::wgmma_commit();
+    pass(false);
     sm90::wgmma_wait<0>();
     pin(sc);
     sm90::mbar_arrive(bars.kempty(0));
@@ -401,15 +479,17 @@ __device__ void run(const Params& p, const Maps& maps) {
     for (int it = 1; it < n; ++it) {
       const int st = it & 1, sp = st ^ 1;
       sm90::mbar_wait_asm(bars.kfull(st), (it >> 1) & 1);
+      sm90::mbar_wait_asm(bars.vfull(sp), ((it - 1) >> 1) & 1);
+      take();
       sm90::wgmma_fence();
       qk(sc, aQ, stage_k(it));
       sm90::wgmma_commit();
       rescale(o, a);
       pin(o);
-      sm90::mbar_wait_asm(bars.vfull(sp), ((it - 1) >> 1) & 1);
       sm90::wgmma_fence();
       pv(o, pk, stage_k(it - 1) + kKBytes);
       sm90::wgmma_commit();
+      pass(false);
       sm90::wgmma_wait<1>();
       pin(sc);
       sm90::mbar_arrive(bars.kempty(st));
@@ -424,9 +504,11 @@ __device__ void run(const Params& p, const Maps& maps) {
     rescale(o, a);
     pin(o);
     sm90::mbar_wait_asm(bars.vfull(sl), ((n - 1) >> 1) & 1);
+    take();
     sm90::wgmma_fence();
     pv(o, pk, stage_k(n - 1) + kKBytes);
     sm90::wgmma_commit();
+    pass(true);
     sm90::wgmma_wait<0>();
     pin(o);
     pin(pk);
