@@ -252,10 +252,10 @@ def mla_vb_gate() -> list:
 
 
 def mla_prefill() -> list:
-    """tests/gpu/test_mla_prefill.py and bench/cases/mla_prefill.py: both kernels and output dtypes at H 6 / 12 / 96."""
+    """tests/gpu/test_mla_prefill.py and bench/cases/mla_prefill.py: every kernel and output dtype at H 6 / 12 / 96."""
     from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype, PrefillKernel
     return [MlaPrefillSpec(target=SM90, heads=h, out_dtype=o, kernel=k) for h in (6, 12, 96) for o in OutDtype
-            for k in (PrefillKernel.WGMMA, PrefillKernel.WGMMA_OV)]
+            for k in tuple(PrefillKernel)[1:]]
 
 
 def model_small() -> list:
