@@ -20,8 +20,9 @@ def matmul_tflops(n: int = 8192) -> float:
 
 @case
 def mla_prefill(ceiling: float, quick: bool = False) -> list:
-    """H12 / H96, one 4096-token sequence and an 8 x 1024 varlen batch, BF16 output (the peer's) and
-    the model's FP32 output, vs torch SDPA (causal, q/k 192, v 128, the shared rope key expanded per
+    """H12 / H96, one 4096-token sequence and an 8 x 1024 varlen batch, every kernel (wgmma_cp: K/V
+    by cp.async, the default; wgmma / _ov / _pp: by TMA), BF16 output (the peer's) and the model's
+    FP32 output, vs torch SDPA (causal, q/k 192, v 128, the shared rope key expanded per
     head) timed in the same run; TFLOP/s count the useful causal pairs, T (T + 1) / 2 per sequence,
     and are also given as a fraction of the same-run BF16 matmul rate."""
     import torch
@@ -66,9 +67,9 @@ def mla_prefill(ceiling: float, quick: bool = False) -> list:
             K = PrefillKernel
             auto = MlaPrefillSpec(target=tgt, heads=H).heads_fast(N)
             ob, of = OutDtype.BF16, OutDtype.FP32
-            plan = [(K.WGMMA, ob, auto), (K.WGMMA_OV, ob, auto), (K.WGMMA_PP, ob, auto)]
-            if B == 1:
-                plan += [(K.WGMMA_CP, ob, auto), (K.WGMMA_PP, ob, not auto), (K.WGMMA_PP, of, auto)]
+            plan = [(K.WGMMA_CP, ob, auto), (K.WGMMA, ob, auto), (K.WGMMA_OV, ob, auto), (K.WGMMA_PP, ob, auto)]
+            if B == 1:   # the other grid order, and the model's FP32 output
+                plan += [(K.WGMMA_PP, ob, not auto), (K.WGMMA_CP, of, auto), (K.WGMMA_PP, of, auto)]
             for kern, od, fast in plan:
                 order = "heads-fast" if fast else "qblocks-fast"
                 print(f"  mla_prefill H{H} B{B} T{T} {kern.value} {od.value} {order}", flush=True)

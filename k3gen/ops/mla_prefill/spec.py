@@ -58,10 +58,10 @@ class OutDtype(str, enum.Enum):
 
 class PrefillKernel(str, enum.Enum):
     AUTO = "auto"
-    WGMMA = "wgmma"          # per tile: QK, softmax, PV in sequence (the other warpgroup fills the gaps)
+    WGMMA_CP = "wgmma_cp"    # K/V by cp.async from the producer warpgroup; QK, softmax, PV in sequence
+    WGMMA = "wgmma"          # K/V by TMA, the same consumers (the other warpgroup fills the gaps)
     WGMMA_OV = "wgmma_ov"    # FA3's overlap: QK of tile i and PV of tile i - 1 in flight, softmax under the PV
     WGMMA_PP = "wgmma_pp"    # wgmma_ov with the two consumers taking turns at issuing their wgmmas (FA3's pingpong)
-    WGMMA_CP = "wgmma_cp"    # wgmma's consumers, K/V by cp.async from the producer warpgroup (no TMA maps)
 
     def __str__(self) -> str:
         return self.value
