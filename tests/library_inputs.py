@@ -187,6 +187,25 @@ def cases(device="cpu", heads=12, kv=KvDtype.BF16, ssm=SsmDtype.FP32, drafts=3, 
     gate = torch.randn(B, H * 128 + 64, generator=g).to(BF16)
     add("mla_vb_gate", vb, (o_lat, kv_b[:, 128:], gate), [((B, H, 128), BF16)])
     add("mla_vb_gate_out", vb, (o_lat, kv_b[:, 128:], gate, torch.empty(B, H, 128, dtype=BF16)), [], ("out",))
+    # mla_prefill: a varlen batch with a cached prefix (3 + 5 keys for 5 queries), an empty
+    # sequence and a plain prompt; strided q rows (the q projection's view) and the model's FP32 out
+    from k3gen.ops.mla_prefill.spec import MlaPrefillSpec
+    mp = MlaPrefillSpec(target=tgt, heads=H if H in (6, 12, 96) else 12)
+    Hp = mp.heads
+    cq, ck = torch.tensor([0, 5, 5, 12], dtype=I32), torch.tensor([0, 8, 8, 15], dtype=I32)
+    qp = (torch.randn(12, Hp, 192 + 8, generator=g) * 0.5).to(BF16)[..., :192]
+    kn = (torch.randn(15, Hp, 128, generator=g) * 0.5).to(BF16)
+    kp = (torch.randn(15, 64, generator=g) * 0.5).to(BF16)
+    vv = torch.randn(15, Hp, 128, generator=g).to(BF16)
+    add("mla_prefill", mp, (qp, kn, kp, vv, cq, ck, 7), [((12, Hp, 128), F32)])
+    add("mla_prefill_out", mp, (qp, kn, kp, vv, cq, ck, 7, _nan(12, Hp, 128)), [], ("out",))
+    # glu_act at a width of tests/gpu/specs.py's glu_act() list
+    from k3gen.ops.glu_act.spec import GluActSpec
+    ga = GluActSpec(target=tgt, inter=256, recipe=recipe)
+    gu = (torch.randn(4, 512, generator=g) * 2).to(BF16)
+    add("glu_act", ga, (gu,), [((4, 256), torch.uint8), ((4, 2), sdt)])
+    add("glu_act_out", ga, (gu, torch.empty(4, 256, dtype=torch.uint8), torch.empty(4, 2, dtype=sdt)), [],
+        ("codes", "scales"))
     ffn_cases(add, tgt, g, kv)
     return out
 

@@ -356,3 +356,36 @@ def moe_experts(kernel, x, w13, s13, w2, s2, route: dict, *, gs13=None, gs2=None
         return (o, o32) if f32 else o
     ops.moe_experts_out(h, *args, out_f32, out)
     return out if out_f32 is None else (out, out_f32)
+
+
+# -- prefill attention and the GLU activation --------------------------------------------------------
+__all__ += ["mla_prefill", "glu_act"]
+
+
+def mla_prefill(kernel, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, out=None):
+    """Causal prefill attention of the unabsorbed MLA form (spec mla_prefill: H = spec.heads).
+
+    q [Nq, H, 192] BF16 ([q_nope 128 | q_pe 64] per head), k_nope [Nk, H, 128], k_pe [Nk, 64] (one
+    rope key shared by the heads), v [Nk, H, 128] BF16 (unit inner stride, any row and head strides);
+    cu_seqlens_q / cu_seqlens_k [B + 1] int32: sequence b's queries are its last len_q keys (a cached
+    prefix of len_k - len_q keys before them, bottom-right causal); `max_seqlen_q` a host int >=
+    every query length (plan time: the grid). Returns out [Nq, H, 128] (the spec's out_dtype, FP32
+    by default)."""
+    h = _h(kernel)
+    if out is None:
+        return ops.mla_prefill(h, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    ops.mla_prefill_out(h, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out)
+    return out
+
+
+def glu_act(kernel, gu, *, codes=None, scales=None):
+    """SiTU (or SiLU) of the gate half times the up half, quantized for the next FP8 GEMM (spec
+    glu_act: inter = I, act, recipe): gu [M, 2I] BF16 ([gate | up]) -> codes [M, I] uint8 (E4M3),
+    scales [M, I / 128] (FP32, or UE8M0 bytes). `codes=` / `scales=` write caller-owned buffers."""
+    h = _h(kernel)
+    if codes is None and scales is None:
+        return ops.glu_act(h, gu)
+    if codes is None or scales is None:
+        raise SpecError("codes/scales", (codes is None, scales is None), "both or neither")
+    ops.glu_act_out(h, gu, codes, scales)
+    return codes, scales

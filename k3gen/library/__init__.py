@@ -23,15 +23,18 @@ outputs plus an `_out` op writing caller-owned buffers (kv_cache_write only muta
 | mla_vb_gate(h, o_lat, w_uv, gate) -> out | (_out: out) |
 | moe_route(h, logits, bias) -> (ids, weights, counts, offsets, perm, inv) | (_out: the six, a T_max workspace) |
 | attn_res(h, src, n, query, norm_w, delta?, seal, want_mixed) -> (out, codes, scales, mixed) | src (_out: + codes?, scales?, mixed?, out) |
+| glu_act(h, gu) -> (codes, scales) | (_out: codes, scales) |
+| mla_prefill(h, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q) -> out | (_out: out) |
 | moe_experts(h, x, w13, s13, w2, s2, ids, weights, offsets, perm, gs13?, gs2?, x_scales?, expert_base, ws_h?, ws_y?, want_f32) -> (out, out_f32) | ws_h, ws_y (_out: + out_f32?, out) |
 """
 from __future__ import annotations
 
 from k3gen.library import gemm, kda, mla  # noqa: F401  (registers the ops)
-from k3gen.library import attn, moe  # noqa: F401  (registers the ops)
+from k3gen.library import attn, ffn, moe  # noqa: F401  (registers the ops)
 from k3gen.library.table import handle_of, launcher, loaded, spec_of  # noqa: F401
 
 OPS = ("act_quant_fp8", "act_quant_fp8_out", "fp8_block_gemm", "fp8_block_gemm_out", "kda_decode", "kda_decode_out",
        "kda_prefill", "kda_prefill_out", "kda_verify", "kda_verify_out", "kv_cache_write", "mla_decode",
        "mla_decode_out", "mla_q_absorb", "mla_q_absorb_out", "mla_vb_gate", "mla_vb_gate_out")
 OPS += ("moe_route", "moe_route_out", "attn_res", "attn_res_out", "moe_experts", "moe_experts_out")
+OPS += ("glu_act", "glu_act_out", "mla_prefill", "mla_prefill_out")

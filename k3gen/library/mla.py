@@ -262,3 +262,68 @@ def _(handle, o_lat, w_uv, gate):
     spec = spec_of(handle, "mla_vb_gate")
     B = check_vb_gate(spec, o_lat, w_uv, gate)
     return o_lat.new_empty(B, spec.heads, V_HEAD, dtype=BF16)
+
+
+# -- mla_prefill -----------------------------------------------------------------------------------
+def check_prefill(spec, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, out=None):
+    from k3gen.ops.mla_prefill.spec import OutDtype
+    H = spec.heads
+    nq = q.shape[0] if q.dim() == 3 else -1
+    nk = k_nope.shape[0] if k_nope.dim() == 3 else -1
+    want("q", q, BF16, (nq, H, QK_HEAD), contiguous=False, inner_unit=True)
+    want("k_nope", k_nope, BF16, (nk, H, NOPE), contiguous=False, inner_unit=True)
+    want("k_pe", k_pe, BF16, (nk, QK_HEAD - NOPE), contiguous=False, inner_unit=True)
+    want("v", v, BF16, (nk, H, V_HEAD), contiguous=False, inner_unit=True)
+    b = cu_seqlens_q.shape[0] if cu_seqlens_q.dim() == 1 else -1
+    want("cu_seqlens_q", cu_seqlens_q, I32, (b,))
+    want("cu_seqlens_k", cu_seqlens_k, I32, (b,))
+    at_least("cu_seqlens_q.shape[0]", b, 1, "B + 1 offsets")
+    if out is not None:
+        want("out", out, F32 if spec.out_dtype is OutDtype.FP32 else BF16, (nq, H, V_HEAD))
+    same_device(("q", q), ("k_nope", k_nope), ("k_pe", k_pe), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                ("cu_seqlens_k", cu_seqlens_k), ("out", out))
+    return nq
+
+
+def _prefill_dtype(spec):
+    from k3gen.ops.mla_prefill.spec import OutDtype
+    return F32 if spec.out_dtype is OutDtype.FP32 else BF16
+
+
+def _prefill(handle, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, out, max_seqlen_q) -> None:
+    if out.device.type == "cuda":
+        launcher(handle, "mla_prefill")(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, out, max_seqlen_q)
+        return
+    from k3gen.ops.mla_prefill.reference import mla_prefill as ref
+    out.copy_(ref(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k).to(out.dtype))
+
+
+@torch.library.custom_op("k3gen::mla_prefill_out", mutates_args=("out",))
+def mla_prefill_out(handle: str, q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                    out: torch.Tensor) -> None:
+    spec = spec_of(handle, "mla_prefill")
+    check_prefill(spec, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, out)
+    _prefill(handle, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, out, max_seqlen_q)
+
+
+@mla_prefill_out.register_fake
+def _(handle, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, out):
+    check_prefill(spec_of(handle, "mla_prefill"), q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, out)
+
+
+@torch.library.custom_op("k3gen::mla_prefill", mutates_args=())
+def mla_prefill(handle: str, q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int) -> torch.Tensor:
+    spec = spec_of(handle, "mla_prefill")
+    nq = check_prefill(spec, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k)
+    out = torch.empty(nq, spec.heads, V_HEAD, dtype=_prefill_dtype(spec), device=q.device)
+    _prefill(handle, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, out, max_seqlen_q)
+    return out
+
+
+@mla_prefill.register_fake
+def _(handle, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+    spec = spec_of(handle, "mla_prefill")
+    nq = check_prefill(spec, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k)
+    return q.new_empty(nq, spec.heads, V_HEAD, dtype=_prefill_dtype(spec))

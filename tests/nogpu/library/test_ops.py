@@ -138,6 +138,12 @@ BAD = [
     ("moe_experts", 13, lambda t: 30, "expert_base"),
     ("moe_experts", 14, lambda t: None, "ws_h"),                       # ws_y without ws_h
     ("moe_experts_out", 14, lambda t: t[:5], "ws_h"),                  # fewer than T * top_k slots
+    ("mla_prefill", 1, lambda t: t.float(), "q"),                       # FP32 queries
+    ("mla_prefill", 3, lambda t: t[:, :32], "k_pe"),                    # a half rope key
+    ("mla_prefill", 6, lambda t: t[:-1], "cu_seqlens_k"),               # offsets of another batch
+    ("mla_prefill_out", 8, lambda t: t.bfloat16(), "out"),              # not the spec's out dtype
+    ("glu_act", 1, lambda t: t[:, :384], "gu"),                         # not [gate | up] of the width
+    ("glu_act_out", 3, lambda t: t[:, :1], "scales"),                   # one scale group short
 ]
 
 
