@@ -71,8 +71,9 @@ def _same_bytes(got, want, what):
 # intermediate h and per-slot partials y): not compared.
 SCRATCH = ("part_o", "part_lse", "ws_h", "ws_y")
 # Ops whose FP32 outputs go through a BF16 intermediate the kernel and the reference may round on
-# either side (moe_experts' h): the bound test_moe_experts.py holds them to, BF16's.
-BOUND = {"moe_experts": "bf16", "moe_experts_out": "bf16"}
+# either side (moe_experts' h; mla_prefill's probabilities, BF16 operands of the P V product): the
+# bound their own GPU tests hold them to, BF16's.
+BOUND = {"moe_experts": "bf16", "moe_experts_out": "bf16", "mla_prefill": "bf16", "mla_prefill_out": "bf16"}
 
 
 def _check(got, want, what, exact, dtype=None):
