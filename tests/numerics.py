@@ -38,10 +38,8 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
 # operand of each chunk's products), an FP32 solve, U and state. Each product term carries ~2^-9
 # relative rounding, so the raw O and the final state sit about 2.4e-3 relative RMS from the FP64
 # token loop, flat from 65 to 8192 tokens (reference.chunk64_emulation, which rounds where the
-# kernel does, measured on the CPU: the decayed state does not accumulate it); the bounded gate's
-# BF16 diagonal blocks raise O to about 3.3e-3. The H200 (2026-12-03, per-element diagonal): out
-# 2.7e-3 .. 3.4e-3 rel RMS (max |err| <= 7.3e-3 of max |ref|), state 1.9e-3 .. 2.8e-3. The bounds
-# keep about 3x over that: out (BF16, after the gated RMSNorm, plus its own 2^-9 rounding) the BF16 entry above;
+# kernel does, measured on the CPU: the decayed state does not accumulate it). The bounds keep 4x
+# over that: out (BF16, after the gated RMSNorm, plus its own 2^-9 rounding) the BF16 entry above;
 # the final state (FP32, or BF16 storage: one more 2^-9 rounding) rel RMS 1e-2. FLA's own chunk_kda
 # tests hold BF16 inputs to an error ratio of 5e-3 to 8e-3 on o and the final state, the same scale.
 # A token-by-token FP32 kernel stays on the FP32 table above.

@@ -8,11 +8,10 @@
 //    cumulative log decay G (from the chunk start), beta, then
 //      A[r,s]   = beta_r sum_i k_r[i] k_s[i] e^(G_r[i]-G_s[i])  (s < r)
 //      Aqk[r,s] =        sum_i q_r[i] k_s[i] e^(G_r[i]-G_s[i])  (s <= r)
-//    Off the four 16 x 16 diagonal blocks, with block i's reference ref_i = G at the last token of
-//    block i-1 (G is non-increasing), the factors split into x_r e^(G_r - ref_i) and k_s e^(ref_i - G_s),
-//    both exp of a difference <= 0: finite for any gate, stored as BF16 tiles and contracted on tensor
-//    cores. On the diagonal blocks the bounded gate splits the same way (ref_0 = 0; e^(ref_i - G_s) <=
-//    e^80 over 16 tokens of g >= -5); the softplus gate forms every factor per element (FP32). Then the
+//    On the four 16 x 16 diagonal blocks every factor is formed per element (FP32). Off them, with
+//    block i's reference ref_i = G at the last token of block i-1 (G is non-increasing), the factors
+//    split into x_r e^(G_r - ref_i) and k_s e^(ref_i - G_s), both exp of a difference <= 0: finite for
+//    any gate (softplus included), stored as BF16 tiles and contracted on tensor cores. Then the
 //    forward substitution (I + A) [W | U] = diag(beta) [e^G K | V] in FP32, one column a thread, and
 //    the chunk's record (Rec): -W, e^G Q, (K e^(G_C - G))^T, Aqk as BF16, U^T and e^(G_C) as FP32.
 // 2. state (grid H x B x 8 / W, W warps): warp w owns 16 rows of S^T (the rows are independent), all
@@ -81,9 +80,6 @@ struct __align__(128) PrepSmem {
       __nv_bfloat16 left[2 * kOff][kBLd];   // block i: rows 32(i-1) + [q | k] e^(G_r - ref_i)
       __nv_bfloat16 right[2 * kOff][kBLd];  // block i: rows 8 i (i-1) + s: k_s e^(ref_i - G_s), s < 16 i
     } f;
-    // Bounded gate, after f: rows 32 i + [q | k] e^(G_r - ref_i) of block i, then rows 128 + s:
-    // k_s e^(ref_i - G_s) for s in block i (ref_0 = 0)
-    __nv_bfloat16 d[3 * kC][kBLd];
   } u1;
   union {
     unsigned short fa[kC][kBLd];  // f_a rows, raw BF16
@@ -335,42 +331,29 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
     const int s = rr - 8 * i * (i - 1);
     sm.u1.f.right[rr][c] = bf(sm.k[s][c] * expf(sm.g[kBlk * i - 1][c] - sm.g[s][c]));
   }
-  // Diagonal blocks, softplus gate (unbounded decay: every factor per element; the bounded gate's
-  // are on tensor cores below): warp w takes rows h and 15 - h of a block for its 4 row pairs
-  // (17 (r, s) pairs each, so the warps balance), loading q_r, k_r and G_r once per row.
+  constexpr int kPairs = kBlk * (kBlk + 1) / 2;
 #pragma unroll 1
-  for (int rp = warp; rp < (C::kGate == Gate::kBounded ? 0 : (kC / kBlk) * (kBlk / 2)); rp += kThreads / 32) {
-    const int blk = rp / (kBlk / 2), hr = rp % (kBlk / 2);
-#pragma unroll 1
-    for (int side = 0; side < 2; ++side) {
-      const int r = kBlk * blk + (side ? kBlk - 1 - hr : hr);
-      float qr[4], kr[4], gr[4];
+  for (int pr = warp; pr < (kC / kBlk) * kPairs; pr += kThreads / 32) {
+    const int blk = pr / kPairs, l = pr - blk * kPairs;
+    int rl = 0;
+    while ((rl + 1) * (rl + 2) / 2 <= l) ++rl;
+    const int r = kBlk * blk + rl, s = kBlk * blk + (l - rl * (rl + 1) / 2);
+    float pa = 0.0f, aa = 0.0f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        qr[e] = sm.q[r][lane + 32 * e];
-        kr[e] = sm.k[r][lane + 32 * e];
-        gr[e] = sm.g[r][lane + 32 * e];
-      }
-#pragma unroll 1
-      for (int s = kBlk * blk; s <= r; ++s) {
-        float pa = 0.0f, aa = 0.0f;
+    for (int e = 0; e < 4; ++e) {
+      const int i = lane + 32 * e;
+      const float ks = sm.k[s][i] * expf(sm.g[r][i] - sm.g[s][i]);
+      pa = fmaf(sm.q[r][i], ks, pa);
+      aa = fmaf(sm.k[r][i], ks, aa);
+    }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = lane + 32 * e;
-          const float ks = sm.k[s][i] * expf(gr[e] - sm.g[s][i]);
-          pa = fmaf(qr[e], ks, pa);
-          aa = fmaf(kr[e], ks, aa);
-        }
-#pragma unroll
-        for (int m = 16; m >= 1; m >>= 1) {
-          pa += __shfl_xor_sync(0xffffffffu, pa, m);
-          aa += __shfl_xor_sync(0xffffffffu, aa, m);
-        }
-        if (lane == 0) {
-          sm.u2.a.P[r][s] = pa;
-          sm.u2.a.A[r][s] = s < r ? sm.beta[r] * aa : 0.0f;
-        }
-      }
+    for (int m = 16; m >= 1; m >>= 1) {
+      pa += __shfl_xor_sync(0xffffffffu, pa, m);
+      aa += __shfl_xor_sync(0xffffffffu, aa, m);
+    }
+    if (lane == 0) {
+      sm.u2.a.P[r][s] = pa;
+      sm.u2.a.A[r][s] = s < r ? sm.beta[r] * aa : 0.0f;
     }
   }
   __syncthreads();
@@ -400,46 +383,6 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
     }
   }
   __syncthreads();
-  if constexpr (C::kGate == Gate::kBounded) {
-    // g >= -5: G falls by at most 80 over a block, so k_s e^(ref_i - G_s) <= e^80 is finite in FP32
-    // and BF16 and the diagonal blocks split like the others (the off-diagonal tiles are done with);
-    // the products above the diagonal are finite too and masked.
-#pragma unroll 1
-    for (int e = tid; e < kC * kDim; e += kThreads) {
-      const int c = e & (kDim - 1), r = e >> 7, i = r / kBlk, rl = r % kBlk;
-      const float ref = i ? sm.g[kBlk * i - 1][c] : 0.0f;
-      const float f = expf(sm.g[r][c] - ref);
-      sm.u1.d[32 * i + rl][c] = bf(sm.q[r][c] * f);
-      sm.u1.d[32 * i + 16 + rl][c] = bf(sm.k[r][c] * f);
-      sm.u1.d[2 * kC + r][c] = bf(sm.k[r][c] * expf(ref - sm.g[r][c]));
-    }
-    __syncthreads();
-    // 16 units: block i, q or k rows, an 8-column s tile.
-#pragma unroll 1
-    for (int u = warp; u < 16; u += kThreads / 32) {
-      const int i = u >> 2, qk = (u >> 1) & 1, nt = u & 1;
-      const unsigned* L = reinterpret_cast<const unsigned*>(&sm.u1.d[32 * i + 16 * qk][0]);
-      const unsigned* R = reinterpret_cast<const unsigned*>(&sm.u1.d[2 * kC + kBlk * i + 8 * nt][0]);
-      constexpr int kW = kBLd / 2;
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int kk = 0; kk < kDim / 16; ++kk) {
-        const int w0 = 8 * kk + tq;
-        const unsigned a[4] = {L[gq * kW + w0], L[(gq + 8) * kW + w0], L[gq * kW + w0 + 4], L[(gq + 8) * kW + w0 + 4]};
-        mma_bf16(d, a, R[gq * kW + w0], R[gq * kW + w0 + 4]);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = kBlk * i + gq + 8 * (e >> 1), s = kBlk * i + 8 * nt + 2 * tq + (e & 1);
-        if (qk == 0) {
-          if (s <= r) sm.u2.a.P[r][s] = d[e];
-        } else if (s < r) {
-          sm.u2.a.A[r][s] = sm.beta[r] * d[e];
-        }
-      }
-    }
-    __syncthreads();
-  }
   // Forward substitution, one column a thread (threads < 128: W from e^G k; the others: U from v),
   // then the record. Rows past n are zero throughout (zero k, v, beta, decay).
   Rec* rec = p.rec + (static_cast<long long>(blockIdx.y) * H + h);
