@@ -123,6 +123,14 @@ def test_compiles_to_hgmma_without_spills(kernel, out_dtype):
     assert text.count("WARPGROUP.DEPBAR") <= 2 * copies and text.count("WARPGROUP.ARRIVE") <= 2 * copies
 
 
+@pytest.mark.parametrize("heads", [6, 96])
+@pytest.mark.parametrize("kernel", [PrefillKernel.WGMMA_CP, PrefillKernel.WGMMA_PP])
+def test_every_head_count_compiles_without_spills(heads, kernel):
+    from k3gen.pipeline.build import build_one
+    (k,) = build_one(MlaPrefillSpec(target=SM90, heads=heads, kernel=kernel)).resources
+    assert k["local"] == 0 and k["stack"] == 0 and k["registers"] <= 168, k
+
+
 def test_template_checks_the_plan():
     from k3gen.pipeline.build import lower
     src = lower(MlaPrefillSpec(target=SM90, heads=6)).source

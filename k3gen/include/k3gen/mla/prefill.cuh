@@ -113,6 +113,18 @@ __device__ __forceinline__ void mma_pv(float (&d)[64], unsigned a0, unsigned a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
 }
 
+// The consumers' stage wait: the poll loop inside one asm block (no data-dependent C++ branch next to
+// the wgmmas, as sm90::mbar_wait_asm), trapping after ~2^26 polls (seconds: far beyond any legitimate
+// wait), so a phase that never completes fails the launch instead of hanging the GPU.
+__device__ __forceinline__ void wait_stage(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .u32 n;\nmov.u32 n, 0;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@p bra DONE_%=;\nadd.u32 n, n, 1;\nsetp.gt.u32 p, n, 67108864;\n@p trap;\nbra WAIT_%=;\nDONE_%=:\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
 template <int N>
 __device__ __forceinline__ void pin(float (&x)[N]) {
 #pragma unroll
@@ -339,6 +351,26 @@ __device__ __forceinline__ void produce_cp(const Params& p, const Seq& s, int h,
   }
 }
 
+// A CTA's work: head h, sequence rows s, q-block rows i0 .., prefix pre, n key tiles. Recomputed after
+// each setmaxnreg (values live across it are spilled to local memory by ptxas).
+struct Work {
+  Seq s;
+  int h, i0, pre, n;
+};
+__device__ __forceinline__ Work work_of(const Params& p) {
+  Work w;
+  w.h = p.heads_fast ? blockIdx.x : blockIdx.y;
+  const int qb = p.q_blocks - 1 - static_cast<int>(p.heads_fast ? blockIdx.y : blockIdx.x);
+  w.i0 = qb * kBM;
+  w.s = seq_of(p, blockIdx.z);
+  w.pre = w.s.lk - w.s.lq;
+  // Keys up to pre + (last row of the block), clipped to the sequence.
+  const int kend = max(0, min(w.s.lk, w.pre + min(w.i0 + kBM, w.s.lq)));
+  w.n = (kend + kBN - 1) / kBN;
+  return w;
+}
+__device__ __forceinline__ void reload_barrier() { asm volatile("" ::: "memory"); }
+
 template <class C>
 __device__ void run(const Params& p, const Maps& maps) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -348,17 +380,10 @@ __device__ void run(const Params& p, const Maps& maps) {
   // heads_fast: grid (H, q_blocks, B), every head's largest q-block in the first wave (few heads, K/V
   // of all heads in L2); else grid (q_blocks, H, B): a head's q-blocks run together, so its K/V is
   // read from DRAM about once (many heads, K/V of all heads larger than L2). Largest q-block first.
-  const int h = p.heads_fast ? blockIdx.x : blockIdx.y, b = blockIdx.z;
-  const int qb = p.q_blocks - 1 - static_cast<int>(p.heads_fast ? blockIdx.y : blockIdx.x);
-  const int i0 = qb * kBM;
-  const Seq s = seq_of(p, b);
-  if (i0 >= s.lq) return;   // CTA-uniform: this sequence has fewer q-blocks
-  const int pre = s.lk - s.lq;
-  // Keys up to pre + (last row of the block), clipped to the sequence.
-  const int kend = max(0, min(s.lk, pre + min(i0 + kBM, s.lq)));
-  const int n = (kend + kBN - 1) / kBN;
+  Work w = work_of(p);
+  if (w.i0 >= w.s.lq) return;   // CTA-uniform: this sequence has fewer q-blocks
 
-  const int tid = threadIdx.x, wgi = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  const int tid = threadIdx.x, wgi = tid / 128;
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
       // TMA: the issuing thread's expect_tx (or one arrival after a tail tile's copies); cp.async: all.
@@ -370,12 +395,12 @@ __device__ void run(const Params& p, const Maps& maps) {
     sm90::fence_mbar_init();
     // The first two tiles stream while the CTA copies Q (a tail tile's V is copied by produce()).
     if constexpr (C::kTma)
-      for (int it = 0; it < min(n, kStages); ++it) {
-        issue_k(s, h, it, base, bars, maps);
-        if ((it + 1) * kBN <= s.lk) issue_v(s, h, it, base, bars, maps);
+      for (int it = 0; it < min(w.n, kStages); ++it) {
+        issue_k(w.s, w.h, it, base, bars, maps);
+        if ((it + 1) * kBN <= w.s.lk) issue_v(w.s, w.h, it, base, bars, maps);
       }
   }
-  load_q(p, s, h, i0, base);
+  load_q(p, w.s, w.h, w.i0, base);
   cp_async_commit();
   cp_async_wait<0>();
   sm90::fence_proxy_async();   // Q (cp.async, generic proxy) is read by wgmma (async proxy)
@@ -383,20 +408,28 @@ __device__ void run(const Params& p, const Maps& maps) {
 
   if (wgi == 0) {
     sm90::setmaxnreg_dec<kProducerRegs>();
+    reload_barrier();
+    w = work_of(p);
+    const int wt = threadIdx.x % 128;
     if constexpr (C::kTma) {
       if (wt == 0) {
         sm90::tma_prefetch_map(maps.kn);
         sm90::tma_prefetch_map(maps.kpe);
         sm90::tma_prefetch_map(maps.v);
       }
-      produce(p, s, h, n, base, bars, maps, wt);
+      produce(p, w.s, w.h, w.n, base, bars, maps, wt);
     } else {
-      produce_cp(p, s, h, n, base, bars, wt);
+      produce_cp(p, w.s, w.h, w.n, base, bars, wt);
     }
     return;
   }
   sm90::setmaxnreg_inc<kConsumerRegs>();
-  const int c = wgi - 1;
+  reload_barrier();
+  w = work_of(p);
+  const Seq& s = w.s;
+  const int i0 = w.i0, pre = w.pre, n = w.n, h = w.h;
+  const int wt = threadIdx.x % 128, warp = wt / 32, lane = threadIdx.x % 32;
+  const int c = threadIdx.x / 128 - 1;
   const unsigned aQ = base + c * 3 * kQBlk;
   const int rloc = 64 * c + 16 * warp + (lane >> 2);   // this thread's rows rloc, rloc + 8 of the block
   int lim[2];
@@ -429,7 +462,7 @@ __device__ void run(const Params& p, const Maps& maps) {
     // Per tile: QK, softmax, PV, each waited for before the next step.
     for (int it = 0; it < n; ++it) {
       const int st = it & 1;
-      sm90::mbar_wait_asm(bars.kfull(st), (it >> 1) & 1);
+      wait_stage(bars.kfull(st), (it >> 1) & 1);
       sm90::wgmma_fence();
       qk(sc, aQ, stage_k(it));
       sm90::wgmma_commit();
@@ -440,7 +473,7 @@ __device__ void run(const Params& p, const Maps& maps) {
       pack(sc, a, l, pk);
       rescale(o, a);
       pin(o);   // keeps the multiplies above the fence (NVVM sinks register-only arithmetic past asm)
-      sm90::mbar_wait_asm(bars.vfull(st), (it >> 1) & 1);
+      wait_stage(bars.vfull(st), (it >> 1) & 1);
       sm90::wgmma_fence();
       pv(o, pk, stage_k(it) + kKBytes);
       sm90::wgmma_commit();
@@ -465,7 +498,7 @@ __device__ void run(const Params& p, const Maps& maps) {
     };
     if constexpr (C::kPingpong)
       if (c == 1) sm90::barrier_arrive(kBarTurn, 256);   // consumer 0 goes first
-    sm90::mbar_wait_asm(bars.kfull(0), 0);
+    wait_stage(bars.kfull(0), 0);
     take();
     sm90::wgmma_fence();
     qk(sc, aQ, stage_k(0));
@@ -478,8 +511,8 @@ __device__ void run(const Params& p, const Maps& maps) {
     pack(sc, a, l, pk);
     for (int it = 1; it < n; ++it) {
       const int st = it & 1, sp = st ^ 1;
-      sm90::mbar_wait_asm(bars.kfull(st), (it >> 1) & 1);
-      sm90::mbar_wait_asm(bars.vfull(sp), ((it - 1) >> 1) & 1);
+      wait_stage(bars.kfull(st), (it >> 1) & 1);
+      wait_stage(bars.vfull(sp), ((it - 1) >> 1) & 1);
       take();
       sm90::wgmma_fence();
       qk(sc, aQ, stage_k(it));
@@ -503,7 +536,7 @@ __device__ void run(const Params& p, const Maps& maps) {
     const int sl = (n - 1) & 1;
     rescale(o, a);
     pin(o);
-    sm90::mbar_wait_asm(bars.vfull(sl), ((n - 1) >> 1) & 1);
+    wait_stage(bars.vfull(sl), ((n - 1) >> 1) & 1);
     take();
     sm90::wgmma_fence();
     pv(o, pk, stage_k(n - 1) + kKBytes);
@@ -514,12 +547,12 @@ __device__ void run(const Params& p, const Maps& maps) {
     pin(pk);
     sm90::mbar_arrive(bars.vempty(sl));
   }
-  float w[2];
+  float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    w[r] = l[r] > 0.f ? __fdividef(1.f, l[r]) : 0.f;   // l <= the key count: far from __fdividef's 2^126 limit
+    inv[r] = l[r] > 0.f ? __fdividef(1.f, l[r]) : 0.f;   // l <= the key count: far from __fdividef's 2^126 limit
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -528,7 +561,7 @@ __device__ void run(const Params& p, const Maps& maps) {
     const long long off = (static_cast<long long>(s.q0 + i) * C::kHeads + h) * kDv + 2 * (lane & 3);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const float x = o[4 * j + 2 * r] * w[r], y = o[4 * j + 2 * r + 1] * w[r];
+      const float x = o[4 * j + 2 * r] * inv[r], y = o[4 * j + 2 * r + 1] * inv[r];
       if constexpr (C::kOutF32) {
         *reinterpret_cast<float2*>(static_cast<float*>(p.out) + off + 8 * j) = make_float2(x, y);
       } else {
