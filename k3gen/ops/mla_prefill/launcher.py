@@ -69,11 +69,10 @@ def rope_map(t) -> bytes:
 
 
 class MlaPrefill(Launcher):
-    def load(self):
-        if self._kernel is None:
-            super().load()
-            self._smem_set: set[int] = set()
-        return self
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._smem_set: set[int] = set()
+        self._tma = spec.impl.tma   # the variant reads K/V through tensor maps (encoded per launch)
 
     def _allow_smem(self, device: int) -> None:
         if device not in self._smem_set:
@@ -139,7 +138,7 @@ class MlaPrefill(Launcher):
         pack = ArgPack()
         for val, t in zip(args, types):
             pack.add(t(val))
-        maps = (head_map(k_nope), rope_map(k_pe), head_map(v)) if self.spec.impl.tma else (bytes(128),) * 3
+        maps = (head_map(k_nope), rope_map(k_pe), head_map(v)) if self._tma else (bytes(128),) * 3
         for raw in maps:
             pack.add(raw)
         self.load()._allow_smem(dev)
