@@ -202,3 +202,25 @@ def test_host_validation_of_offsets():
             op.validate_inputs(i32(cq), i32(ck), 5, 9, mx)
     with pytest.raises(SpecError):
         check_offsets("cu", [], 3)
+
+
+def test_tensor_maps_describe_the_strided_views(monkeypatch):
+    """head_map / rope_map hand the encoder byte geometry of the views the model and the tests pass:
+    k_nope / v halves of a [N, H, 256] expansion, a contiguous [N, H, 128], k_pe columns 512.. of
+    [N, 576] cache rows; one box = one [128 rows][128 B] SW128 block."""
+    import k3gen.ops.mla_prefill.launcher as L
+    seen = []
+    monkeypatch.setattr(L, "encode_tma_3d", lambda ptr, dims, strides, box: seen.append((ptr, dims, strides, box)))
+    monkeypatch.setattr(L, "encode_tma_2d", lambda ptr, dims, strides, box: seen.append((ptr, dims, strides, box)))
+    kv = torch.zeros(40, 12, 256, dtype=BF)
+    rows = torch.zeros(40, 576, dtype=BF)
+    L.head_map(kv[..., :128])
+    L.head_map(kv[..., 128:])
+    L.head_map(torch.zeros(40, 12, 128, dtype=BF))
+    L.rope_map(rows[:, 512:])
+    L.head_map(torch.zeros(0, 1, 128, dtype=BF))
+    assert seen[0][1:] == ((256, 12, 40), (512, 12 * 512), (128, 1, 128))
+    assert seen[1][0] == seen[0][0] + 256 and seen[1][1:] == seen[0][1:]
+    assert seen[2][1:] == ((256, 12, 40), (256, 12 * 256), (128, 1, 128))
+    assert seen[3][0] == rows.data_ptr() + 1024 and seen[3][1:] == ((128, 40), (1152,), (128, 128))
+    assert seen[4][1] == (256, 1, 1) and seen[4][2][0] == 256   # one head, no rows: a valid map all the same
