@@ -3,7 +3,7 @@ PyTorch KDA path as the oracle: FLA hidden) with k3gen's KDA (kda_prefill throug
 MLA decode (kv_cache_write + mla_decode, absorbed) and MoE routing (moe_route) kernels swapped in.
 
 - Teacher-forced logits (prefill + cached decode steps) within 2x transformers' own BF16-input floor
-  (tests/nogpu/library/test_hf_adapter._bf16_floor: the adapter's input roundings) plus the tolerance
+  (tests/nogpu/library/test_hf_adapter_spec._bf16_floor: the adapter's input roundings) plus the tolerance
   table's BF16 relative RMS (the kernels' own arithmetic: BF16 tensor-core operands, FP32 sums).
 - `generate` greedy tokens equal transformers' own, except after a BF16 tie: the first differing
   token must be one where transformers' top-2 margin is within 6x that step's RMS logit error."""
@@ -22,7 +22,7 @@ NEW = 24
 @pytest.mark.parametrize("case", sorted(hf_tiny.CASES))
 def test_adapter_on_the_kernels_matches_transformers(case):
     import k3gen.api.hf as k3hf
-    from tests.nogpu.library.test_hf_adapter import _bf16_floor
+    from tests.nogpu.library.test_hf_adapter_spec import _bf16_floor
     m = hf_tiny.build(hf_tiny.CASES[case], hf_tiny.SEEDS[case]).cuda()
     toks = hf_tiny.tokens(hf_tiny.SEEDS[case]).cuda()
     want = hf_tiny.hf_logits(m, toks)
