@@ -329,7 +329,7 @@ LISTS["library"] = library
 
 def hf_adapter() -> list:
     """tests/gpu/test_hf_adapter.py: what k3gen.api.hf launches for tests/hf_tiny.py's model (2 MLA
-    heads, 8 experts top-2 in 2 groups, routed scale 1.5; tests/nogpu/library/test_hf_adapter.py
+    heads, 8 experts top-2 in 2 groups, routed scale 1.5; tests/nogpu/library/test_hf_adapter_spec.py
     checks this list against k3gen.api.hf.specs of that model)."""
     from k3gen.api.fla import fla_specs
     return fla_specs(SM90) + [KvCacheWriteSpec(target=SM90, kv=KvDtype.BF16),
