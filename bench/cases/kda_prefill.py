@@ -1,5 +1,5 @@
 """kda_prefill: chunk64 (the default) at H = 12 and 96 over one 4096- or 8192-token prompt and an 8 x 1024
-varlen batch, chunkpar at T4096 for reference, each vs FLA chunk_kda on the same lengths in the same run."""
+varlen batch, each vs FLA chunk_kda on the same lengths in the same run."""
 from __future__ import annotations
 
 from bench.peers import fla_chunk_kda
@@ -44,7 +44,7 @@ def _fla_us(chunk_kda, H, lengths, gen, extra) -> float | None:
 @case
 def kda_prefill(ceiling: float, quick: bool = False) -> list:
     """Prefill at H = 12 and 96 (FP32 state, every sequence resuming): one 4096- or 8192-token prompt
-    and an 8 x 1024 varlen batch, chunk64 (chunkpar too at T4096), vs FLA's chunk_kda timed in the
+    and an 8 x 1024 varlen batch, chunk64, vs FLA's chunk_kda timed in the
     same run on the same lengths."""
     import torch
 
@@ -61,7 +61,7 @@ def kda_prefill(ceiling: float, quick: bool = False) -> list:
     for H, lengths in SHAPES:
         L, B = sum(lengths), len(lengths)
         shape = f"H{H} T{L}" + (f" B{B}x{lengths[0]}" if B > 1 else "")
-        algos = (PrefillAlgo.CHUNK64,) + ((PrefillAlgo.CHUNKPAR,) if (L, B) == (4096, 1) and not quick else ())
+        algos = (PrefillAlgo.CHUNK64,)
         for algo in algos:
             op = KdaPrefill(KdaPrefillSpec(target=tgt, heads=H, algo=algo)).load()
             w = random_weights(H, generator=torch.Generator().manual_seed(H)).to("cuda")

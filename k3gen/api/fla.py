@@ -30,7 +30,7 @@ normalize q and k), allow_neg_eigval (beta in [0, 2)), lower_bound other than -5
 effect: safe_gate, disable_recompute, chunk_size, cu_seqlens_cpu, use_graph, max_num_seqs (FLA's own
 kernel choices). `target=` (a k3gen target name, default "sm90") picks the kernels. Differences left: the BF16 roundings above, and an L2 norm of q or k whose
 squared length is near 1e-6 (the prescale moves FLA's eps). The kernels' own ordering
-(chunked 3xTF32 prefill, FP32 recurrence) follows their specs. No host sync; not CUDA-graph safe
+(chunk64 prefill: BF16 tensor-core operands, FP32 sums and state) follows their specs. No host sync; not CUDA-graph safe
 (it allocates the one-head pools per call).
 """
 from __future__ import annotations

@@ -68,11 +68,9 @@ def fp8_block_gemm() -> list:
 
 
 def kda_prefill() -> list:
-    """tests/gpu/test_kda_prefill.py and bench/cases/kda_prefill.py: every algo (chunk64 is auto)."""
-    out = []
-    for algo in (PrefillAlgo.CHUNK64, PrefillAlgo.CHUNK16, PrefillAlgo.CHUNKPAR):
-        out += [KdaPrefillSpec(target=SM90, algo=algo, heads=h, ssm=s) for h in (6, 12, 96) for s in SsmDtype]
-        out.append(KdaPrefillSpec(target=SM90, algo=algo, gate=GateKind.SOFTPLUS, heads=12))
+    """tests/gpu/test_kda_prefill.py and bench/cases/kda_prefill.py (chunk64, the only algo)."""
+    out = [KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNK64, heads=h, ssm=s) for h in (6, 12, 96) for s in SsmDtype]
+    out.append(KdaPrefillSpec(target=SM90, algo=PrefillAlgo.CHUNK64, gate=GateKind.SOFTPLUS, heads=12))
     return out
 
 

@@ -1,9 +1,8 @@
 """Launcher of kda_prefill (ABI: template.cu.j2; contract: spec.py).
 
-CUDA-graph safe: metadata checks only; the grid depends on the number of sequences alone (the
-kernel reads cu_seqlens on the device), so one graph serves any lengths with the same B. The
-`chunkpar` algo launches three kernels over a workspace sized from (N, B, H) only, taken from
-torch's caching allocator on the launch stream (inside a capture: the graph's private pool).
+CUDA-graph safe: metadata checks only; three kernels (prep, state, emit) over a workspace sized
+from (N, B, H) only, taken from torch's caching allocator on the launch stream (inside a capture:
+the graph's private pool); the kernels read cu_seqlens on the device.
 """
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import ctypes
 
 from k3gen.config import settings
 from k3gen.errors import SpecError
-from k3gen.ops.kda_prefill.spec import C64_STATE_WARPS, PrefillAlgo, c64_state_smem
+from k3gen.ops.kda_prefill.spec import C64_STATE_WARPS, c64_state_smem
 from k3gen.ir.layouts import CONV_TAPS, KDA_DV
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.checks import check_kda_rows, check_kda_ssm, check_kda_weights, check_one_device, check_tensor
@@ -19,13 +18,12 @@ from k3gen.runtime.loader import I32, PTR, _check
 from k3gen.ops.kda_decode.launcher import MAX_GRID_Z, KdaDecode
 
 I64 = ctypes.c_longlong
-STATE_ENTRY, STATE_KS_ENTRY, EMIT_ENTRY = "k3gen_kda_prefill_state", "k3gen_kda_prefill_state_ks", "k3gen_kda_prefill_emit"
-STATE_THREADS = 128  # par::kStateWarps warps; (H, B, 2) CTAs, or (H, B, 4) with the k range split
-C64_STATE_ENTRY = "k3gen_kda_prefill_state{}"  # chunk64: W warps, (H, B, 8 / W) CTAs
+EMIT_ENTRY = "k3gen_kda_prefill_emit"
+C64_STATE_ENTRY = "k3gen_kda_prefill_state{}"  # W warps, (H, B, 8 / W) CTAs
 
 
 def c64_state_warps(heads: int, batch: int, sms: int) -> int:
-    """chunk64's state pass: the fewest warps per CTA (more CTAs per head, one warp per SM
+    """The state pass: the fewest warps per CTA (more CTAs per head, one warp per SM
     sub-partition) whose (H, B, 8 / W) grid still fits one CTA per SM; 8 when none does. The
     pass is a sequential chain per warp, so a second wave would double its time."""
     for w in C64_STATE_WARPS:
@@ -38,18 +36,12 @@ class KdaPrefill(Launcher):
     def __init__(self, spec):
         super().__init__(spec)
         self._smem_set: set[int] = set()
-        self._par: list = []
-        self.k_split: bool | None = None  # chunkpar state pass: None = by occupancy; tests force both
-        self.state_warps: int | None = None  # chunk64 state pass: None = c64_state_warps; tests force each
+        self.state_warps: int | None = None  # the state pass: None = c64_state_warps; tests force each
         self._c64: dict = {}
 
     def load(self):
         super().load()
-        if self.spec.algo is PrefillAlgo.CHUNKPAR and not self._par:
-            self._par = [self._kernel, self._kernel.sibling(STATE_ENTRY), self._kernel.sibling(EMIT_ENTRY),
-                         self._kernel.sibling(STATE_KS_ENTRY)]
-            self._sms = self.sm_count
-        if self.spec.algo is PrefillAlgo.CHUNK64 and not self._c64:
+        if not self._c64:
             self._c64 = {w: self._kernel.sibling(C64_STATE_ENTRY.format(w)) for w in C64_STATE_WARPS}
             self._c64["emit"] = self._kernel.sibling(EMIT_ENTRY)
             self._sms = self.sm_count
@@ -58,10 +50,7 @@ class KdaPrefill(Launcher):
 
     def _smem_needs(self) -> list:
         """(kernel, dynamic shared memory bytes) of every kernel above the 48 KB default."""
-        if self._c64:
-            return [(self._kernel, self.spec.smem_bytes)] + [(self._c64[w], c64_state_smem(w)) for w in C64_STATE_WARPS]
-        return [(k, self.spec.smem_bytes) for k in ([self._par[0], self._par[1], self._par[3]] if self._par
-                                                    else [self._kernel])]
+        return [(self._kernel, self.spec.smem_bytes)] + [(self._c64[w], c64_state_smem(w)) for w in C64_STATE_WARPS]
 
     def _allow_smem(self, device: int) -> None:
         """The kernels' dynamic shared memory is above the 48 KB default: raise the limit once per
@@ -96,7 +85,7 @@ class KdaPrefill(Launcher):
             raise SpecError("batch", B, f"<= {MAX_GRID_Z}", "sequences are grid.y")
         if N >= 2**31 or S >= 2**31:
             raise SpecError("tokens", N, "< 2^31 tokens and slots")
-        if self.spec.algo in (PrefillAlgo.CHUNKPAR, PrefillAlgo.CHUNK64) and self.spec.workspace_items(N, B) > MAX_GRID_Z:
+        if self.spec.workspace_items(N, B) > MAX_GRID_Z:
             raise SpecError("tokens", N, f"N / 64 + B <= {MAX_GRID_Z}", f"{self.spec.algo} work items are grid.y")
         return B, S
 
@@ -122,27 +111,7 @@ class KdaPrefill(Launcher):
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
         self.load()._allow_smem(dev)
-        if self.spec.algo is PrefillAlgo.CHUNK64:
-            return self._launch_c64(qkvg.shape[0], B, args, types, dev, stream, out)
-        if self.spec.algo is not PrefillAlgo.CHUNKPAR:
-            self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream,
-                               self.spec.smem_bytes)
-            return out
-        N, H = qkvg.shape[0], self.spec.heads
-        ws = torch.empty(self.spec.workspace_bytes(N, B), dtype=torch.uint8, device=out.device)
-        o_off = self.spec.workspace_bytes(N, B) - N * H * KDA_DV * 4
-        args += (ws.data_ptr(), ws.data_ptr() + o_off, B)
-        types += (PTR, PTR, I32)
-        items = self.spec.workspace_items(N, B)
-        prep, state, emit, state_ks = self.load()._par
-        # The k-split state pass halves each warp's sequential mma chain but needs 4 CTAs per
-        # (sequence, head): taken while those fit one per SM (a persistent pass must not queue).
-        ks = H * B * 4 <= self._sms if self.k_split is None else self.k_split
-        prep.launch((H, items, 1), (self.spec.threads, 1, 1), args, types, dev, stream, self.spec.smem_bytes)
-        (state_ks if ks else state).launch((H, B, 4 if ks else 2), (STATE_THREADS, 1, 1), args, types, dev, stream,
-                                           self.spec.smem_bytes)
-        emit.launch((H, items, 1), (self.spec.threads, 1, 1), args, types, dev, stream, 0)
-        return out
+        return self._launch_c64(qkvg.shape[0], B, args, types, dev, stream, out)
 
     def _launch_c64(self, N, B, args, types, dev, stream, out):
         """prep (H, J) -> state (H, B, 8 / W) -> emit (H, J), on one stream over one workspace."""

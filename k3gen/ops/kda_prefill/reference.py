@@ -38,8 +38,9 @@ def kda_prefill(qkvg, fa, beta_logit, cu_seqlens, slots, resume, ssm, conv, w: K
 
 @torch.no_grad()
 def chunk_emulation(q, k, v, g, beta, state, chunk: int = 16):
-    """The chunked WY algebra of the chunk16 kernel (include/k3gen/kda/prefill_chunk.cuh), written
-    plainly so the CPU tests can hold it against the token recurrence. Per head: q, k normalized
+    """The chunked WY algebra (SPEC.md section 2) at any chunk size, exact in the input dtype,
+    written plainly so the CPU tests can hold it against the token recurrence and chunk64's
+    emulation against it. Per head: q, k normalized
     [T, K], v [T, V], g log decays [T, K] (<= 0), beta [T], state S^T [V, K] (V-first). Returns
     (o [T, V] before the gated RMSNorm, final S^T). Every decay factor is exp of a difference <= 0."""
     T = q.shape[0]

@@ -1,10 +1,9 @@
 """kda_prefill: the prompt tokens of a varlen batch through the fused KDA step (SPEC.md section 2),
 writing every token's output, the final state into the pool slot and the last three raw inputs
 into the conv window; a sequence may continue from the state already in its slot (chunked
-continuation). Two algorithms (`algo`, the variant field; variants.py): `chunk16`, the chunked WY
-form on tensor cores (3xTF32 mma.sync, FP32 recurrence, 16-token chunks, state in registers, one
-CTA per (sequence, head); include/k3gen/kda/prefill_chunk.cuh) is the default the model uses;
-`chunkpar` (below) runs the same arithmetic as three kernels.
+continuation). One algorithm (`algo`, the variant field; variants.py): `chunk64`, the chunked WY
+form with 64-token chunks on BF16 tensor-core operands (mma.sync, FP32 sums, FP32 triangular solve
+and state; include/k3gen/kda/prefill_chunk64.cuh); tolerances KDA_CHUNK64_* in tests/numerics.py.
 
 Kernel contract (shared by the template, the reference and the launcher). D = heads * 128,
 N = total tokens; sequence b owns rows cu_seqlens[b] .. cu_seqlens[b+1]-1.
@@ -21,15 +20,11 @@ Pools (kda_decode's StatePoolLayout): `ssm[num_slots, H, 128, 128]` FP32 or BF16
 after the last token: the recurrence never rounds in between), `conv[num_slots, 3D, 3]` BF16.
 Output: `out[N, H, 128]` BF16 contiguous (8-byte aligned). A sequence of length 0 touches nothing.
 
-Launch (`chunk16`): grid (H, B), 256 threads, `smem_bytes` of dynamic shared memory.
-
-`chunkpar` (include/k3gen/kda/prefill_par.cuh) runs chunk16's arithmetic as three kernels so that
-long prompts fill the GPU: `prep` (grid (H, N / 64 + B), one 64-token item each: conv, norms,
-gates, A, P and the forward substitution, none of which reads the state) saves the prepared
-16-token tiles to a workspace; `state` (grid (H, B, 2), 128 threads, half of the V rows each: the
-rows of S^T are independent) runs the 3xTF32 recurrence over them and writes raw outputs;
-`emit` (grid (H, N / 64 + B)) applies the gated RMSNorm. The launcher sizes the workspace from N,
-B and H (`workspace_bytes`), so the launches stay graph-safe.
+Launch: three kernels over a workspace sized from (N, B, H) only (`workspace_bytes`), so the
+launches stay graph-safe: `prep` (grid (H, N / 64 + B), one 64-token item each: conv, norms, gates,
+A, the triangular solve, W, U, Aqk, none of which reads the state) writes one record per item and
+head; `state` (grid (H, B, 8 / W), W warps of 16 state rows each) runs the FP32 recurrence over the
+records and writes raw FP32 outputs; `emit` (grid (H, N / 64 + B)) applies the gated RMSNorm.
 """
 from __future__ import annotations
 
@@ -48,20 +43,14 @@ from k3gen.ops.kda_decode.spec import FLOPS_PER_TOKEN_HEAD, FbWeight, KdaState
 
 class PrefillAlgo(str, enum.Enum):
     AUTO = "auto"          # resolved at construction to the first variant that can (variants.py)
-    CHUNK16 = "chunk16"    # chunked WY form, tensor cores, one CTA per (sequence, head)
-    CHUNKPAR = "chunkpar"  # chunk16's algebra in three kernels: parallel prep / emit, sequential state pass
     CHUNK64 = "chunk64"    # 64-token WY chunks, BF16 tensor-core operands, FP32 sums and state, three kernels
 
     def __str__(self) -> str:
         return self.value
 
 
-# Dynamic shared memory of the chunk kernel (its template static_asserts sizeof(Smem) fits).
-CHUNK_SMEM_BYTES = 88 * 1024
-# chunkpar: tokens per prep / emit work item, and bytes of one prepared 16-token tile set
-# (par::Tiles: four [16][136] FP32 tiles, P [16][17], e^(G_C) [128]; the template static_asserts it).
+# Tokens per prep / emit work item (one 64-token chunk).
 PAR_ITEM = 64
-PAR_TILE_BYTES = (4 * 16 * (KDA_DK + 8) + 16 * 17 + KDA_DK) * 4
 # chunk64 (include/k3gen/kda/prefill_chunk64.cuh, whose static_asserts check these): one chunk's
 # record c64::Rec = -W, e^G Q ([64][136] BF16 each), K^T ([128][72] BF16), Aqk ([64][72] BF16),
 # e^(G_C) (FP32 [128]) = the head the state kernel copies whole, then U^T (FP32 [128][72]).
@@ -84,9 +73,8 @@ class KdaPrefillSpec(KdaState, OpSpec):
     ssm: SsmDtype = SsmDtype.FP32
     fb_weight: FbWeight = FbWeight.BF16
     algo: PrefillAlgo = PrefillAlgo.AUTO
-    threads: int = 256
-    # One CTA per SM: prefill grids (B x H) rarely fill more than a wave, and the chunk kernels
-    # keep 64 state words and the chunk's V_new / O tiles in registers (up to 255).
+    threads: int = 256     # prep and emit CTAs (the state pass takes 32 x its warps)
+    # prep runs one CTA per SM (220 KB of shared memory each).
     min_blocks: int = 1
 
     variant_field: ClassVar[str] = "algo"
@@ -99,39 +87,28 @@ class KdaPrefillSpec(KdaState, OpSpec):
     def validate(self) -> None:
         check_heads(self.heads, 1 << 20, "heads are grid.x")
         if self.threads != 256:
-            raise SpecError("threads", self.threads, [256], "8 state rows per half-warp")
+            raise SpecError("threads", self.threads, [256], "prep's 8 warps: a warp per 16-token block pair")
         if self.min_blocks != 1:
-            raise SpecError("min_blocks", self.min_blocks, [1], "the chunk kernels keep 64 state words and "
-                            "the chunk's V_new / O tiles in registers (up to 255)")
+            raise SpecError("min_blocks", self.min_blocks, [1], "prep takes 220 KB of shared memory: one CTA per SM")
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of the first kernel launched (chunk64: prep)."""
-        return C64_PREP_SMEM if self.algo is PrefillAlgo.CHUNK64 else CHUNK_SMEM_BYTES
+        """Dynamic shared memory of the first kernel launched (prep)."""
+        return C64_PREP_SMEM
 
     par_item = PAR_ITEM
-    par_tile_bytes = PAR_TILE_BYTES
 
     def workspace_items(self, tokens: int, batch: int) -> int:
-        """Work items of the prep / emit grids (chunkpar, chunk64): sequence b owns items
-        cu[b] // 64 + b onward."""
+        """Work items of the prep / emit grids: sequence b owns items cu[b] // 64 + b onward."""
         return tokens // PAR_ITEM + batch
 
     def workspace_bytes(self, tokens: int, batch: int) -> int:
-        """chunkpar: prepared tiles of every 16-token sub-chunk slot; chunk64: one record per item
-        and head; then the raw FP32 outputs [N, H, 128]. 0 for the single-kernel chunk16."""
-        if self.algo is PrefillAlgo.CHUNK64:
-            tiles = self.workspace_items(tokens, batch) * self.heads * C64_REC_BYTES
-            return tiles + tokens * self.heads * KDA_DV * int(FP32.bytes)
-        if self.algo is not PrefillAlgo.CHUNKPAR:
-            return 0
-        tiles = self.workspace_items(tokens, batch) * (PAR_ITEM // 16) * self.heads * PAR_TILE_BYTES
+        """One record per item and head, then the raw FP32 outputs [N, H, 128]."""
+        tiles = self.workspace_items(tokens, batch) * self.heads * C64_REC_BYTES
         return tiles + tokens * self.heads * KDA_DV * int(FP32.bytes)  # dtype sizes are floats (FP4: 0.5)
 
     def slug(self) -> str:
-        s = f"h{self.heads}-{self.gate.value}-{self.ssm.value}"
-        if self.algo is not PrefillAlgo.CHUNK16:
-            s += f"-{self.algo.value}"
+        s = f"h{self.heads}-{self.gate.value}-{self.ssm.value}-{self.algo.value}"
         if self.min_blocks != 1:
             s += f"-mb{self.min_blocks}"
         return s

@@ -64,7 +64,7 @@ def test_verify_variant_reasons():
 
 def test_prefill_variant_reasons():
     table = KdaPrefillSpec.variants
-    assert table.names() == ("chunk64", "chunk16", "chunkpar")
+    assert table.names() == ("chunk64",)
     spec = KdaPrefillSpec(target=SM90, heads=12)
     assert spec.algo is PrefillAlgo.CHUNK64
     for name in table.names():
