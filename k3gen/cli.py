@@ -309,11 +309,12 @@ def cmd_list(a) -> int:
     from k3gen.ops import registry
     from k3gen.targets import build_specs
     con = _console()
-    t = Table("arch", "kernel", "op", "lowering", "file", title="kernels (the arch column is what --arch takes)",
+    t = Table("arch", "kernel", "op", "variant", "lowering", "file",
+              title="kernels (the arch column is what --arch takes; variant: the op's variants.py entry)",
               title_justify="left")
     for tgt in _targets(a.arch):
         for s in build_specs(tgt):
-            t.add_row(arch_name(tgt), s.kernel_name, s.op, s.lowering, s.file_stem)
+            t.add_row(arch_name(tgt), s.kernel_name, s.op, s.impl.name, s.lowering, s.file_stem)
     con.print(t)
     con.print("ops: " + ", ".join(sorted(registry())))
     return 0
