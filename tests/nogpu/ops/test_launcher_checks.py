@@ -1,5 +1,6 @@
 """The launchers' input checks on the CPU (issue 27: typed errors on every call path that is not
-captured): each op's real entry point is called with well-formed CPU tensors, which must fail only
+captured; the prefill launchers included since issue 30, where dropping mla_prefill's k_pe check
+fails the exhaustive test of both its cases): each op's real entry point is called with well-formed CPU tensors, which must fail only
 at the device check (so nothing else was wrong and nothing touched CUDA first), then with one
 argument broken (dtype, rank, the fixed last dim), which must raise SpecError before the device
 check, naming that argument for a wrong dtype. Hypothesis draws the broken argument and the size
@@ -154,6 +155,36 @@ def _kda_verify(ssm: str):
     return L, args, {}
 
 
+def _kda_prefill(ssm: str):
+    from k3gen.ir.dtypes import SsmDtype
+    from k3gen.ops.kda_prefill.spec import KdaPrefillSpec
+    spec = KdaPrefillSpec(target=SM90, heads=4, ssm=SsmDtype(ssm))
+    L = launcher_class(spec.op)(spec)
+    H, D, S, B = 4, 4 * 128, 3, 2
+    bf, i32 = dict(dtype=torch.bfloat16), dict(dtype=torch.int32)
+    args = {"qkvg": torch.zeros(T, 4 * D, **bf), "fa": torch.zeros(T, 128, **bf), "beta_logit": torch.zeros(T, H, **bf),
+            "cu_seqlens": torch.tensor([0, 2, T], **i32), "slots": torch.zeros(B, **i32),
+            "resume": torch.zeros(B, **i32),
+            "ssm": torch.zeros(S, H, 128, 128, dtype=torch.float32 if ssm == "fp32" else torch.bfloat16),
+            "conv": torch.zeros(S, 3 * D, 3, **bf), "conv_w": torch.zeros(3 * D, 4, **bf),
+            "fb_w": torch.zeros(D, 128, **bf), "dt_bias": torch.zeros(D), "a_log": torch.zeros(H),
+            "norm_w": torch.ones(128), "out": torch.zeros(T, H, 128, **bf)}
+    return L, args, {}
+
+
+def _mla_prefill(out: str):
+    from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype
+    spec = MlaPrefillSpec(target=SM90, heads=6, out_dtype=OutDtype(out))
+    L = launcher_class(spec.op)(spec)
+    H = 6
+    bf, i32 = dict(dtype=torch.bfloat16), dict(dtype=torch.int32)
+    args = {"q": torch.zeros(T, H, 192, **bf), "k_nope": torch.zeros(T + 3, H, 128, **bf),
+            "k_pe": torch.zeros(T + 3, 64, **bf), "v": torch.zeros(T + 3, H, 128, **bf),
+            "cu_seqlens_q": torch.tensor([0, 2, T], **i32), "cu_seqlens_k": torch.tensor([0, 5, T + 3], **i32),
+            "out": torch.zeros(T, H, 128, dtype=torch.float32 if out == "fp32" else torch.bfloat16), "max_seqlen_q": 3}
+    return L, args, {}
+
+
 def _mla_decode(kv: str):
     from k3gen.ir.dtypes import KvDtype
     from k3gen.ops.kv_cache_write.reference import alloc_cache
@@ -177,7 +208,9 @@ CASES = {"moe_route": _moe_route, "moe_experts-mxfp4-bf16": lambda: _moe_experts
          "kv_cache_write-nvfp4": lambda: _kv_cache_write("nvfp4"),
          "kda_decode-fp32": lambda: _kda_decode("fp32"), "kda_decode-bf16": lambda: _kda_decode("bf16"),
          "mla_decode-bf16": lambda: _mla_decode("bf16"), "mla_decode-nvfp4": lambda: _mla_decode("nvfp4"),
-         "kda_verify-fp32": lambda: _kda_verify("fp32"), "kda_verify-bf16": lambda: _kda_verify("bf16")}
+         "kda_verify-fp32": lambda: _kda_verify("fp32"), "kda_verify-bf16": lambda: _kda_verify("bf16"),
+         "kda_prefill-fp32": lambda: _kda_prefill("fp32"), "kda_prefill-bf16": lambda: _kda_prefill("bf16"),
+         "mla_prefill-fp32": lambda: _mla_prefill("fp32"), "mla_prefill-bf16": lambda: _mla_prefill("bf16")}
 OTHER_DTYPE = {torch.float32: torch.float16, torch.bfloat16: torch.float16, torch.uint8: torch.int8,
                torch.int32: torch.int64}
 MUTATIONS = ("dtype", "rank", "last+1", "last-1")
