@@ -1,10 +1,11 @@
 """The launchers' input checks on the CPU (issue 27: typed errors on every call path that is not
-captured; the prefill launchers included since issue 30, where dropping mla_prefill's k_pe check
-fails the exhaustive test of both its cases): each op's real entry point is called with well-formed CPU tensors, which must fail only
-at the device check (so nothing else was wrong and nothing touched CUDA first), then with one
-argument broken (dtype, rank, the fixed last dim), which must raise SpecError before the device
-check, naming that argument for a wrong dtype. Hypothesis draws the broken argument and the size
-of the change; the exhaustive variant walks every (argument, mutation) pair once."""
+captured; the prefill launchers since issue 30: dropping mla_prefill's k_pe check fails the
+exhaustive test of both its cases): each op's real entry point is called with well-formed CPU
+tensors, which must fail only at the device check (so nothing else was wrong and nothing touched
+CUDA first), then with one argument broken (dtype, rank, the fixed last dim), which must raise
+SpecError before the device check, naming that argument for a wrong dtype. Hypothesis draws the
+broken argument and the size of the change; the exhaustive variant walks every (argument,
+mutation) pair once."""
 from __future__ import annotations
 
 import pytest
