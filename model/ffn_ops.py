@@ -26,7 +26,6 @@ from k3gen.ops.glu_act.spec import GluKind
 from k3gen.ops.moe_experts.spec import GluAct, WeightFormat
 from k3gen.targets import has_expert_kernel
 
-import model.kernel_lib as K
 from model import arch, moe_torch
 
 BF16 = torch.bfloat16
@@ -225,4 +224,4 @@ class KernelFfnOps(FfnOps):
         def fields():
             kw = dict(beta=float(cfg.situ_beta), linear_beta=float(cfg.situ_linear_beta)) if cfg.act == "situ" else {}
             return dict(inter=w.width, act=GluKind(cfg.act), recipe=self.recipe, **kw)
-        return K.ops.glu_act(self._kernel(("glu_act", w.width), fields), gu)
+        return api.glu_act(self._kernel(("glu_act", w.width), fields), gu)

@@ -36,7 +36,6 @@ from k3gen.targets import (ServingOptions, SpecMenu, attention_tokens, has_prefi
 
 import k3gen.api as api
 import k3gen.library as library
-import model.kernel_lib as K
 from model import mla_attention as attn
 from model.ffn_ops import KernelFfnOps, QAct, RefFfnOps
 from model.weights import Fp8Linear
@@ -351,7 +350,7 @@ class KernelOps(KernelFfnOps, Ops):
         self._mark("mla_prefill")
         H = q.shape[1]
         h = self._handle(("mla_prefill", H), heads=H)
-        return K.ops.mla_prefill(h, q, k_nope, k_pe, v, pf.cu_seqlens, pf.cu_seqlens, pf.max_len)
+        return api.mla_prefill(h, q, k_nope, k_pe, v, pf.cu_seqlens, pf.cu_seqlens, pf.max_len)
 
     def kv_write(self, layout, cache, rows, cu_rows, start_pos, block_table, ring_slot, scale, max_rows):
         self._mark("kv_cache_write")

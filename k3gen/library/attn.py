@@ -8,7 +8,7 @@ call mixes its sources 0..n-1 (n a plain int: the stream's count, known at plan 
 The functional form mixes every row of src (M = src.shape[1]: pass a row slice src[:, :M] for
 fewer) and returns (out, codes, scales, mixed) with a fixed schema for every spec: codes and
 scales are [0, hidden] / [0, hidden/128] when the spec writes no FP8, mixed is [0, hidden] unless
-`want_mixed` (the signature model/kernel_lib.py's k3model::attn_res has). The `_out` form writes
+`want_mixed` (the signature the model's attn_res op had). The `_out` form writes
 caller-owned buffers for M = out.shape[0] rows (codes, scales for an FP8 spec; mixed optional).
 
 CUDA tensors launch the generated kernel of the handle's spec; CPU tensors run the FP32 reference.

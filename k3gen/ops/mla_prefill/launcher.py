@@ -14,7 +14,7 @@ from k3gen.ops.mla_prefill.spec import BLOCK_N, MAX_GRID_YZ, NOPE, QK_HEAD, ROPE
 from k3gen.runtime.checks import check_one_device, check_tensor
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.loader import I32, PTR, ArgPack
-from k3gen.runtime.tma import encode_tma_2d
+from k3gen.runtime.tma import encode_tma
 
 I64 = ctypes.c_longlong
 
@@ -37,35 +37,17 @@ def check_offsets(name: str, cu: list[int], rows: int) -> None:
                         f"non-decreasing offsets from 0 to at most {rows}")
 
 
-def encode_tma_3d(ptr: int, dims: tuple[int, int, int], strides: tuple[int, int], box: tuple[int, int, int]) -> bytes:
-    """128-byte CUtensorMap of a uint8 [dims[2]][dims[1]][dims[0]] array (byte strides of dims 1, 2),
-    128B swizzle, zero fill out of bounds (runtime/tma.encode_tma_2d in three dimensions)."""
-    import ctypes as c
-
-    from cuda.bindings import driver as d
-
-    from k3gen.runtime.loader import _check
-    u64, u32 = d.cuuint64_t, d.cuuint32_t
-    tmap = _check(d.cuTensorMapEncodeTiled(
-        d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, ptr, [u64(v) for v in dims],
-        [u64(v) for v in strides], [u32(v) for v in box], [u32(1)] * 3,
-        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-    return c.string_at(int(tmap.getPtr()), 128)
-
-
 def head_map(t) -> bytes:
     """k_nope / v [rows, H, 128] BF16: box [128 rows][1 head][128 bytes] (one SW128 block)."""
     rows, heads = t.shape[0], t.shape[1]
     head_stride = t.stride(1) * 2 if heads > 1 else 256
-    return encode_tma_3d(t.data_ptr(), (256, heads, max(rows, 1)), (head_stride, max(t.stride(0) * 2, 16)),
+    return encode_tma(t.data_ptr(), (256, heads, max(rows, 1)), (head_stride, max(t.stride(0) * 2, 16)),
                          (128, 1, BLOCK_N))
 
 
 def rope_map(t) -> bytes:
     """k_pe [rows, 64] BF16: box [128 rows][128 bytes]."""
-    return encode_tma_2d(t.data_ptr(), (128, max(t.shape[0], 1)), (max(t.stride(0) * 2, 16),), (128, BLOCK_N))
+    return encode_tma(t.data_ptr(), (128, max(t.shape[0], 1)), (max(t.stride(0) * 2, 16),), (128, BLOCK_N))
 
 
 class MlaPrefill(Launcher):

@@ -1,5 +1,5 @@
 """model/ffn_ops.py on the CPU: the reference path's FFN and residual-stream ops (RefOps) against
-FP64 formulas written here, and the kernel path's (KernelOps: k3gen:: / k3model:: ops, which run
+FP64 formulas written here, and the kernel path's (KernelOps: k3gen:: ops, which run
 the ops' references on CPU tensors) against RefOps bit for bit: the router and its grouped order,
 the AttnRes mix with its fused partial-sum update (accumulate and seal) and the plain residual,
 routed_expert_norm, and the GLU (fused [gate | up] GEMM, glu_act, down GEMM) on padded FP8 weights."""

@@ -210,8 +210,7 @@ def test_tensor_maps_describe_the_strided_views(monkeypatch):
     [N, 576] cache rows; one box = one [128 rows][128 B] SW128 block."""
     import k3gen.ops.mla_prefill.launcher as L
     seen = []
-    monkeypatch.setattr(L, "encode_tma_3d", lambda ptr, dims, strides, box: seen.append((ptr, dims, strides, box)))
-    monkeypatch.setattr(L, "encode_tma_2d", lambda ptr, dims, strides, box: seen.append((ptr, dims, strides, box)))
+    monkeypatch.setattr(L, "encode_tma", lambda ptr, dims, strides, box: seen.append((ptr, dims, strides, box)))
     kv = torch.zeros(40, 12, 256, dtype=BF)
     rows = torch.zeros(40, 576, dtype=BF)
     L.head_map(kv[..., :128])
