@@ -57,3 +57,14 @@ class CacheError(K3genError):
 
 class DeviceError(K3genError):
     """A CUDA driver call failed."""
+
+
+class KernelFaultError(K3genError, IndexError):
+    """A kernel met bad index inputs (clamped or skipped on the device, k3gen.runtime.faults).
+
+    `faults` maps each op whose error word is set to the names of its fault kinds."""
+
+    def __init__(self, faults: dict):
+        self.faults = {op: list(kinds) for op, kinds in faults.items()}
+        super().__init__("kernel input faults: " + "; ".join(
+            f"{op}: {', '.join(kinds)}" for op, kinds in sorted(self.faults.items())))

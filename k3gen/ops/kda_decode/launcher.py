@@ -13,6 +13,7 @@ from k3gen.ir.dtypes import SsmDtype
 from k3gen.ir.layouts import CONV_TAPS, KDA_DV
 from k3gen.ops.kda_decode.spec import SPLITS
 from k3gen.ops.kda_decode.variants import SCHEDULE_BANDS
+from k3gen.runtime import faults
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.checks import check_kda_rows, check_kda_ssm, check_kda_weights, check_one_device, check_tensor
 from k3gen.runtime.loader import I32, PTR
@@ -74,6 +75,7 @@ class KdaDecode(Launcher):
             stream.set_max_dynamic_smem(self._stream_smem, dev)
             stream.prefer_max_smem(dev)
             self._stream = stream
+            faults.buffer()   # allocated outside any capture (graphs keep its address)
         return self
 
     def split_for(self, batch: int, pdl: bool | None = None) -> int:
@@ -113,7 +115,7 @@ class KdaDecode(Launcher):
 
         qkvg [B, >= 4D] BF16 (row stride free, unit inner stride), fa [B, 128] BF16 and
         beta_logit [B, H] BF16 (views of one [f_a | b] row are fine), ssm [S, H, 128, 128]
-        (spec.ssm) and conv [S, 3D, 3] BF16 updated in place at slots [B] int32 (negative:
+        (spec.ssm) and conv [S, 3D, 3] BF16 updated in place at slots [B] int32 (-1:
         padded row, zeros out), weights conv_w [3D, 4] BF16, fb_w [D, 128] BF16, dt_bias [D],
         a_log [H], norm_w [128] FP32; out [B, H, 128] BF16. `split` overrides the CTAs per
         (sequence, head) (1, 2, 4, 8 up to spec.max_split); by default it depends on B only.
@@ -136,7 +138,7 @@ class KdaDecode(Launcher):
         if B == 0:
             return out
         if settings().validate:
-            self.validate_slots(slots, num_slots)
+            self.validate_slots(slots, num_slots, pad_only=True)
         if schedule is None:
             schedule = "rows" if split not in (None, 1) else self.schedule_for(B, qkvg, conv)
         elif schedule == "stream":
@@ -154,8 +156,9 @@ class KdaDecode(Launcher):
                 beta_logit.stride(0), slots.data_ptr(), ssm.data_ptr(), conv.data_ptr(), num_slots,
                 conv_w.data_ptr(), fb_w.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), norm_w.data_ptr(),
                 out.data_ptr(), split,
-                *choose_warming(split * self.spec.heads * B, self.spec.min_blocks * self.sm_count, pdl, warm, ahead))
-        types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32)
+                *choose_warming(split * self.spec.heads * B, self.spec.min_blocks * self.sm_count, pdl, warm, ahead),
+                faults.word("kda_decode", out.device))
+        types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, PTR)
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
         grid, block = (split, self.spec.heads, B), (self.spec.threads, 1, 1)
@@ -170,8 +173,8 @@ class KdaDecode(Launcher):
         args = (qkvg.data_ptr(), qkvg.stride(0), fa.data_ptr(), fa.stride(0), beta_logit.data_ptr(),
                 beta_logit.stride(0), slots.data_ptr(), ssm.data_ptr(), conv.data_ptr(), num_slots,
                 conv_w.data_ptr(), fb_w.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), norm_w.data_ptr(),
-                out.data_ptr(), B)
-        types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR, I32)
+                out.data_ptr(), B, faults.word("kda_decode", out.device))
+        types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR, I32, PTR)
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
         grid = (min(B * self.spec.heads, self._stream_ctas * self.sm_count), 1, 1)
@@ -180,10 +183,12 @@ class KdaDecode(Launcher):
         return out
 
     @staticmethod
-    def validate_slots(slots, num_slots: int) -> None:
-        """Host-side check (it synchronizes): live slots in range and not shared by two rows."""
-        live = [int(x) for x in slots.cpu().tolist() if x >= 0]
-        bad = [x for x in live if x >= num_slots]
+    def validate_slots(slots, num_slots: int, pad_only: bool = False) -> None:
+        """Host-side check (it synchronizes): live slots in range and not shared by two rows; with
+        `pad_only` (kda_decode, kda_verify) -1 is the only padding slot, as their kernels' error word has it."""
+        all_ = [int(x) for x in slots.cpu().tolist()]
+        live = [x for x in all_ if x >= 0]
+        bad = [x for x in all_ if x >= num_slots or (pad_only and x < -1)]
         if bad:
             raise PageIndexError(f"slot {bad[0]} outside [0, {num_slots})")
         if len(set(live)) != len(live):

@@ -9,9 +9,10 @@ Inputs (BF16 unless stated; a "row stride" is in elements, the inner dim is unit
   D each (layout "qkvg"), any row stride. q, k, v are raw (pre-conv); g_out is the output gate.
 - `fa[B, 128]`: the f_a projection output, any row stride (it may be a view of a `[f_a | b]` row).
 - `beta_logit[B, H]`: any row stride.
-- `slots[B]` int32: state slot of each sequence. A negative slot marks a padded row: its output
-  is zeros and no state or conv window is touched. Slots >= num_slots are bad input and are
-  treated like padding by the kernel (never dereferenced).
+- `slots[B]` int32: state slot of each sequence. Slot -1 marks a padded row: its output
+  is zeros and no state or conv window is touched. Other negative slots and slots >= num_slots are
+  bad input: the kernel treats them like padding (never dereferenced) and records fault `slot` in
+  the error word (k3gen/runtime/faults.py); K3GEN_VALIDATE=1 raises PageIndexError on the host.
 Weights:
 - `conv_w[3D, 4]` BF16, rows in q|k|v channel order, tap 0 oldest, no bias.
 - `fb_w[D, 128]` BF16 (nn.Linear layout: out x in); fb_weight=BF16 is the only format so far.

@@ -11,6 +11,7 @@ from k3gen.config import settings
 from k3gen.errors import SpecError
 from k3gen.ir.layouts import CONV_TAPS, KDA_DK, KDA_DV
 from k3gen.ops.kda_verify.variants import PERSISTENT_MAX_DRAFTS, SCHEDULE_BANDS, SCHEDULES
+from k3gen.runtime import faults
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.checks import check_kda_rows, check_kda_ssm, check_kda_weights, check_one_device, check_tensor
 from k3gen.runtime.loader import I32, PTR
@@ -65,6 +66,8 @@ class KdaVerify(Launcher):
             self._split_smem = self._split.read_i32(SPLIT_ENTRY + "_smem", dev)
             self._split.set_max_dynamic_smem(self._split_smem, dev)
             self._split.prefer_max_smem(dev)
+        if not self.spec.target.frozen:
+            faults.buffer()   # allocated outside any capture (graphs keep its address)
         return self
 
     def schedule_for(self, batch: int) -> str:
@@ -119,7 +122,7 @@ class KdaVerify(Launcher):
         if B == 0:
             return out
         if settings().validate:
-            KdaDecode.validate_slots(slots, S)
+            KdaDecode.validate_slots(slots, S, pad_only=True)
             bad = [p for p in pending.cpu().tolist() if not 0 <= p <= self.spec.drafts]
             if bad:
                 raise SpecError("pending", bad[0], f"0..{self.spec.drafts}")
@@ -128,6 +131,7 @@ class KdaVerify(Launcher):
                 conv_ext.data_ptr(), S, conv_w.data_ptr(), fb_w.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(),
                 norm_w.data_ptr(), out.data_ptr())
         types = (PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, PTR, I32, PTR, PTR, PTR, PTR, PTR, PTR)
+        err = () if self.spec.target.frozen else (faults.word("kda_verify", out.device),)   # frozen: no word
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(out.device).cuda_stream
         if schedule is None:
@@ -138,8 +142,8 @@ class KdaVerify(Launcher):
             smem = max(self._prefetch_smem, SPREAD_SMEM) if grid[0] <= self.sm_count else self._prefetch_smem
             pdl = settings().pdl if pdl is None else pdl
             warm = pdl if warm is None else warm
-            self._prefetch.launch_ex(grid, (self.spec.threads, 1, 1), None, args + (B, int(warm)),
-                                     types + (I32, I32), dev, stream, smem=smem, pdl=pdl)
+            self._prefetch.launch_ex(grid, (self.spec.threads, 1, 1), None, args + (B, int(warm)) + err,
+                                     types + (I32, I32) + (PTR,) * len(err), dev, stream, smem=smem, pdl=pdl)
             return out
         if schedule == "split":
             if B * self.spec.heads >= 2**31:
@@ -147,8 +151,10 @@ class KdaVerify(Launcher):
             self.load()
             n_cl = split_clusters(B, self.spec.heads, self.sm_count, per_sm or SPLIT_PER_SM[-1])
             pdl = settings().pdl if pdl is None else pdl
-            self._split.launch_ex((2 * n_cl, 1, 1), (128, 1, 1), (2, 1, 1), args + (B,), types + (I32,), dev,
+            self._split.launch_ex((2 * n_cl, 1, 1), (128, 1, 1), (2, 1, 1), args + (B,) + err,
+                                  types + (I32,) + (PTR,) * len(err), dev,
                                   stream, smem=self._split_smem, pdl=pdl)
             return out
-        self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args, types, dev, stream)
+        self.kernel.launch((self.spec.heads, B, 1), (self.spec.threads, 1, 1), args + err,
+                           types + (PTR,) * len(err), dev, stream)
         return out

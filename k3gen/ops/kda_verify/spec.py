@@ -8,8 +8,10 @@ T = 1 + M. Token t of sequence b is activation row b * T + t.
 Inputs (BF16 unless stated; a "row stride" is in elements, the inner dim is unit-stride):
 - `qkvg[B * T, >= 4D]` (sections q | k | v | g_out, raw pre-conv q, k, v), `fa[B * T, 128]`,
   `beta_logit[B * T, H]`: any row stride, as in kda_decode.
-- `slots[B]` int32: pool slot of each sequence. Negative: a padded row, whose T outputs are
-  zeros and which touches nothing. Slots >= num_slots are bad input, treated like padding.
+- `slots[B]` int32: pool slot of each sequence. -1: a padded row, whose T outputs are
+  zeros and which touches nothing. Other negatives and slots >= num_slots are bad input, treated
+  like padding, with fault `slot` in the error word (k3gen/runtime/faults.py; not in the frozen
+  sm100-mxfp4 source, which predates it).
 - weights `conv_w`, `fb_w`, `dt_bias`, `a_log`, `norm_w` exactly as kda_decode.
 Pools (StatePoolLayout with max_drafts = M), read and written at `slots[b]`:
 - `ssm[num_slots, H, 128, 128]` FP32 or BF16: the committed state (after the last golden token).
@@ -17,7 +19,7 @@ Pools (StatePoolLayout with max_drafts = M), read and written at `slots[b]`:
 - `conv_ext[num_slots, 3D, 3 + M]` FP32: raw conv inputs; the window of the next step's golden
   token is columns P .. P+2.
 - `pending[num_slots]` int32: P, the drafts accepted in the last step (0..M; out-of-range values
-  are bad input and the kernel clamps them into 0..M).
+  are bad input: the kernel clamps them into 0..M and records fault `pending`).
 Output: `out[B, T, H, 128]` BF16, contiguous (8-byte aligned).
 
 Per live sequence: start state S = ssm[s] if P == 0 else draft_rec[s, P-1] (explicit FP32 loads

@@ -27,7 +27,16 @@ class VerifyKernel(KdaKernel):
 
     def inputs(self, spec) -> dict:
         return {**super().inputs(spec), "original": "true" if self.original else "false",
-                "schedules": self.schedules(spec)}
+                "schedules": self.schedules(spec), **fault_inputs(spec)}
+
+
+def fault_inputs(spec) -> dict:
+    """The error word's template parts (include/k3gen/common/faults.cuh); empty for a frozen target,
+    whose original kernel's source (tests/golden) predates it and renders byte for byte as landed."""
+    if spec.target.frozen:
+        return {"faults_cfg": "", "fault_params": "", "fault_args": ""}
+    return {"faults_cfg": "\n  static constexpr bool kFaults = true;", "fault_params": ", unsigned* err",
+            "fault_args": ", err"}
 
 
 VARIANTS = VariantTable("kda_verify", (

@@ -5,6 +5,7 @@ from k3gen.config import settings
 from k3gen.errors import PageIndexError, SpecError
 from k3gen.ir.dtypes import KvDtype
 from k3gen.ir.layouts import MLA_ROW, NVFP4_TILE_TOKENS
+from k3gen.runtime import faults
 from k3gen.runtime.checks import check_one_device, kv_cache_wants
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.loader import F32, I32, PTR, ptr
@@ -16,6 +17,12 @@ def tiles_for(max_rows_per_seq: int) -> int:
 
 
 class KvCacheWrite(Launcher):
+    def load(self):
+        super().load()
+        if not self.spec.target.frozen:
+            faults.buffer()   # allocated outside any capture (graphs keep its address)
+        return self
+
     def check_cache(self, cache: dict) -> tuple[int, int]:
         """Validate names, dtypes and shapes of the cache tensors; return (num_pages, num_slots)."""
         num_pages, num_slots, wants = kv_cache_wants(self.spec.layout, cache)
@@ -62,6 +69,9 @@ class KvCacheWrite(Launcher):
                 block_table.stride(0), num_pages, ptr(ring_slot), *cptr, float(scale), num_seqs)
         types = (PTR, PTR, PTR, PTR, I32, I32, PTR, PTR, PTR, PTR, PTR, F32, I32)
         dev = rows.device.index if rows.device.index is not None else torch.cuda.current_device()
+        if not self.spec.target.frozen:   # the frozen sources predate the error word
+            args += (rows.shape[0], block_table.shape[1], num_slots, faults.word("kv_cache_write", rows.device))
+            types += (I32, I32, I32, PTR)
         self.kernel.launch((num_seqs, ty, 1), (self.spec.threads, 1, 1), args, types, dev,
                            torch.cuda.current_stream(rows.device).cuda_stream)
 

@@ -16,6 +16,16 @@ Kernel contract (shared by the template, the reference and the launcher):
   the page). Rows of the tile older than this call come from the HP tail ring
   `hp_tail[ring_slot[b], p % ring]`, which also receives every new row whose position is in the
   last `ring` positions of the sequence after this call.
+
+Bad indices (checked on the device, recorded in the error word of k3gen/runtime/faults.py; the frozen
+sm100-mxfp4 sources predate it and are unchanged):
+
+- `cu_rows` range of sequence b outside `rows`, or decreasing (fault `rows`), `start_pos[b] < 0` or
+  `start_pos[b] + n >= 2^31` (`start`), NVFP4 `ring_slot[b]` outside `[0, hp_tail.shape[0])` (`ring`):
+  the sequence is skipped (nothing paged, nothing in its ring). A sequence of 0 rows is never a fault.
+- A 16-token tile whose page column is past `block_table.shape[1]` (`table`) or whose page id is outside
+  `[0, num_pages)` (`page`): its paged rows are skipped; the NVFP4 ring (the sequence's own) is still
+  written. Rows past the tiles the grid covers (more than `max_rows_per_seq`, `rows`) are dropped.
 """
 from __future__ import annotations
 

@@ -26,7 +26,18 @@ class KvWriteKernel(Variant):
                 "fp8_per_tensor": _cpp(spec.fp8_scales is Fp8ScaleGranularity.PER_TENSOR),
                 "swizzle": _cpp(spec.scale_layout is ScaleLayout.SWIZZLE_128X4),
                 "hw_fp4_cvt": _cpp(spec.target.fp4_cvt),
-                "fp4_guard": FP4_CVT_GUARD if spec.target.fp4_cvt else ""}
+                "fp4_guard": FP4_CVT_GUARD if spec.target.fp4_cvt else "",
+                **fault_inputs(spec)}
+
+
+def fault_inputs(spec) -> dict:
+    """The error word's template parts (include/k3gen/common/faults.cuh); empty for a frozen target,
+    whose sources (tests/golden) predate it, so they render byte for byte as landed."""
+    if spec.target.frozen:
+        return {"faults_cfg": "", "fault_params": "", "fault_args": ""}
+    return {"faults_cfg": "\n  static constexpr bool kFaults = true;",
+            "fault_params": ",\n    int num_rows, int bt_cols, int num_slots, unsigned* err",
+            "fault_args": ",\n                             num_rows, bt_cols, num_slots, err"}
 
 
 VARIANTS = VariantTable("kv_cache_write", (

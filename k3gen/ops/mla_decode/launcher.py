@@ -17,6 +17,7 @@ from k3gen.errors import PageIndexError, SpecError
 from k3gen.ir.dtypes import KvDtype
 from k3gen.ir.layouts import MLA_LATENT, MLA_ROW
 from k3gen.ops.mla_decode.spec import TILE_TOKENS, choose_splits
+from k3gen.runtime import faults
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.checks import check_one_device, check_tensor, kv_cache_wants
 from k3gen.runtime.loader import F32, I32, PTR, ArgPack, ptr
@@ -52,6 +53,7 @@ class MlaDecode(Launcher):
             self._combine = CudaKernel(self._kernel.cubin, "k3gen_mla_decode_combine")
         self.sm_count  # noqa: B018  (queried once, outside any graph capture)
         self._allow_smem(self.device_index)
+        faults.buffer()   # allocated outside any capture (graphs keep its address)
         return self
 
     def _allow_smem(self, device: int) -> None:
@@ -169,8 +171,8 @@ class MlaDecode(Launcher):
         n = plan.splits
         args = (q.data_ptr(), lengths.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                 block_table.shape[1], num_pages, ptr(ring_slot), num_slots, *cptr, float(scale), out.data_ptr(),
-                ptr(plan.part_o), ptr(plan.part_lse), n)
-        types = (PTR, PTR, PTR, I64, I32, I32, PTR, I32, PTR, PTR, PTR, PTR, F32, PTR, PTR, PTR, I32)
+                ptr(plan.part_o), ptr(plan.part_lse), n, faults.word("mla_decode", out.device))
+        types = (PTR, PTR, PTR, I64, I32, I32, PTR, I32, PTR, PTR, PTR, PTR, F32, PTR, PTR, PTR, I32, PTR)
         geo = self.geo
         grid, block = (geo.groups, n, B), (geo.threads, 1, 1)
         if geo.kv_map:

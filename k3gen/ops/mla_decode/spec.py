@@ -13,6 +13,15 @@ Kernel contract (shared by every variant, the reference and the launcher):
 - `s = (q . row) * softmax_scale` (1/sqrt(192)), softmax in FP32, `o_lat = sum p * row[:512]`,
   BF16 `out[B, T, H, 512]`.
 
+Bad indices (every schedule; checked on the device and recorded in the error word of
+k3gen/runtime/faults.py, no host sync):
+
+- `lengths[b]` outside `[T, block_table.shape[1] * page]` (fault `length`): clamped to
+  `[0, block_table.shape[1] * page]`; a query token that then sees no position outputs zeros.
+- A tile's page id outside `[0, num_pages)` (`page`) or its column past the table (`table`): its rows
+  read as zero rows (score 0, value 0: the output stays finite and in bounds, not the valid answer).
+- NVFP4 `ring_slot[b]` outside `[0, num_slots)` (`ring`): the live HP-tail rows read as zeros.
+
 Every kernel splits a sequence's KV into 64-token tiles (TILE_TOKENS) and a CTA covers a group of
 query rows over one split of those tiles. With more than one split the CTAs write FP32 partial
 outputs + log-sum-exp into a workspace and a second entry (`k3gen_mla_decode_combine`) merges them.

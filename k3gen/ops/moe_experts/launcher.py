@@ -25,6 +25,7 @@ from k3gen.config import settings
 from k3gen.errors import DeviceError, SpecError
 from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ops.moe_experts.spec import COMBINE_THREADS, PROBE_THREADS, ActFormat, WeightFormat, cdiv
+from k3gen.runtime import faults
 from k3gen.runtime.checks import check_one_device, check_tensor
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.loader import I32, PTR, ArgPack, CudaKernel
@@ -37,7 +38,8 @@ class ExpertArgs(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("gs", ctypes.c_void_p),
                 ("x", ctypes.c_void_p), ("xs", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("offsets", ctypes.c_void_p), ("perm", ctypes.c_void_p),
-                ("num_tokens", ctypes.c_int), ("nslots", ctypes.c_int), ("expert_base", ctypes.c_int)]
+                ("num_tokens", ctypes.c_int), ("nslots", ctypes.c_int), ("expert_base", ctypes.c_int),
+                ("err", ctypes.c_void_p)]
 
 
 def _scale_bytes(name, t, shape):
@@ -61,6 +63,7 @@ class MoeExperts(Launcher):
             self._combine = self._kernel.sibling("k3gen_moe_experts_combine")
             self._probe = self._kernel.sibling("k3gen_moe_experts_dequant")
             self.sm_count  # noqa: B018  (grid.y of the persistent GEMMs; queried outside any capture)
+            faults.buffer()   # allocated outside any capture (graphs keep its address)
         return self
 
     def workspace(self, max_tokens: int, device="cuda") -> dict:
@@ -160,8 +163,9 @@ class MoeExperts(Launcher):
         self.load()
         pdl = settings().pdl if pdl is None else pdl
         ptr = lambda t: 0 if t is None else t.data_ptr()   # noqa: E731
+        err = faults.word("moe_experts", out.device)
         common = dict(offsets=ptr(route["offsets"]), perm=ptr(route["perm"]), num_tokens=T, nslots=T * s.top_k,
-                      expert_base=expert_base)
+                      expert_base=expert_base, err=err)
         a13 = ExpertArgs(w=ptr(w13), s=ptr(s13), gs=ptr(gs13), x=ptr(x), xs=ptr(x_scales), out=ptr(ws["h"]),
                          **common)
         a2 = ExpertArgs(w=ptr(w2), s=ptr(s2), gs=ptr(gs2), x=ptr(ws["h"]), xs=0, out=ptr(ws["y"]), **common)
@@ -175,7 +179,7 @@ class MoeExperts(Launcher):
         self._down.launch_ex(g2, (s.down.threads, 1, 1), None, p2.address(), None, dev, stream, pdl=pdl)
         self._combine.launch_ex(s.combine_grid(T), (COMBINE_THREADS, 1, 1), None,
                                 (ptr(ws["y"]), ptr(route["ids"]), ptr(route["weights"]), ptr(out), ptr(out_f32),
-                                 expert_base), (PTR, PTR, PTR, PTR, PTR, I32), dev, stream, pdl=pdl)
+                                 expert_base, err), (PTR, PTR, PTR, PTR, PTR, I32, PTR), dev, stream, pdl=pdl)
         return out
 
     def dequantize(self, which: str, w, s, gs, expert: int, row0: int, nrows: int, out):

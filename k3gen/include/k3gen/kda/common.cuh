@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 
+#include "k3gen/common/faults.cuh"
 #include "k3gen/common/pdl.cuh"
 #include "k3gen/common/sm90_async.cuh"
 #include "k3gen/kda/token_math.cuh"

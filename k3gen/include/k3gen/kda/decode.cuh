@@ -47,6 +47,7 @@ struct Params {
   int split;
   int warm;   // row kernel: CTAs that warm L2 before griddepcontrol.wait (warm_cta), 0: none
   int ahead;  // row kernel: CTA distance warmed after the own loads (warm_cta), 0: off
+  unsigned* err;  // this op's error word (k3gen/runtime/faults.py)
 };
 
 enum { kBarFb = 0, kBarEg = 1, kBarSsq = 2 };
@@ -227,7 +228,8 @@ __device__ __forceinline__ void step(const Params& p, Smem& sm) {
   for (int e = 0; e < 8; ++e) fa[e] = __bfloat162float(farow[e]);
   const float beta_logit = __bfloat162float(p.beta[b * p.beta_stride + h]);
 
-  if (slot < 0 || slot >= p.num_slots) {  // padded row: zeros out, no state touched
+  if (slot < 0 || slot >= p.num_slots) {  // padded row (-1) or a bad slot: zeros out, no state touched
+    if (slot != -1 && threadIdx.x == 0) fault::report(p.err, fault::kSlot);
     if (has_row) p.out[(static_cast<long long>(b) * H + h) * kDim + v0 + tid] = __float2bfloat16(0.0f);
     mbar_wait(&sm.bar[kBarFb], 0);  // no bulk copy may still target this CTA when it exits
     if constexpr (S > 1) cluster_wait();

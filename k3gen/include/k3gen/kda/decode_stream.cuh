@@ -105,7 +105,8 @@ struct StreamProducer {
       const int nitem = item + 1;
       ps.next_slot = __ldg(p.slots + (nitem - (nitem / sp.batch) * sp.batch));
     }
-    const bool valid = slot >= 0 && slot < p.num_slots;
+    const bool valid = slot >= 0 && slot < p.num_slots;   // -1: padded row; else a fault, skipped alike
+    if (!valid && slot != -1) fault::report(p.err, fault::kSlot);
     const bool new_head = h != ps.last_h;
     int fbuf = ps.fbuf;
     if (new_head) fbuf = (fbuf + 1) % kFb, ps.fbuf = fbuf, ps.last_h = h;

@@ -39,6 +39,7 @@ struct Params {
   float* draft_rec;             // [num_slots, M, H, 128, 128] FP32
   float* conv_ext;              // [num_slots, 3D, 3 + M] FP32
   int num_slots;
+  unsigned* err;                // this op's error word (Config::kFaults; frozen sources leave it null)
 };
 
 // The steps after the start-state choice. kBf16Start (BF16 ssm, pending == 0) is a template
@@ -154,12 +155,15 @@ __device__ __forceinline__ void run(const Params& p_) {
   start_weights(p_.w, h, sm);
   // No thread may poll the barrier before thread 0 has initialised it (stale shared memory).
   __syncthreads();
-  if (slot < 0 || slot >= p_.num_slots) {  // padded row: zeros out, nothing touched
+  if (slot < 0 || slot >= p_.num_slots) {  // padded row (-1) or a bad slot: zeros out, nothing touched
+    if (slot != -1 && threadIdx.x == 0) fault::report<C>(p_.err, fault::kSlot);
     zero_outputs<C::kHeads>(tk, h, T);
     mbar_wait(&sm.bar, 0);  // no bulk copy may still target this CTA when it exits
     return;
   }
-  const int pend = min(max(__ldg(p_.pending + slot), 0), M);  // out-of-range input is clamped
+  const int pend_raw = __ldg(p_.pending + slot);
+  const int pend = min(max(pend_raw, 0), M);  // out-of-range input is clamped
+  if (pend != pend_raw && threadIdx.x == 0) fault::report<C>(p_.err, fault::kPending);
   if constexpr (C::kBf16State) {
     if (pend == 0) {
       body<C, true>(p_, sm, tk, h, slot, pend);

@@ -60,8 +60,14 @@ struct Lookup {
 };
 template <class C>
 __device__ __forceinline__ Lookup resolve(const Params& p_, int slot) {
-  if (slot < 0 || slot >= p_.num_slots) return Lookup{-1, 0};
-  return Lookup{slot, min(max(__ldg(p_.pending + slot), 0), C::kDrafts)};
+  if (slot < 0 || slot >= p_.num_slots) {   // -1: padded row; else a fault, skipped alike
+    if (slot != -1) fault::report<C>(p_.err, fault::kSlot);
+    return Lookup{-1, 0};
+  }
+  const int raw = __ldg(p_.pending + slot);
+  const int pend = min(max(raw, 0), C::kDrafts);
+  if (pend != raw) fault::report<C>(p_.err, fault::kPending);
+  return Lookup{slot, pend};
 }
 
 // Thread 0: record the item's slot / pending in meta[par] and start its state copy (none for a

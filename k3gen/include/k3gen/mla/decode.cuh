@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "k3gen/common/faults.cuh"
 #include "k3gen/common/quant.cuh"
 
 namespace k3gen {
@@ -77,6 +78,7 @@ struct Params {
   float* part_o;                 // [B, splits, T*H, 512] (splits > 1)
   float* part_lse;               // [B, splits, T*H], log2 domain
   int splits;
+  unsigned* err;                 // this op's error word (k3gen/runtime/faults.py)
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -121,13 +123,37 @@ __device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
 namespace k3gen {
 namespace mla {
 
-// Page id of the tile's tokens, or -1 when the table entry is missing or out of range.
+// Page id of the tile's tokens, or -1 (fault recorded) when the table entry is missing or out of
+// range: its rows read as zeros (BF16: the TMA map's out-of-bounds fill) and are masked.
 template <class C>
 __device__ __forceinline__ int tile_page(const Params& p, int b, int tile) {
   const int j = tile * kTok / C::kPage;
-  if (j >= p.bt_cols) return -1;
+  if (j >= p.bt_cols) {
+    fault::report(p.err, fault::kTable);
+    return -1;
+  }
   const int pg = p.block_table[static_cast<long long>(b) * p.bt_stride + j];
-  return (pg < 0 || pg >= p.num_pages) ? -1 : pg;
+  if (pg < 0 || pg >= p.num_pages) {
+    fault::report(p.err, fault::kPage);
+    return -1;
+  }
+  return pg;
+}
+
+// Sequence b's length, clamped to [0, bt_cols * page] (the positions its block-table row can name):
+// a length past that, or short of the T query tokens (whose rows that see no position come out
+// zero), is a `length` fault. NVFP4: a ring slot outside [0, num_slots) is a `ring` fault (the live
+// rows read as zeros). Every caller of a CTA may report; only the fault path pays.
+template <class C>
+__device__ __forceinline__ int seq_len(const Params& p, int b) {
+  const int raw = p.lengths[b];
+  const long long cap = static_cast<long long>(p.bt_cols) * C::kPage;
+  if (raw < C::kTokens || raw > cap) fault::report(p.err, fault::kLength);
+  if constexpr (C::kKv == Kv::kNvfp4) {
+    const int slot = p.ring_slot[b];
+    if (slot < 0 || slot >= p.num_slots) fault::report(p.err, fault::kRing);
+  }
+  return static_cast<int>(min(static_cast<long long>(max(raw, 0)), cap));
 }
 
 // Issue the copies of one tile (page pg from tile_page) into a raw stage (no commit).
@@ -210,7 +236,7 @@ __device__ void decode(const Params& p) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int r0 = g * R;
-  const int len = max(p.lengths[b], 0);
+  const int len = seq_len<C>(p, b);
   const int ntiles = (len + kTok - 1) / kTok;
   const int per = (ntiles + p.splits - 1) / p.splits;
   const int t_begin = min(ntiles, split * per), t_end = min(ntiles, t_begin + per);

@@ -366,7 +366,7 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = blockIdx.x >> 1, half = blockIdx.x & 1, split = blockIdx.y, b = blockIdx.z;
   const int r0 = g * kRows;
-  const int len = max(p.lengths[b], 0);
+  const int len = seq_len<C>(p, b);
   const int ntiles = (len + kTok - 1) / kTok;
   const int per = (ntiles + p.splits - 1) / p.splits;
   const int t_begin = min(ntiles, split * per), n = min(ntiles, t_begin + per) - t_begin;

@@ -213,7 +213,7 @@ __device__ void decode(const Params& p) {
   const int tid = threadIdx.x, wgi = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   const int split = blockIdx.y, b = blockIdx.z;
   const int r0 = blockIdx.x * N;
-  const int len = max(p.lengths[b], 0);
+  const int len = seq_len<C>(p, b);
   const int ntiles = (len + kTok - 1) / kTok;
   const int per = (ntiles + p.splits - 1) / p.splits;
   const int t_begin = min(ntiles, split * per), t_end = min(ntiles, t_begin + per);

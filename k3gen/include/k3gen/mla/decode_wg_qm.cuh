@@ -232,7 +232,7 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
   // The split's tiles, recomputed where needed (the prologue's producer thread, then each role after its
   // setmaxnreg): ptxas spills values that live across setmaxnreg (to local memory, reloaded per tile).
   auto tiles = [&](int& len, int& t_begin, int& n) {
-    len = max(p.lengths[b], 0);
+    len = seq_len<C>(p, b);
     const int ntiles = (len + kTok - 1) / kTok;
     const int per = (ntiles + p.splits - 1) / p.splits;
     t_begin = min(ntiles, split * per);

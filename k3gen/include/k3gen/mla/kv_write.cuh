@@ -10,6 +10,7 @@
 
 #include <cuda_bf16.h>
 
+#include "k3gen/common/faults.cuh"
 #include "k3gen/common/quant.cuh"
 
 namespace k3gen {
@@ -37,6 +38,9 @@ struct Params {
   void* c[4];                         // KvLayout.tensors() in order
   float scale;
   int num_seqs;
+  // Error-word kernels only (Config::kFaults; a frozen source leaves them zero and never reads them).
+  int num_rows, bt_cols, num_slots;   // rows.shape[0], block_table.shape[1], hp_tail.shape[0]
+  unsigned* err;                      // this op's word (k3gen/runtime/faults.py)
 };
 
 // Byte offset of (row r < 128, col c) in a page's 128x4-swizzled [128, cols] scale matrix.
@@ -211,19 +215,67 @@ __device__ void nvfp4_tile(const Params& p, Nvfp4Smem& sm, int b, int row0, int 
   }
 }
 
+// The sequence's row range and start, checked (error-word kernels): 0 when it is written, else the
+// faults that skip it. `grid_short` marks rows past the tiles the grid covers (they are dropped).
+template <class C>
+__device__ __forceinline__ unsigned check_seq(const Params& p, int b, int row0, long long n, int s) {
+  if (n == 0) return 0u;
+  unsigned bad = 0;
+  if (row0 < 0 || n < 0 || row0 + n > p.num_rows) bad |= fault::kRows;
+  if (s < 0 || s + n > 0x7fffffffll) bad |= fault::kStart;
+  if constexpr (C::kKv == KvKind::kNvfp4) {
+    const int r = p.ring_slot[b];
+    if (r < 0 || r >= p.num_slots) bad |= fault::kRing;
+  }
+  return bad;
+}
+
 template <class C>
 __device__ void kv_cache_write(const Params& p) {
+  constexpr bool kF = fault::On<C>::value;
   const int b = blockIdx.x;
   if (b >= p.num_seqs) return;
   const int row0 = p.cu_rows[b];
-  const int n = p.cu_rows[b + 1] - row0;
+  int n = p.cu_rows[b + 1] - row0;
   const int s = p.start_pos[b];
+  if constexpr (kF) {
+    // Every CTA of the sequence sees the same values; CTA y == 0 reports for them all.
+    const long long n64 = static_cast<long long>(p.cu_rows[b + 1]) - row0;
+    const bool lead = blockIdx.y == 0 && threadIdx.x == 0;
+    const unsigned bad = check_seq<C>(p, b, row0, n64, s);
+    if (bad != 0) {
+      if (lead) fault::report(p.err, bad);
+      return;   // the sequence is skipped: nothing paged, nothing in the ring
+    }
+    if (lead && n64 > 0 &&
+        (static_cast<long long>(s / kTile) + gridDim.y) * kTile < s + n64) fault::report(p.err, fault::kRows);
+    n = static_cast<int>(n64);
+  }
   if (n <= 0 || s < 0) return;
   const int e = s + n;
-  const int ts = (s / kTile + static_cast<int>(blockIdx.y)) * kTile;
-  if (ts >= e) return;
-  int pg = p.block_table[static_cast<long long>(b) * p.bt_stride + ts / C::kPage];
-  if (pg >= p.num_pages) pg = -1;
+  int ts;
+  if constexpr (kF) {
+    const long long ts64 = (static_cast<long long>(s / kTile) + blockIdx.y) * kTile;
+    if (ts64 >= e) return;
+    ts = static_cast<int>(ts64);
+  } else {
+    ts = (s / kTile + static_cast<int>(blockIdx.y)) * kTile;
+    if (ts >= e) return;
+  }
+  int pg;
+  if constexpr (kF) {
+    // A missing column or a page id outside the pool: nothing paged is written for the tile (the
+    // NVFP4 ring, which is the sequence's own, still is).
+    const int j = ts / C::kPage;
+    pg = j < p.bt_cols ? p.block_table[static_cast<long long>(b) * p.bt_stride + j] : -1;
+    if (pg < 0 || pg >= p.num_pages) {
+      if (threadIdx.x == 0) fault::report(p.err, j < p.bt_cols ? fault::kPage : fault::kTable);
+      pg = -1;
+    }
+  } else {
+    pg = p.block_table[static_cast<long long>(b) * p.bt_stride + ts / C::kPage];
+    if (pg >= p.num_pages) pg = -1;
+  }
   if constexpr (C::kKv == KvKind::kNvfp4) {
     __shared__ Nvfp4Smem sm;
     nvfp4_tile<C>(p, sm, b, row0, s, e, ts, blockIdx.y == 0, pg);

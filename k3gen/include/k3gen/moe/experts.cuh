@@ -13,6 +13,7 @@
 
 #include <cuda_bf16.h>
 
+#include "k3gen/common/faults.cuh"
 #include "k3gen/common/pdl.cuh"
 #include "k3gen/moe/fp4.cuh"
 
@@ -31,6 +32,7 @@ struct ExpertArgs {
   int num_tokens;
   int nslots;            // T k
   int expert_base;       // first local expert in the router's numbering
+  unsigned* err;         // this op's error word (k3gen/runtime/faults.py)
 };
 
 struct Item {
@@ -78,8 +80,17 @@ struct ItemList {
     return make_int2(l, min(max(offsets[base + e + 1], l), nslots) - l);
   }
 
-  __device__ __forceinline__ void scan(const int* offsets, int base, int nslots) {
+  __device__ __forceinline__ void scan(const int* offsets, int base, int nslots, unsigned* err) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // Offsets the clamp in range() changes are an `offsets` fault (once per CTA, off the GEMM loop).
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = tid * kPer + i;
+      if (e < kE) {
+        const int lo = offsets[base + e], hi = offsets[base + e + 1];
+        if (lo < 0 || lo > nslots || hi < lo || hi > nslots) fault::report(err, fault::kOffsets);
+      }
+    }
     int sum = 0;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) sum += (range(offsets, base, nslots, tid * kPer + i).y + kNB - 1) / kNB;
@@ -227,7 +238,7 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
     griddep_launch_dependents();   // the next kernel still waits for this one to complete
   }
   __shared__ ItemList<C::kExperts, kThreads, kNB> list;
-  list.scan(a.offsets, a.expert_base, a.nslots);
+  list.scan(a.offsets, a.expert_base, a.nslots, a.err);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wm = warp % G::kWM, wk = warp / G::kWM;
@@ -392,7 +403,10 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
         static_cast<__nv_bfloat16*>(a.out)[static_cast<size_t>(p) * C::kInter + mt * 8 + g] = __float2bfloat16_rn(h);
       } else {
         const int f = a.perm[p];
-        if (f < 0 || f >= a.nslots) continue;
+        if (f < 0 || f >= a.nslots) {   // gate_up clamped it; its row is dropped here
+          fault::report(a.err, fault::kPerm);
+          continue;
+        }
         float* y = static_cast<float*>(a.out) + static_cast<size_t>(f) * C::kHidden;
         const float gsc = kMx ? 1.f : a.gs[it.e];
         y[mt * 16 + g] = kMx ? acc[q] : acc[q] * gsc;
@@ -408,7 +422,7 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
 // out[t, :] = sum_j weights[t, j] * y[t k + j, :] over the slots of local experts, j in order.
 template <class C>
 __device__ __forceinline__ void combine(const float* y, const int* ids, const float* wts, __nv_bfloat16* out,
-                                        float* out32, int base) {
+                                        float* out32, int base, unsigned* err) {
   griddep_wait();
   griddep_launch_dependents();
   const int t = blockIdx.x;
@@ -422,8 +436,9 @@ __device__ __forceinline__ void combine(const float* y, const int* ids, const fl
   bool ok[C::kTopK];
 #pragma unroll
   for (int j = 0; j < C::kTopK; ++j) {
-    const int e = ids[t * C::kTopK + j] - base;
-    ok[j] = e >= 0 && e < C::kExperts;
+    const int id = ids[t * C::kTopK + j], e = id - base;
+    ok[j] = e >= 0 && e < C::kExperts;   // another rank's expert (EP), or a bad id: not summed
+    if ((id < 0 || id >= C::kRouteExperts) && blockIdx.y == 0 && threadIdx.x == 0) fault::report(err, fault::kExpert);
   }
   float w[C::kTopK];
   float4 v[C::kTopK];
