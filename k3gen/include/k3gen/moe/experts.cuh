@@ -434,12 +434,15 @@ __device__ __forceinline__ void combine(const float* y, const int* ids, const fl
   for (int j = 0; j < C::kTopK; ++j)
     asm volatile("prefetch.global.L1 [%0];\n" ::"l"(y + static_cast<size_t>(t * C::kTopK + j) * C::kHidden + col));
   bool ok[C::kTopK];
+  bool bad_id = false;
 #pragma unroll
   for (int j = 0; j < C::kTopK; ++j) {
     const int id = ids[t * C::kTopK + j], e = id - base;
     ok[j] = e >= 0 && e < C::kExperts;   // another rank's expert (EP), or a bad id: not summed
-    if ((id < 0 || id >= C::kRouteExperts) && blockIdx.y == 0 && threadIdx.x == 0) fault::report(err, fault::kExpert);
+    bad_id |= id < 0 || id >= C::kRouteExperts;
   }
+  // The kernel's one atomic: the fault bit (the sum below is ordered, no atomics).
+  if (bad_id && blockIdx.y == 0 && threadIdx.x == 0) fault::report(err, fault::kExpert);
   float w[C::kTopK];
   float4 v[C::kTopK];
 #pragma unroll
