@@ -412,3 +412,34 @@ def model_hf_tiny_ffn() -> list:
 
 
 LISTS["model_hf_tiny_ffn"] = model_hf_tiny_ffn
+
+
+def fuzz_bounds() -> list:
+    """tests/gpu/test_fuzz_bounds.py (issue 27's bad-index fuzzing): kernels the lists above hold too,
+    named here so the fuzz test keeps its bundle if those lists change."""
+    from k3gen.ir.dtypes import GateKind
+    from k3gen.ops.moe_experts.spec import ActFormat, MoeExpertsSpec, WeightFormat
+    nv3 = dict(kv=KvDtype.NVFP4, max_drafts=3, scale_layout=ScaleLayout.LINEAR)
+    small = dict(hidden=512, inter=128, experts=32, top_k=4)
+    return [
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.BF16), KvCacheWriteSpec(target=SM90, kv=KvDtype.FP8),
+        KvCacheWriteSpec(target=SM90, **nv3),
+        KvCacheWriteSpec(target=SM90, kv=KvDtype.NVFP4, max_drafts=7, scale_layout=ScaleLayout.SWIZZLE_128X4),
+        MlaDecodeSpec(target=SM90, heads=12, tokens=4, schedule="mma"),
+        MlaDecodeSpec(target=SM90, heads=12, tokens=1, schedule="wgmma_qm"),
+        MlaDecodeSpec(target=SM90, heads=12, tokens=1, kv=KvDtype.FP8, schedule="wgmma"),
+        MlaDecodeSpec(target=SM90, heads=12, tokens=1, schedule="wgmma", **nv3),
+        MlaDecodeSpec(target=SM90, heads=12, tokens=4, schedule="mma", **nv3),
+        KdaDecodeSpec(target=SM90, heads=12, gate=GateKind.BOUNDED, ssm=SsmDtype.FP32),
+        KdaDecodeSpec(target=SM90, heads=12, gate=GateKind.BOUNDED, ssm=SsmDtype.BF16),
+        KdaVerifySpec(target=SM90, heads=12, drafts=3, ssm=SsmDtype.BF16),
+        KdaVerifySpec(target=SM90, heads=12, drafts=3, ssm=SsmDtype.FP32),
+        KdaVerifySpec(target=SM90, heads=12, drafts=3, variant=VerifyVariant.ORIGINAL),
+        MoeExpertsSpec(target=SM90, weights=WeightFormat.MXFP4, **small),
+        MoeExpertsSpec(target=SM90, weights=WeightFormat.NVFP4, act=ActFormat.FP8, recipe=ScaleRecipe.UE8M0, **small),
+        MoeExpertsSpec(target=SM90, weights=WeightFormat.MXFP4, hidden=512, inter=128, experts=8, route_experts=32,
+                       top_k=4),
+    ]
+
+
+LISTS["fuzz_bounds"] = fuzz_bounds
