@@ -72,14 +72,16 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def chunk64_emulation(q, k, v, g, beta, state, *, bf16: bool = True):
+def chunk64_emulation(q, k, v, g, beta, state, *, bf16: bool = True, bounded: bool = False):
     """The chunk64 kernels' algebra (include/k3gen/kda/prefill_chunk64.cuh) with their rounding
-    points: per 64-token chunk, A and Aqk on the 16 x 16 diagonal blocks per element in FP32; off
-    the diagonal from BF16 factor tiles referred to G at the end of the previous 16-token block
+    points: per 64-token chunk, A and Aqk on the 16 x 16 diagonal blocks per element in FP32 (the
+    softplus gate's form; see `bounded`); off the diagonal from BF16 factor tiles referred to G at the end of the previous 16-token block
     (every exp of a difference <= 0); T = (I + A)^-1 applied in FP32; W, e^G Q, K e^(G_C - G),
     Aqk and the state S as BF16 operands with FP32 sums; U and the state FP32. Arguments and
     returns as chunk_emulation. bf16=False keeps every operand in the input dtype (the algebra
-    alone, for the FP64 check)."""
+    alone, for the FP64 check). bounded=True: the kernel's bounded-gate form (g >= -5, so G falls by
+    at most 80 over a block and e^(ref_i - G_s) stays finite), where the diagonal blocks also come
+    from BF16 factors referred to ref_i (0 for the first block), masked to s <= r."""
     rnd = _bf16 if bf16 else (lambda x: x)
     T, C, B = q.shape[0], 64, 16
     s = state.clone()
@@ -92,9 +94,15 @@ def chunk64_emulation(q, k, v, g, beta, state, *, bf16: bool = True):
         P = torch.zeros(n, n, dtype=q.dtype)
         for i in range(0, n, B):
             r = slice(i, min(i + B, n))
-            dec = torch.exp((G[r, None, :] - G[None, r, :]).clamp(max=0))
-            P[r, r] = torch.tril((qc[r, None, :] * kc[None, r, :] * dec).sum(-1))
-            A[r, r] = torch.tril((kc[r, None, :] * kc[None, r, :] * dec).sum(-1), -1)
+            if bounded:
+                ref = G[i - 1] if i else torch.zeros_like(G[0])
+                left, right = torch.exp(G[r] - ref), rnd(kc[r] * torch.exp(ref - G[r]))
+                P[r, r] = torch.tril(rnd(qc[r] * left) @ right.t())
+                A[r, r] = torch.tril(rnd(kc[r] * left) @ right.t(), -1)
+            else:
+                dec = torch.exp((G[r, None, :] - G[None, r, :]).clamp(max=0))
+                P[r, r] = torch.tril((qc[r, None, :] * kc[None, r, :] * dec).sum(-1))
+                A[r, r] = torch.tril((kc[r, None, :] * kc[None, r, :] * dec).sum(-1), -1)
             if i:
                 ref = G[i - 1]
                 right = rnd(kc[:i] * torch.exp(ref - G[:i]))

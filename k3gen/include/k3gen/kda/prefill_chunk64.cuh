@@ -8,10 +8,11 @@
 //    cumulative log decay G (from the chunk start), beta, then
 //      A[r,s]   = beta_r sum_i k_r[i] k_s[i] e^(G_r[i]-G_s[i])  (s < r)
 //      Aqk[r,s] =        sum_i q_r[i] k_s[i] e^(G_r[i]-G_s[i])  (s <= r)
-//    On the four 16 x 16 diagonal blocks every factor is formed per element (FP32). Off them, with
-//    block i's reference ref_i = G at the last token of block i-1 (G is non-increasing), the factors
-//    split into x_r e^(G_r - ref_i) and k_s e^(ref_i - G_s), both exp of a difference <= 0: finite for
-//    any gate (softplus included), stored as BF16 tiles and contracted on tensor cores. Then the
+//    Off the four 16 x 16 diagonal blocks, with block i's reference ref_i = G at the last token of
+//    block i-1 (G is non-increasing), the factors split into x_r e^(G_r - ref_i) and k_s e^(ref_i - G_s),
+//    both exp of a difference <= 0: finite for any gate, stored as BF16 tiles and contracted on tensor
+//    cores. On the diagonal blocks the bounded gate splits the same way (ref_0 = 0; e^(ref_i - G_s) <=
+//    e^80 over 16 tokens of g >= -5); the softplus gate forms every factor per element (FP32). Then the
 //    forward substitution (I + A) [W | U] = diag(beta) [e^G K | V] in FP32, one column a thread, and
 //    the chunk's record (Rec): -W, e^G Q, (K e^(G_C - G))^T, Aqk as BF16, U^T and e^(G_C) as FP32.
 // 2. state (grid H x B x 8 / W, W warps): warp w owns 16 rows of S^T (the rows are independent), all
@@ -49,57 +50,66 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
     bulk_g2s(sm.dtb, p.dt_bias + h * kDim, kDim * 4, &sm.bar);
   }
   __syncthreads();  // no thread may poll the barrier before thread 0 has initialised it (stale shared memory)
-  // Conv windows: the slot's for the first item, else the three raw inputs before t0.
-  const int sec = tid >> 7, ch = tid & (kDim - 1);
-  const bool has_v = tid < kDim;
-  const int cqk = sec * D + h * kDim + ch, cv = 2 * D + h * kDim + ch;
-  float wq[3], wv[3];
-  if (it.t0 == 0) {
+  // Conv + SiLU: thread tid takes channel ch of q, k and v for tokens 32 half .. 32 half + 31 (every
+  // thread the same work). Its window: for half 0 the slot's (first item) or the three raw inputs
+  // before t0; for half 1 the chunk's tokens 29 .. 31 (the outputs past n are zero anyway).
+  const int half = tid >> 7, ch = tid & (kDim - 1);
+  int cc[3];
+#pragma unroll
+  for (int j = 0; j < 3; ++j) cc[j] = j * D + h * kDim + ch;
+  float win[3][3];
+  if (half == 0 && it.t0 == 0) {
     const bool resume = __ldg(p.resume + it.b) != 0;
     const unsigned short* wb = reinterpret_cast<const unsigned short*>(p.conv) + static_cast<long long>(slot) * (3 * D) * 3;
 #pragma unroll
-    for (int i = 0; i < 3; ++i) {
-      wq[i] = resume ? bf16_bits_to_float(wb[cqk * 3 + i]) : 0.0f;
-      wv[i] = resume && has_v ? bf16_bits_to_float(wb[cv * 3 + i]) : 0.0f;
-    }
+    for (int j = 0; j < 3; ++j)
+#pragma unroll
+      for (int i = 0; i < 3; ++i) win[j][i] = resume ? bf16_bits_to_float(wb[cc[j] * 3 + i]) : 0.0f;
   } else {
+    const int tw = 32 * half - 3;  // token offset of the window's oldest input (>= -3)
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
-      const __nv_bfloat16* xrow = p.qkvg + (tok - 3 + i) * p.qkvg_stride;
-      wq[i] = __bfloat162float(xrow[cqk]);
-      wv[i] = has_v ? __bfloat162float(xrow[cv]) : 0.0f;
+      const __nv_bfloat16* xrow = p.qkvg + (tok + tw + i) * p.qkvg_stride;
+      const bool in = tw + i < n;
+#pragma unroll
+      for (int j = 0; j < 3; ++j) win[j][i] = in ? __bfloat162float(xrow[cc[j]]) : 0.0f;
     }
   }
   {
-    float tq4[4], tv4[4];
-    multi::taps_of(p.conv_w, cqk, tq4);
-    multi::taps_of(p.conv_w, cv, tv4);
-    float* qk_tile = sec == 0 ? &sm.q[0][0] : &sm.k[0][0];
+    float taps[3][4];
+#pragma unroll
+    for (int j = 0; j < 3; ++j) multi::taps_of(p.conv_w, cc[j], taps[j]);
+    float* tile[3] = {&sm.q[0][0], &sm.k[0][0], &sm.v[0][0]};
 #pragma unroll 1
-    for (int sb = 0; sb < kC / 16; ++sb) {
-      float xq[16], xv[16];  // every load of the block issued before the first use
+    for (int sb = 0; sb < 2; ++sb) {
+      const int t0 = 32 * half + 16 * sb;
+      float x[3][19];  // the window, then 16 inputs: every load issued before the first use
+#pragma unroll
+      for (int j = 0; j < 3; ++j)
+#pragma unroll
+        for (int i = 0; i < 3; ++i) x[j][i] = win[j][i];
 #pragma unroll
       for (int t = 0; t < 16; ++t) {
-        const int tt = 16 * sb + t;
-        const __nv_bfloat16* xrow = p.qkvg + (tok + tt) * p.qkvg_stride;
-        xq[t] = tt < n ? __bfloat162float(xrow[cqk]) : 0.0f;
-        xv[t] = tt < n && has_v ? __bfloat162float(xrow[cv]) : 0.0f;
+        const __nv_bfloat16* xrow = p.qkvg + (tok + t0 + t) * p.qkvg_stride;
+#pragma unroll
+        for (int j = 0; j < 3; ++j) x[j][3 + t] = t0 + t < n ? __bfloat162float(xrow[cc[j]]) : 0.0f;
       }
 #pragma unroll
-      for (int t = 0; t < 16; ++t) {
-        const int tt = 16 * sb + t;
-        float yq = 0.0f, yv = 0.0f;
-        if (tt < n) {
-          yq = conv_silu(tq4, wq[0], wq[1], wq[2], xq[t]);
-          wq[0] = wq[1], wq[1] = wq[2], wq[2] = xq[t];
-          if (has_v) {
-            yv = conv_silu(tv4, wv[0], wv[1], wv[2], xv[t]);
-            wv[0] = wv[1], wv[1] = wv[2], wv[2] = xv[t];
-          }
+      for (int t = 0; t < 16; ++t)
+#pragma unroll
+        for (int j = 0; j < 3; ++j) {
+          float acc = taps[j][0] * x[j][t];
+          acc = fmaf(taps[j][1], x[j][t + 1], acc);
+          acc = fmaf(taps[j][2], x[j][t + 2], acc);
+          acc = fmaf(taps[j][3], x[j][t + 3], acc);
+          // SiLU with the fast reciprocal: 0 (the limit) once 1 + e^-acc passes 2^126
+          const float y = __fdividef(acc, 1.0f + __expf(-acc));
+          tile[j][(t0 + t) * kDim + ch] = t0 + t < n ? y : 0.0f;
         }
-        qk_tile[tt * kDim + ch] = yq;
-        if (has_v) sm.v[tt][ch] = yv;
-      }
+#pragma unroll
+      for (int j = 0; j < 3; ++j)
+#pragma unroll
+        for (int i = 0; i < 3; ++i) win[j][i] = x[j][16 + i];
     }
   }
   {  // f_a rows: thread tid stages 32 channels of token tid / 4 (any row stride, 2-byte aligned)
@@ -179,7 +189,7 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
   for (int e = tid; e < kOff * kDim; e += kThreads) {
     const int c = e & (kDim - 1), rr = e >> 7;
     const int i = 1 + (rr >> 4), r = kBlk * i + (rr & 15);
-    const float f = expf(sm.g[r][c] - sm.g[kBlk * i - 1][c]);
+    const float f = bexp(sm.g[r][c] - sm.g[kBlk * i - 1][c]);
     sm.u1.f.left[32 * (i - 1) + (rr & 15)][c] = bf(sm.q[r][c] * f);
     sm.u1.f.left[32 * (i - 1) + 16 + (rr & 15)][c] = bf(sm.k[r][c] * f);
   }
@@ -188,31 +198,44 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
     const int c = e & (kDim - 1), rr = e >> 7;
     const int i = rr < 16 ? 1 : (rr < 48 ? 2 : 3);
     const int s = rr - 8 * i * (i - 1);
-    sm.u1.f.right[rr][c] = bf(sm.k[s][c] * expf(sm.g[kBlk * i - 1][c] - sm.g[s][c]));
+    sm.u1.f.right[rr][c] = bf(sm.k[s][c] * bexp(sm.g[kBlk * i - 1][c] - sm.g[s][c]));
   }
-  constexpr int kPairs = kBlk * (kBlk + 1) / 2;
+  // Diagonal blocks, softplus gate (unbounded decay: every factor per element; the bounded gate's
+  // are on tensor cores below): warp w takes rows h and 15 - h of a block for its 4 row pairs
+  // (17 (r, s) pairs each, so the warps balance), loading q_r, k_r and G_r once per row.
 #pragma unroll 1
-  for (int pr = warp; pr < (kC / kBlk) * kPairs; pr += kThreads / 32) {
-    const int blk = pr / kPairs, l = pr - blk * kPairs;
-    int rl = 0;
-    while ((rl + 1) * (rl + 2) / 2 <= l) ++rl;
-    const int r = kBlk * blk + rl, s = kBlk * blk + (l - rl * (rl + 1) / 2);
-    float pa = 0.0f, aa = 0.0f;
+  for (int rp = warp; rp < (C::kGate == Gate::kBounded ? 0 : (kC / kBlk) * (kBlk / 2)); rp += kThreads / 32) {
+    const int blk = rp / (kBlk / 2), hr = rp % (kBlk / 2);
+#pragma unroll 1
+    for (int side = 0; side < 2; ++side) {
+      const int r = kBlk * blk + (side ? kBlk - 1 - hr : hr);
+      float qr[4], kr[4], gr[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = lane + 32 * e;
-      const float ks = sm.k[s][i] * expf(sm.g[r][i] - sm.g[s][i]);
-      pa = fmaf(sm.q[r][i], ks, pa);
-      aa = fmaf(sm.k[r][i], ks, aa);
-    }
+      for (int e = 0; e < 4; ++e) {
+        qr[e] = sm.q[r][lane + 32 * e];
+        kr[e] = sm.k[r][lane + 32 * e];
+        gr[e] = sm.g[r][lane + 32 * e];
+      }
+#pragma unroll 1
+      for (int s = kBlk * blk; s <= r; ++s) {
+        float pa = 0.0f, aa = 0.0f;
 #pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) {
-      pa += __shfl_xor_sync(0xffffffffu, pa, m);
-      aa += __shfl_xor_sync(0xffffffffu, aa, m);
-    }
-    if (lane == 0) {
-      sm.u2.a.P[r][s] = pa;
-      sm.u2.a.A[r][s] = s < r ? sm.beta[r] * aa : 0.0f;
+        for (int e = 0; e < 4; ++e) {
+          const int i = lane + 32 * e;
+          const float ks = sm.k[s][i] * expf(gr[e] - sm.g[s][i]);
+          pa = fmaf(qr[e], ks, pa);
+          aa = fmaf(kr[e], ks, aa);
+        }
+#pragma unroll
+        for (int m = 16; m >= 1; m >>= 1) {
+          pa += __shfl_xor_sync(0xffffffffu, pa, m);
+          aa += __shfl_xor_sync(0xffffffffu, aa, m);
+        }
+        if (lane == 0) {
+          sm.u2.a.P[r][s] = pa;
+          sm.u2.a.A[r][s] = s < r ? sm.beta[r] * aa : 0.0f;
+        }
+      }
     }
   }
   __syncthreads();
@@ -242,6 +265,46 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
     }
   }
   __syncthreads();
+  if constexpr (C::kGate == Gate::kBounded) {
+    // g >= -5: G falls by at most 80 over a block, so k_s e^(ref_i - G_s) <= e^80 is finite in FP32
+    // and BF16 and the diagonal blocks split like the others (the off-diagonal tiles are done with);
+    // the products above the diagonal are finite too and masked.
+#pragma unroll 1
+    for (int e = tid; e < kC * kDim; e += kThreads) {
+      const int c = e & (kDim - 1), r = e >> 7, i = r / kBlk, rl = r % kBlk;
+      const float ref = i ? sm.g[kBlk * i - 1][c] : 0.0f;
+      const float f = bexp(sm.g[r][c] - ref);
+      sm.u1.d[32 * i + rl][c] = bf(sm.q[r][c] * f);
+      sm.u1.d[32 * i + 16 + rl][c] = bf(sm.k[r][c] * f);
+      sm.u1.d[2 * kC + r][c] = bf(sm.k[r][c] * bexp(ref - sm.g[r][c]));
+    }
+    __syncthreads();
+    // 16 units: block i, q or k rows, an 8-column s tile.
+#pragma unroll 1
+    for (int u = warp; u < 16; u += kThreads / 32) {
+      const int i = u >> 2, qk = (u >> 1) & 1, nt = u & 1;
+      const unsigned* L = reinterpret_cast<const unsigned*>(&sm.u1.d[32 * i + 16 * qk][0]);
+      const unsigned* R = reinterpret_cast<const unsigned*>(&sm.u1.d[2 * kC + kBlk * i + 8 * nt][0]);
+      constexpr int kW = kBLd / 2;
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int kk = 0; kk < kDim / 16; ++kk) {
+        const int w0 = 8 * kk + tq;
+        const unsigned a[4] = {L[gq * kW + w0], L[(gq + 8) * kW + w0], L[gq * kW + w0 + 4], L[(gq + 8) * kW + w0 + 4]};
+        mma_bf16(d, a, R[gq * kW + w0], R[gq * kW + w0 + 4]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = kBlk * i + gq + 8 * (e >> 1), s = kBlk * i + 8 * nt + 2 * tq + (e & 1);
+        if (qk == 0) {
+          if (s <= r) sm.u2.a.P[r][s] = d[e];
+        } else if (s < r) {
+          sm.u2.a.A[r][s] = sm.beta[r] * d[e];
+        }
+      }
+    }
+    __syncthreads();
+  }
   // Forward substitution, one column a thread (threads < 128: W from e^G k; the others: U from v),
   // then the record. Rows past n are zero throughout (zero k, v, beta, decay).
   Rec* rec = p.rec + (static_cast<long long>(blockIdx.y) * H + h);
@@ -252,14 +315,14 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
       const float gl = sm.g[kC - 1][c];
       rec->egl[c] = expf(gl);
 #pragma unroll 4
-      for (int r = 0; r < kC; ++r) rec->qg[r][c] = bf(sm.q[r][c] * expf(sm.g[r][c]));
+      for (int r = 0; r < kC; ++r) rec->qg[r][c] = bf(sm.q[r][c] * bexp(sm.g[r][c]));
 #pragma unroll 1
       for (int r8 = 0; r8 < kC / 8; ++r8) {
         unsigned wd[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int t = 8 * r8 + 2 * e;
-          wd[e] = pack_bf16x2(sm.k[t][c] * expf(gl - sm.g[t][c]), sm.k[t + 1][c] * expf(gl - sm.g[t + 1][c]));
+          wd[e] = pack_bf16x2(sm.k[t][c] * bexp(gl - sm.g[t][c]), sm.k[t + 1][c] * bexp(gl - sm.g[t + 1][c]));
         }
         *reinterpret_cast<uint4*>(&rec->kgt[c][8 * r8]) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
       }
@@ -267,7 +330,7 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
     float x[kC];
 #pragma unroll
     for (int r = 0; r < kC; ++r) {
-      const float y = wcol ? sm.k[r][c] * expf(sm.g[r][c]) : sm.v[r][c];
+      const float y = wcol ? sm.k[r][c] * bexp(sm.g[r][c]) : sm.v[r][c];
       float acc = sm.beta[r] * y;
       const float* Ar = sm.u2.a.A[r];
 #pragma unroll

@@ -60,6 +60,9 @@ struct __align__(128) PrepSmem {
       __nv_bfloat16 left[2 * kOff][kBLd];   // block i: rows 32(i-1) + [q | k] e^(G_r - ref_i)
       __nv_bfloat16 right[2 * kOff][kBLd];  // block i: rows 8 i (i-1) + s: k_s e^(ref_i - G_s), s < 16 i
     } f;
+    // Bounded gate, after f: rows 32 i + [q | k] e^(G_r - ref_i) of block i, then rows 128 + s:
+    // k_s e^(ref_i - G_s) for s in block i (ref_0 = 0)
+    __nv_bfloat16 d[3 * kC][kBLd];
   } u1;
   union {
     unsigned short fa[kC][kBLd];  // f_a rows, raw BF16
@@ -115,6 +118,10 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], 
 }
 
 __device__ __forceinline__ __nv_bfloat16 bf(float x) { return __float2bfloat16(x); }
+
+// e^x for a factor that is rounded to BF16 (or into -W) next: the MUFU form (a few FP32 ulp, far
+// below the 2^-9 of the rounding) at 2 instructions instead of expf's 8. Decays kept in FP32 use expf.
+__device__ __forceinline__ float bexp(float x) { return __expf(x); }
 
 // The A fragment (16 x 16, k = 16 kk ..) made of accumulator tiles 2 kk and 2 kk + 1 (m16n8 layout:
 // c0, c1 row g cols 2t, 2t+1; c2, c3 row g+8): exactly m16n8k16's a0..a3.
