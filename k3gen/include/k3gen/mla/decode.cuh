@@ -128,22 +128,15 @@ namespace mla {
 template <class C>
 __device__ __forceinline__ int tile_page(const Params& p, int b, int tile) {
   const int j = tile * kTok / C::kPage;
-  if (j >= p.bt_cols) {
-    fault::report(p.err, fault::kTable);
-    return -1;
-  }
-  const int pg = p.block_table[static_cast<long long>(b) * p.bt_stride + j];
-  if (pg < 0 || pg >= p.num_pages) {
-    fault::report(p.err, fault::kPage);
-    return -1;
-  }
-  return pg;
+  const int pg = j < p.bt_cols ? p.block_table[static_cast<long long>(b) * p.bt_stride + j] : -1;
+  if (j < p.bt_cols && pg >= 0 && pg < p.num_pages) return pg;
+  fault::report(p.err, j < p.bt_cols ? fault::kPage : fault::kTable);
+  return -1;
 }
 
-// Sequence b's length, clamped to [0, bt_cols * page] (the positions its block-table row can name):
-// a length past that, or short of the T query tokens (whose rows that see no position come out
-// zero), is a `length` fault. NVFP4: a ring slot outside [0, num_slots) is a `ring` fault (the live
-// rows read as zeros). Every caller of a CTA may report; only the fault path pays.
+// Sequence b's length clamped to [0, bt_cols * page], the positions its table row can name; past
+// that or short of T (rows that see no position come out zero): `length`. NVFP4: a ring slot outside
+// [0, num_slots) is a `ring` fault (the live rows read as zeros). Only the fault path pays.
 template <class C>
 __device__ __forceinline__ int seq_len(const Params& p, int b) {
   const int raw = p.lengths[b];
