@@ -158,8 +158,25 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
       }
   }
   __syncthreads();
-  // L2 norms (warp w: rows 16 w .. 16 w + 15 of [q | k]) and the cumulative decay (threads < 128).
-#pragma unroll 1
+  // The cumulative decay G, thread (channel c, half): half 0 writes rows 0 .. 31, half 1 rows 32 .. 63
+  // from the same sequential sum (bitwise the one-thread loop), the loads before a barrier so no
+  // row is overwritten before it is read. Then the L2 norms (warp w: rows 16 w .. of [q | k]).
+  {
+    const int c = tid & (kDim - 1), hf = tid >> 7;
+    float gr[kC];
+#pragma unroll
+    for (int t = 0; t < kC; ++t)
+      if (t < 32 * (hf + 1)) gr[t] = sm.g[t][c];
+    __syncthreads();
+    float acc = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kC; ++t)
+      if (t < 32 * (hf + 1)) {
+        acc += gr[t];
+        if (t >= 32 * hf) sm.g[t][c] = acc;
+      }
+  }
+#pragma unroll 4
   for (int i = 0; i < 16; ++i) {
     const int row = 16 * warp + i;
     float* r = row < kC ? sm.q[row] : sm.k[row - kC];
@@ -175,30 +192,26 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) r[lane + 32 * e] = x[e] * sc;
   }
-  if (tid < kDim) {
-    float acc = 0.0f;
-#pragma unroll 8
-    for (int t = 0; t < kC; ++t) {
-      acc += sm.g[t][tid];
-      sm.g[t][tid] = acc;
-    }
-  }
   __syncthreads();
-  // Off-diagonal factor tiles (BF16) and the diagonal blocks (FP32, per-element decay).
-#pragma unroll 1
-  for (int e = tid; e < kOff * kDim; e += kThreads) {
-    const int c = e & (kDim - 1), rr = e >> 7;
-    const int i = 1 + (rr >> 4), r = kBlk * i + (rr & 15);
-    const float f = bexp(sm.g[r][c] - sm.g[kBlk * i - 1][c]);
-    sm.u1.f.left[32 * (i - 1) + (rr & 15)][c] = bf(sm.q[r][c] * f);
-    sm.u1.f.left[32 * (i - 1) + 16 + (rr & 15)][c] = bf(sm.k[r][c] * f);
-  }
-#pragma unroll 1
-  for (int e = tid; e < 2 * kOff * kDim; e += kThreads) {
-    const int c = e & (kDim - 1), rr = e >> 7;
-    const int i = rr < 16 ? 1 : (rr < 48 ? 2 : 3);
-    const int s = rr - 8 * i * (i - 1);
-    sm.u1.f.right[rr][c] = bf(sm.k[s][c] * bexp(sm.g[kBlk * i - 1][c] - sm.g[s][c]));
+  // Off-diagonal factor tiles (BF16): thread (column c, row parity r0) reads each of its rows once
+  // and writes the row's left factor (its own block's reference) and right factors (the later blocks'
+  // references); j unrolled, so every row's block is a constant.
+  const int fc = tid & (kDim - 1), r0 = tid >> 7;
+  float ref[4];  // ref[b]: G at the last token of block b - 1 (ref[0] = 0: the chunk start)
+  ref[0] = 0.0f;
+#pragma unroll
+  for (int b = 1; b < 4; ++b) ref[b] = sm.g[kBlk * b - 1][fc];
+#pragma unroll
+  for (int j = 0; j < kC / 2; ++j) {
+    const int b = j >> 3, rl = 2 * (j & 7) + r0, s = kBlk * b + rl;
+    const float gs = sm.g[s][fc], ks = sm.k[s][fc];
+    if (b >= 1) {
+      const float f = bexp(gs - ref[b]);
+      sm.u1.f.left[32 * (b - 1) + rl][fc] = bf(sm.q[s][fc] * f);
+      sm.u1.f.left[32 * (b - 1) + 16 + rl][fc] = bf(ks * f);
+    }
+#pragma unroll
+    for (int i = b + 1; i < 4; ++i) sm.u1.f.right[8 * i * (i - 1) + s][fc] = bf(ks * bexp(ref[i] - gs));
   }
   // Diagonal blocks, softplus gate (unbounded decay: every factor per element; the bounded gate's
   // are on tensor cores below): warp w takes rows h and 15 - h of a block for its 4 row pairs
@@ -269,14 +282,14 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
     // g >= -5: G falls by at most 80 over a block, so k_s e^(ref_i - G_s) <= e^80 is finite in FP32
     // and BF16 and the diagonal blocks split like the others (the off-diagonal tiles are done with);
     // the products above the diagonal are finite too and masked.
-#pragma unroll 1
-    for (int e = tid; e < kC * kDim; e += kThreads) {
-      const int c = e & (kDim - 1), r = e >> 7, i = r / kBlk, rl = r % kBlk;
-      const float ref = i ? sm.g[kBlk * i - 1][c] : 0.0f;
-      const float f = bexp(sm.g[r][c] - ref);
-      sm.u1.d[32 * i + rl][c] = bf(sm.q[r][c] * f);
-      sm.u1.d[32 * i + 16 + rl][c] = bf(sm.k[r][c] * f);
-      sm.u1.d[2 * kC + r][c] = bf(sm.k[r][c] * bexp(ref - sm.g[r][c]));
+#pragma unroll
+    for (int j = 0; j < kC / 2; ++j) {
+      const int b = j >> 3, rl = 2 * (j & 7) + r0, s = kBlk * b + rl;
+      const float gs = sm.g[s][fc], ks = sm.k[s][fc];
+      const float f = bexp(gs - ref[b]);
+      sm.u1.d[32 * b + rl][fc] = bf(sm.q[s][fc] * f);
+      sm.u1.d[32 * b + 16 + rl][fc] = bf(ks * f);
+      sm.u1.d[2 * kC + s][fc] = bf(ks * bexp(ref[b] - gs));
     }
     __syncthreads();
     // 16 units: block i, q or k rows, an 8-column s tile.
@@ -311,11 +324,11 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
   {
     const int c = tid & (kDim - 1);
     const bool wcol = tid < kDim;
-    if (wcol) {  // the parts that need no solve first: fewer values live next to x
+    // The parts that need no solve first (fewer values live next to x), split so both halves of
+    // the CTA do about the same work: W threads e^(G_C) and (K e^(G_C - G))^T, U threads e^G Q.
+    if (wcol) {
       const float gl = sm.g[kC - 1][c];
       rec->egl[c] = expf(gl);
-#pragma unroll 4
-      for (int r = 0; r < kC; ++r) rec->qg[r][c] = bf(sm.q[r][c] * bexp(sm.g[r][c]));
 #pragma unroll 1
       for (int r8 = 0; r8 < kC / 8; ++r8) {
         unsigned wd[4];
@@ -326,16 +339,20 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
         }
         *reinterpret_cast<uint4*>(&rec->kgt[c][8 * r8]) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
       }
+    } else {
+#pragma unroll 4
+      for (int r = 0; r < kC; ++r) rec->qg[r][c] = bf(sm.q[r][c] * bexp(sm.g[r][c]));
     }
+    // Four partial sums per row: a quarter of the dependent FMA chain.
     float x[kC];
 #pragma unroll
     for (int r = 0; r < kC; ++r) {
       const float y = wcol ? sm.k[r][c] * bexp(sm.g[r][c]) : sm.v[r][c];
-      float acc = sm.beta[r] * y;
+      float acc[4] = {sm.beta[r] * y, 0.0f, 0.0f, 0.0f};
       const float* Ar = sm.u2.a.A[r];
 #pragma unroll
-      for (int s = 0; s < r; ++s) acc = fmaf(-Ar[s], x[s], acc);
-      x[r] = acc;
+      for (int s = 0; s < r; ++s) acc[s & 3] = fmaf(-Ar[s], x[s], acc[s & 3]);
+      x[r] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
     }
     if (wcol) {
 #pragma unroll
