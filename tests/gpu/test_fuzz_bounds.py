@@ -395,7 +395,12 @@ def moe_case(name, T, edits, seed):
             planted.add("expert")
             bad_tokens.add(t)
         elif kind == "perm":
-            p = u % (T * k)
+            # Only the local experts' positions are read (EP: the others belong to other ranks and
+            # are never a fault; the H200 run of eb3eb28 planted one there and saw no bit, rightly).
+            lo, hi = int(route["offsets"][base]), int(route["offsets"][base + E])
+            if hi <= lo:
+                continue
+            p = lo + u % (hi - lo)
             if not 0 <= int(bad["perm"][p]) < T * k:
                 continue
             bad_tokens.add(int(bad["perm"][p]) // k)

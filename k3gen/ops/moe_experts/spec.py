@@ -21,8 +21,8 @@ R = route_experts (the router's E; R >= E, the local experts are R's [base, base
   [0, T k] and perm entries outside [0, T k) are skipped: bad routing gives wrong sums, never an
   out-of-bounds access. Faults recorded in the error word (k3gen/runtime/faults.py): `expert` (an
   id outside [0, R): its slot adds nothing), `offsets` (an offset of the local experts outside
-  [0, T k] or decreasing: clamped), `perm` (an entry outside [0, T k): gate_up reads a clamped row,
-  down drops it).
+  [0, T k] or decreasing: clamped), `perm` (an entry of a local expert's position outside [0, T k):
+  gate_up reads a clamped row, down drops it; other ranks' positions are never read).
 - gate_up: for each routed slot, g = x . w_gate[e, i], u = x . w_up[e, i] (FP32 accumulation;
   NVFP4: times the expert's global), h = act(g, u) rounded to BF16, stored in grouped order
   h[p, i] (workspace [T_max k, I]). act: SiTU(beta, linear_beta) = beta tanh(g / beta) sigmoid(g)
