@@ -23,7 +23,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor
 from k3gen.ir.dtypes import ScaleRecipe
 from k3gen.ops.fp8_block_gemm.spec import BLOCK, TC_TILE_N, Fp8BlockGemmSpec, k_range
 from k3gen.ops.fp8_block_gemm.cute_parts import (E8M0_ONE, EPI_COLS, EPI_WARPS, LOAD_WARPS, MMA_WARP, ROW_CHUNKS,
-                                                 SF_TMEM_COLS, SF_VEC, THREADS, TMEM_COLS, _ld_peer_f32)
+                                                 SF_TMEM_COLS, SF_VEC, THREADS, TMEM_COLS, _ld_peer_f32,
+                                                 tma_geometry)
 
 
 class Fp8BlockGemmKernel:
@@ -46,18 +47,14 @@ class Fp8BlockGemmKernel:
     def tma_params(self) -> list[dict]:
         """The kernel parameters after the five tensors (k3gen.pipeline.cute lays them out), in
         order: W's tensor map, W's coordinate tensor (all static: no parameter), x's map, x's
-        coordinate tensor (M). The launcher encodes each map as CuTe's host code would: E4M3
-        bytes, innermost dimension first, 128B swizzle, zero fill out of bounds, the full box
-        even where M < bm (the stage's transaction count is the full box)."""
+        coordinate tensor (M). Each map's geometry is read from the atom CuTe built while tracing
+        (cute_parts.tma_geometry): the launcher encodes what CuTe's host code would."""
         if not self.tma:
             return []
+        w, x = self.tma_atoms       # set by __call__ (cute.compile traces it first)
         m_dim = [{"mode": 0, "width": 32, "symbol": "M"}]
-        return [{"tensor": "w_codes", "role": "desc", "dims": ["K", "N"], "box": [BLOCK, TC_TILE_N],
-                 "swizzle": 128, "oob": "zero"},
-                {"tensor": "w_codes", "role": "coord", "dyn_shape": []},
-                {"tensor": "x_codes", "role": "desc", "dims": ["K", "M"], "box": [BLOCK, self.bm],
-                 "swizzle": 128, "oob": "zero"},
-                {"tensor": "x_codes", "role": "coord", "dyn_shape": m_dim}]
+        return [w, {"tensor": "w_codes", "role": "coord", "dyn_shape": []},
+                x, {"tensor": "x_codes", "role": "coord", "dyn_shape": m_dim}]
 
     # -- compile-time setup (needs the MLIR context: called while tracing) -------------------
     def _make_mma(self, n: int):
@@ -147,10 +144,11 @@ class Fp8BlockGemmKernel:
             op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
             # One 128-column K block of 128 weight rows / bm token rows per box, into the stage's
             # 128B-swizzled K-major tile (the layout the MMA descriptors read).
-            tma_w, gW = cpasync.make_tiled_tma_atom(
-                op, mW, cute.slice_(self.a_layout, (None, None, 0)), (TC_TILE_N, BLOCK))
-            tma_x, gX = cpasync.make_tiled_tma_atom(
-                op, mX, cute.slice_(self.b_layout, (None, None, 0)), (self.bm, BLOCK))
+            sw, sx = cute.slice_(self.a_layout, (None, None, 0)), cute.slice_(self.b_layout, (None, None, 0))
+            tma_w, gW = cpasync.make_tiled_tma_atom(op, mW, sw, (TC_TILE_N, BLOCK))
+            tma_x, gX = cpasync.make_tiled_tma_atom(op, mX, sx, (self.bm, BLOCK))
+            self.tma_atoms = [tma_geometry(name, str(a._trait.value.type), str(lay))
+                              for name, a, lay in (("w_codes", tma_w, sw), ("x_codes", tma_x, sx))]
             self.kernel_tma(mX, mXs, mW, mWs, mOut, tma_w, gW, tma_x, gX).launch(
                 grid=grid, block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream)
         else:

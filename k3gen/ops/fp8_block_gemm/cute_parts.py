@@ -31,3 +31,34 @@ def _ld_peer_f32(addr, rank, *, loc=None, ip=None):
         "ld.shared::cluster.f32 $0, [a];\n\t}",
         "=f,r,r", has_side_effects=True, loc=loc, ip=ip)
     return Float32(v)
+
+
+# -- the TMA maps' geometry, read from CuTe's own atoms ------------------------------------------
+# What CuTe's host code puts in a descriptor that its atom type does not spell out: CuTe C++'s
+# make_tma_copy_desc choices (no interleave, L2 promotion 128 B, OOB fill NONE = zeros, element
+# strides 1), which CuTe DSL's inline encoding keeps (tests/nogpu/ops/test_fp8_block_gemm_tcgen05_tma.py
+# decodes the words its host code stores).
+TMA_FIXED = {"interleave": "none", "l2_promotion": 128, "oob": "zero"}
+_TMA_FORMATS = {"U8": ("u8", 1)}
+
+
+def tma_geometry(tensor: str, atom_type: str, smem_layout: str) -> dict:
+    """A kernel parameter's TMA map as k3gen.runtime.cute_launch encodes it, from the atom CuTe
+    built (`!cute_nvgpu.atom.non_exec_tiled_tma_load<..., tma_gbasis = <"(b0,b1):(1@m0,1@m1)">,
+    tma_format = U8>`: descriptor dim i has box b_i and walks tensor mode m_i) and the shared
+    memory layout it writes (`S<B,4,3> o ...` over bytes: a 2^B x 16-byte swizzle span)."""
+    import re
+    basis = re.search(r'tma_gbasis = <"\(([\d,]+)\):\(([^)]*)\)">', atom_type)
+    fmt = re.search(r"tma_format = (\w+)", atom_type)
+    swz = re.match(r"S<(\d+),(\d+),(\d+)> o ", smem_layout)
+    if basis is None or fmt is None or fmt.group(1) not in _TMA_FORMATS or swz is None:
+        raise ValueError(f"{tensor}: unsupported TMA atom {atom_type!r} / smem layout {smem_layout!r}")
+    box = [int(b) for b in basis.group(1).split(",")]
+    modes = [int(m) for m in re.findall(r"1@(\d+)", basis.group(2))]
+    dtype, nbytes = _TMA_FORMATS[fmt.group(1)]
+    b, m = int(swz.group(1)), int(swz.group(2))
+    if len(modes) != len(box) or (b and (m != 4 or nbytes != 1)):
+        raise ValueError(f"{tensor}: unsupported TMA atom {atom_type!r} / smem layout {smem_layout!r}")
+    return {"tensor": tensor, "role": "desc", "modes": modes, "box": box, "dtype": dtype,
+            "swizzle": 16 << b if b else 0, "elem_strides": [1] * len(box), **TMA_FIXED,
+            "atom": atom_type}

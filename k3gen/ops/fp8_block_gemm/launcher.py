@@ -43,6 +43,8 @@ class Fp8BlockGemm(Launcher):
                 from k3gen.runtime.cute_launch import load_cute_kernel
                 cubin, self.meta = resolve(self.spec)
                 self._kernel = load_cute_kernel(cubin, self.meta).load()
+            if self.spec.mma == "tcgen05_tma":
+                self.sm_count  # noqa: B018  (the split plan's input, queried outside any capture)
             return self
         super().load()
         self.sm_count  # noqa: B018  (queried once, outside any graph capture)
@@ -75,7 +77,7 @@ class Fp8BlockGemm(Launcher):
         self._smem_set.add(device)
 
     def split_for(self, m: int) -> int:
-        if self.spec.lowering == "cute":
+        if self.spec.mma == "tcgen05":
             return 1
         return self.spec.plan(m, self.sm_count).split
 
@@ -145,9 +147,18 @@ class Fp8BlockGemm(Launcher):
         m = self.check(x_codes, x_scales, w_codes, w_scales, out, w_tiled)
         if m == 0:
             return out
+        if self.spec.mma == "tcgen05_tma":
+            # The cluster split-K plan (spec._plan_tma; rank r of a cluster owns k_range(r, split, KB));
+            # the kernel's TMA maps are encoded by CuteKernel from the build's atom geometry.
+            if ctas:
+                raise SpecError("ctas", ctas, [None, 0], "the tcgen05 TMA kernel has the cluster split only")
+            plan = self.spec.plan(m, self.load().sm_count, split)
+            self.kernel.launch(plan.grid, x_codes, x_scales, w_codes, w_scales, out,
+                               cluster=(plan.split, 1, 1) if plan.split > 1 else None)
+            return out
         if self.spec.lowering == "cute":
-            if split not in (None, 1):
-                raise SpecError("split", split, [1], "the tcgen05 kernel has no split-K yet")
+            if split not in (None, 1) or ctas:
+                raise SpecError("split", split, [1], "the cp.async tcgen05 kernel has no split-K")
             self.kernel.launch(self.spec.grid(m), x_codes, x_scales, w_codes, w_scales, out)
             return out
         cap = min(MAX_SPLIT, self.spec.k_blocks)
