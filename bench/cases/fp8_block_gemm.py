@@ -202,3 +202,51 @@ def fp8_block_gemm_sweep(ceiling: float, quick: bool = False, recipe=None) -> li
         del weights, tiled
         torch.cuda.empty_cache()
     return rows
+
+
+# -- Blackwell (B300) projection: no Blackwell GPU exists here, so these are computed, never measured ----
+B300_FP8_FLOPS = 4.5e15   # dense FP8 tcgen05 peak assumed for the MMA floor (kind::mxf8f6f4 / f8f6f4)
+B300_MS = (1, 8, 32, 128)
+
+
+def b300_gemm_projection(spec, m: int) -> dict:
+    """Projected B300 time of the sm103 tcgen05_tma GEMM at M tokens: the larger of its bytes
+    (Fp8BlockGemmSpec.bytes_moved: weights + tile scales once, activations, BF16 out) at 8 TB/s and
+    the MMA work it issues at the assumed FP8 peak (tiles padded: 128 weight rows x bm tokens x 128 K
+    per block). No per-SM issue model: the sm90 kernel reached 58-83% of the H200's copy rate."""
+    from bench.cases.mla_decode import B300_TBPS
+    from k3gen.ir.dims import evaluate
+    from k3gen.ops.fp8_block_gemm.spec import BLOCK, TC_TILE_N, cdiv
+    nbytes = int(evaluate(spec.bytes_moved(), M=m))
+    flops = 2 * cdiv(m, spec.bm) * spec.bm * cdiv(spec.n, TC_TILE_N) * TC_TILE_N * spec.k_blocks * BLOCK
+    mem_us, mma_us = nbytes / B300_TBPS * 1e6, flops / B300_FP8_FLOPS * 1e6
+    return {"bytes": nbytes, "mem_us": mem_us, "mma_us": mma_us, "proj_us": max(mem_us, mma_us),
+            "bound": "memory" if mem_us >= mma_us else "MMA", "split": spec.plan(m, 148).split}
+
+
+def b300_gemm_specs(quick: bool = False) -> list:
+    """The sm103 builds of the shapes `fp8_block_gemm` measures on the H200 (the target's UE8M0 recipe)."""
+    from k3gen.ops.fp8_block_gemm.spec import Fp8BlockGemmSpec
+    from k3gen.targets import get_target
+    tgt = get_target("sm103")
+    return [Fp8BlockGemmSpec(target=tgt, n=s.n, k=s.k) for s in fp8_block_gemm_specs(quick)
+            if s.recipe is tgt.scale_recipe or quick]
+
+
+@case(device="cpu")
+def fp8_block_gemm_b300(quick: bool = False) -> list:
+    """Projected B300 times of the sm103 tcgen05_tma FP8 block GEMM (computed, not measured)."""
+    rows, seen = [], set()
+    print(f"{'case':<36} {'MB':>8} {'mem us':>8} {'MMA us':>8} {'proj us':>8}  split bound  (B300 projection, not measured)")
+    for spec in b300_gemm_specs(quick):
+        if (spec.n, spec.k) in seen:
+            continue
+        seen.add((spec.n, spec.k))
+        for m in B300_MS:
+            p = b300_gemm_projection(spec, m)
+            name = f"{spec.mma} N{spec.n} K{spec.k} M{m} {spec.recipe.value}"
+            print(f"{name:<36} {p['bytes'] / 1e6:8.2f} {p['mem_us']:8.2f} {p['mma_us']:8.2f} {p['proj_us']:8.2f}"
+                  f"  {p['split']:5d} {p['bound']}")
+            rows.append({"case": name, "seconds": p["proj_us"] * 1e-6,
+                         "detail": f"projected {p['proj_us']:.2f} us ({p['bound']}-bound; not measured)", **p})
+    return rows

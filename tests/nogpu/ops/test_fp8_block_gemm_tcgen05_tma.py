@@ -323,3 +323,22 @@ def test_launch_plan_and_cluster(monkeypatch):
         launcher(*tensors, ctas=4)
     with pytest.raises(SpecError, match="split"):
         launcher(*tensors, split=9)
+
+
+def test_b300_projection():
+    """`k3gen bench --op fp8_block_gemm_b300`: bytes counted by hand at 8 TB/s, the padded MMA work
+    at the assumed FP8 peak, the larger wins; one row per (shape, M), nothing measured."""
+    from bench.cases.fp8_block_gemm import B300_FP8_FLOPS, b300_gemm_projection, fp8_block_gemm_b300
+    spec = Fp8BlockGemmSpec(target=TARGETS["sm103-nvfp4"], n=7168, k=12288)   # o_proj TP1, UE8M0
+    assert spec.mma == "tcgen05_tma" and spec.bm == 64
+    for m in (1, 128):
+        p = b300_gemm_projection(spec, m)
+        nbytes = 7168 * 12288 + 56 * 96 + m * (12288 + 96) + m * 7168 * 2
+        assert p["bytes"] == nbytes
+        assert p["mem_us"] == pytest.approx(nbytes / 8e12 * 1e6)
+        flops = 2 * (-(-m // 64) * 64) * 7168 * 12288
+        assert p["mma_us"] == pytest.approx(flops / B300_FP8_FLOPS * 1e6)
+        assert p["proj_us"] == max(p["mem_us"], p["mma_us"]) and p["bound"] == "memory"
+    rows = fp8_block_gemm_b300(quick=True)
+    assert len(rows) == 4 * 4 and all("not measured" in r["detail"] for r in rows)
+    assert all(r["case"].startswith("tcgen05_tma ") for r in rows)
