@@ -327,6 +327,20 @@ def cmd_show(a) -> int:
     return 0
 
 
+def _launch_smem(spec, meta: dict) -> int | None:
+    """The dynamic shared memory the main kernel launches with (the cubin's `shared` is only the
+    static part): a CuTe kernel's from its launch ABI, an NVRTC kernel's from its variant's plan."""
+    abi = meta.get("params")
+    if isinstance(abi, dict) and "dynamic_smem" in abi:
+        return int(abi["dynamic_smem"])
+    plan = getattr(spec.impl, "plan", None)
+    try:
+        smem = getattr(plan(spec), "smem_bytes", None) if callable(plan) else None
+    except Exception:  # noqa: BLE001  (a plan that needs launch-time inputs has no one value)
+        return None
+    return int(smem) if isinstance(smem, int) else None
+
+
 def cmd_inspect(a) -> int:
     from rich.table import Table
 
@@ -339,8 +353,11 @@ def cmd_inspect(a) -> int:
     con.print(f"[bold]{spec.kernel_name}[/bold]  {arch_name(spec.target)} ({spec.target.arch})  {spec.file_stem}")
     con.print(f"spec: {spec.canonical()}")
     con.print(f"cache key: {r.artifact.key}  ({'compiled' if r.built else 'cached'})")
+    dyn = _launch_smem(spec, r.meta)
+    if dyn is not None:
+        con.print(f"{r.meta.get('entry', spec.kernel_name)}: launched with {dyn} B of dynamic shared memory")
     for res in (KernelResources(**x) for x in r.resources):
-        con.print(f"{res.function}: registers {res.registers}, shared {res.shared} B, local {res.local} B "
+        con.print(f"{res.function}: registers {res.registers}, shared {res.shared} B (static), local {res.local} B "
                   f"({'SPILLS' if res.spills else 'no spills'}), stack {res.stack} B")
         t = Table("opcode", "count", title="SASS opcodes", title_justify="left")
         for op, n in sorted(res.sass.items(), key=lambda kv: -kv[1]):
