@@ -181,7 +181,10 @@ class CuteKernel:
                 raise SpecError(f"{name}.data_ptr", hex(t.data_ptr()), f"multiples of {p['align']}",
                                 "the kernel assumes this alignment")
         for m in self._tma:
-            self._geometry(m, tensors[m.param])
+            # An empty tensor (M == 0) launches nothing (launch returns before packing), so its map
+            # is never encoded: only non-empty ones must fit the driver's limits.
+            if tensors[m.param].numel():
+                self._geometry(m, tensors[m.param])
         return dims
 
     def _geometry(self, m: _Map, t) -> tuple[tuple[int, ...], tuple[int, ...]]:

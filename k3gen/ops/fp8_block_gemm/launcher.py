@@ -5,6 +5,8 @@ Graph-safe: the checks read tensor metadata only, the launch plan depends on M a
 wgmma variant takes its W and x operands as TMA tensor maps by value: they are encoded on the host
 (cuTensorMapEncodeTiled touches no device state) and copied into the launch's parameters, so a
 captured graph holds the maps of the tensors it was captured with, like any pointer argument.
+The tcgen05_tma variant (sm103/sm107, CuTe DSL) launches through runtime.cute_launch, which encodes
+its two maps from the build's atom geometry, with the same cluster split-K plan (spec._plan_tma).
 The streaming mode's workspace (FP32 partial slots + arrival counters that the kernel leaves at
 zero) is allocated once per device at load(), so launches of one launcher must not run
 concurrently on two streams (they would share the counters).

@@ -342,3 +342,14 @@ def test_b300_projection():
     rows = fp8_block_gemm_b300(quick=True)
     assert len(rows) == 4 * 4 and all("not measured" in r["detail"] for r in rows)
     assert all(r["case"].startswith("tcgen05_tma ") for r in rows)
+
+
+def test_empty_m_launches_nothing(monkeypatch):
+    """M = 0: the checks pass (no map to encode), the launch returns before packing or the driver."""
+    kern, rec = _kernel(CASES[0], monkeypatch)
+    tensors = _tensors(_spec(*CASES[0]), 0)
+    assert kern.check(tensors, device=False) == {"M": 0}
+    before = kern.packed()
+    monkeypatch.setattr(kern, "check", functools.partial(type(kern).check, kern, device=False))
+    kern.launch((1, 0, 2), *tensors)
+    assert rec.calls == [] and kern.packed() == before
