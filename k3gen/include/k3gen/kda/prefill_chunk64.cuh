@@ -50,6 +50,17 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
     bulk_g2s(sm.dtb, p.dt_bias + h * kDim, kDim * 4, &sm.bar);
   }
   __syncthreads();  // no thread may poll the barrier before thread 0 has initialised it (stale shared memory)
+  // f_a rows and beta loaded first, stored after the conv (their loads in flight with the conv's):
+  // thread tid takes 32 channels of token tid / 4 (any row stride, 2-byte aligned).
+  const int fat = tid >> 2, fac0 = 32 * (tid & 3);
+  unsigned fapk[16];
+  {
+    const unsigned short* farow = reinterpret_cast<const unsigned short*>(p.fa) + (tok + fat) * p.fa_stride + fac0;
+#pragma unroll
+    for (int e = 0; e < 16; ++e)
+      fapk[e] = fat < n ? static_cast<unsigned>(farow[2 * e]) | static_cast<unsigned>(farow[2 * e + 1]) << 16 : 0u;
+  }
+  const float beta_raw = tid < n ? __bfloat162float(p.beta[(tok + tid) * p.beta_stride + h]) : 0.0f;
   // Conv + SiLU: thread tid takes channel ch of q, k and v for tokens 32 half .. 32 half + 31 (every
   // thread the same work). Its window: for half 0 the slot's (first item) or the three raw inputs
   // before t0; for half 1 the chunk's tokens 29 .. 31 (the outputs past n are zero anyway).
@@ -80,7 +91,7 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
 #pragma unroll
     for (int j = 0; j < 3; ++j) multi::taps_of(p.conv_w, cc[j], taps[j]);
     float* tile[3] = {&sm.q[0][0], &sm.k[0][0], &sm.v[0][0]};
-#pragma unroll 1
+#pragma unroll
     for (int sb = 0; sb < 2; ++sb) {
       const int t0 = 32 * half + 16 * sb;
       float x[3][19];  // the window, then 16 inputs: every load issued before the first use
@@ -112,19 +123,11 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
         for (int i = 0; i < 3; ++i) win[j][i] = x[j][16 + i];
     }
   }
-  {  // f_a rows: thread tid stages 32 channels of token tid / 4 (any row stride, 2-byte aligned)
-    const int t = tid >> 2, c0 = 32 * (tid & 3);
-    const unsigned short* farow = reinterpret_cast<const unsigned short*>(p.fa) + (tok + t) * p.fa_stride + c0;
 #pragma unroll
-    for (int q4 = 0; q4 < 4; ++q4) {
-      unsigned f[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) f[e] = t < n ? farow[8 * q4 + e] : 0u;
-      *reinterpret_cast<uint4*>(&sm.u2.fa[t][c0 + 8 * q4]) =
-          make_uint4(f[0] | f[1] << 16, f[2] | f[3] << 16, f[4] | f[5] << 16, f[6] | f[7] << 16);
-    }
-  }
-  if (tid < kC) sm.beta[tid] = tid < n ? sigmoidf_(__bfloat162float(p.beta[(tok + tid) * p.beta_stride + h])) : 0.0f;
+  for (int q4 = 0; q4 < 4; ++q4)
+    *reinterpret_cast<uint4*>(&sm.u2.fa[fat][fac0 + 8 * q4]) =
+        make_uint4(fapk[4 * q4], fapk[4 * q4 + 1], fapk[4 * q4 + 2], fapk[4 * q4 + 3]);
+  if (tid < kC) sm.beta[tid] = tid < n ? sigmoidf_(beta_raw) : 0.0f;
   mbar_wait(&sm.bar, 0);
   __syncthreads();
   {  // gate pre-activations z[t][c] = f_a[t] . f_b[c]: warp w tokens 16 (w & 3) .., channels 64 (w >> 2) ..
