@@ -203,6 +203,12 @@ class TargetConfig:
     path: str = "reference"
     tp: int = 1
     ep: int = 1                               # expert-parallel ranks among the tp (model/dist.py Layout.ep)
+    # Batch-invariant, lossless serving (issue 27): mla_decode's split count fixed per step length
+    # (planned at the largest graph batch size, so a sequence's partials and their combine are the
+    # same whatever batch it shares) and verify attention as one T = 1 launch per query token for
+    # every KV dtype (what T = 1 decoding reads; NVFP4 KV always does so). Off by default: it costs
+    # small batches their extra KV splits and BF16/FP8 verify its single launch (bench/NOTES.md).
+    invariant: bool = False
     target: Target = field(init=False)
 
     def __post_init__(self):

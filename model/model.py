@@ -40,6 +40,23 @@ def gemm_shapes_for(cfg, tp: int = 1) -> list[tuple[int, int]]:
     return model_gemm_shapes(cfg, tp)
 
 
+# The LM head on the GPU multiplies fixed blocks of LM_ROWS rows (the last one zero-padded): cuBLAS
+# picks its FP32 kernel and reduction order by the row count, so one GEMM over the step's B * T rows
+# gives a request's logits another rounding in another batch; blocks of one shape give every row
+# the same sums wherever it sits (issue 27's batch invariance). The head is memory-bound up to
+# ~LM_ROWS rows, so a decode step's block costs what its rows alone would.
+LM_ROWS = 64
+
+
+def lm_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, hidden] FP32 @ w [vocab, hidden]^T FP32 -> [M, vocab]; row-invariant on CUDA."""
+    M = x.shape[0]
+    if not x.is_cuda or M == 0:
+        return x @ w.T
+    xp = torch.nn.functional.pad(x, (0, 0, 0, (-M) % LM_ROWS))
+    return torch.cat([xp[i:i + LM_ROWS] @ w.T for i in range(0, xp.shape[0], LM_ROWS)])[:M]
+
+
 @dataclass(frozen=True)
 class MoePart:
     """What layers.moe needs of a rank: its experts' columns of the routing weights, the reduction."""
@@ -149,7 +166,7 @@ class K3Model:
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head (FP32, PyTorch) of the output mix h [M, hidden] FP32."""
         x = L.rms_norm(h, self.w.final_norm, self.cfg.eps)
-        logits = x.float() @ self.w.lm_head.float().T
+        logits = lm_head(x.float(), self.w.lm_head.float())
         return logits if self.par is None else self.par.gather_cat(logits, dim=-1)
 
     def _run(self, tokens: torch.Tensor, attn) -> torch.Tensor:

@@ -141,8 +141,10 @@ class KernelOps(KernelFfnOps, Ops):
 
     def __init__(self, target, recipe: ScaleRecipe, ssm: SsmDtype, kv: KvLayout, heads_kda: int, heads_mla: int,
                  max_drafts: int, gate: GateKind = GateKind.BOUNDED, model=None, tp: int = 1, ep: int = 1,
-                 experts: str | None = None):
+                 experts: str | None = None, invariant: bool = False, plan_batch: int = 1):
         super().__init__(recipe, gate)
+        # TargetConfig.invariant: splits planned for `plan_batch` sequences at every batch size.
+        self.invariant, self.plan_batch = invariant, plan_batch
         self.target, self.ssm, self.kv_layout = target, ssm, kv
         self.heads_kda, self.heads_mla, self.max_drafts = heads_kda, heads_mla, max_drafts
         self.serving = ServingOptions(kv=kv.kv, ssm=ssm, max_drafts=max_drafts, recipe=recipe)
@@ -226,7 +228,8 @@ class KernelOps(KernelFfnOps, Ops):
                 from k3gen.ops.mla_decode.launcher import SplitPlan
                 plan = SplitPlan(B, max_len, 1)
             else:
-                plan = lau.plan(B, max_len)
+                fixed = lau.splits_for(max(B, self.plan_batch), max_len) if self.invariant else None
+                plan = lau.plan(B, max_len, splits=fixed)
                 # The workspace is written in place by every step: a compiled step replayed as a
                 # CUDA graph (mode="reduce-overhead") may mutate it only at a fixed address.
                 for t in (plan.part_o, plan.part_lse):
@@ -314,12 +317,14 @@ class KernelOps(KernelFfnOps, Ops):
         reads every tile completed by the step's rows as FP4 for all T queries, while decoding
         token by token reads a query's own live tile exact from the HP ring; per-token launches
         keep verify's attention identical to greedy decode's (speculative == greedy), and the
-        ring (16 + drafts rows) still holds every such tile."""
+        ring (16 + drafts rows) still holds every such tile. With `invariant` BF16/FP8 verify runs
+        per token too: the T = 1 + M kernel splits each query's tiles at other boundaries than the
+        T = 1 decode of that query (tests/gpu/test_spec_lossless.py's xfail says where)."""
         self._mark("mla_decode")
         B, T, H = q.shape[0], q.shape[1], q.shape[2]
         max_len = block_table.shape[1] * layout.page   # a block-table row's capacity: plans hold for any length
         ring = ring_slot if layout.kv is KvDtype.NVFP4 else None
-        per_token = layout.kv is KvDtype.NVFP4 and T > 1
+        per_token = (layout.kv is KvDtype.NVFP4 or self.invariant) and T > 1
         Tk = 1 if per_token else T
         h = self._handles.get(("mla_decode", Tk))
         if h is None:
@@ -412,4 +417,4 @@ def make_ops(tcfg, cfg, experts: str | None = None) -> Ops:
     shape = cfg.for_tp(tcfg.tp)
     return KernelOps(tcfg.target, tcfg.recipe, tcfg.ssm, tcfg.kv_layout(), shape.kda_heads, shape.mla_heads,
                      tcfg.max_drafts, gate=cfg.kernel_shape().gate, model=cfg, tp=tcfg.tp, ep=tcfg.ep,
-                     experts=experts)
+                     experts=experts, invariant=tcfg.invariant, plan_batch=max(tcfg.graph_batch_sizes))

@@ -194,11 +194,11 @@ def small_weights():
     return load_weights(d, CFG).to(DEV)
 
 
-def make_generator(kv, ssm, slots=4):
+def make_generator(kv, ssm, slots=4, invariant=False):
     from model.cache import HybridCache
     from model.generate import Generator
     from model.model import K3Model
-    t = TargetConfig(kv=kv, ssm=ssm, max_drafts=DRAFTS, path="kernel")
+    t = TargetConfig(kv=kv, ssm=ssm, max_drafts=DRAFTS, path="kernel", invariant=invariant)
     cache = HybridCache(CFG, t, num_slots=slots, num_pages=slots * 12, max_seq_len=24 + NEW_TOKENS + 32, device=DEV)
     m = K3Model(small_weights(), t, cache)
     return m, Generator(m)
@@ -258,10 +258,10 @@ def forced_drafter(greedy, prompts, M):
     return drafter
 
 
-def run_spec_vs_greedy(kv, ssm, seed, monkeypatch):
+def run_spec_vs_greedy(kv, ssm, seed, monkeypatch, invariant=False):
     from model.generate import Request
     spy = logit_rows(monkeypatch)
-    _, gen = make_generator(kv, ssm)
+    _, gen = make_generator(kv, ssm, invariant=invariant)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, CFG.vocab, (24 - 3 * i,), generator=g).tolist() for i in range(3)]
     greedy = gen.generate([Request(p, NEW_TOKENS) for p in prompts])
@@ -291,6 +291,13 @@ def test_model_speculative_bitwise_equals_greedy(kv, ssm, seed, monkeypatch):
     BF16 SSM is the H200 failure of issue 27 (token 113)."""
     row_invariant_model(monkeypatch, per_token_attention=kv != "nvfp4")
     run_spec_vs_greedy(kv, ssm, seed, monkeypatch)
+
+
+@pytest.mark.parametrize("kv,ssm", COMBOS, ids=lambda x: x)
+def test_model_speculative_bitwise_equals_greedy_invariant_mode(kv, ssm, monkeypatch):
+    """The same, on the model as served with TargetConfig.invariant and nothing replaced: the LM head
+    in fixed row blocks (model.lm_head) and verify attention per query token for every KV dtype."""
+    run_spec_vs_greedy(kv, ssm, 1, monkeypatch, invariant=True)
 
 
 @pytest.mark.xfail(strict=False, reason=(
