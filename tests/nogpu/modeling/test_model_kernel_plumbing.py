@@ -27,6 +27,8 @@ H, M = 2, 3
 class CpuMlaDecode(MlaDecode):
     """The launcher with its checks and plan bookkeeping, the launch replaced by the reference."""
     plans: list = []
+    splits: list = []      # the `splits` each plan was asked for (None: the launcher's own choice)
+    launch_tokens: list = []
 
     def load(self):
         self._kernel = object()
@@ -34,7 +36,11 @@ class CpuMlaDecode(MlaDecode):
 
     def plan(self, batch, max_len, *, splits=None, device=None):
         CpuMlaDecode.plans.append((self.spec.tokens, batch, max_len))
+        CpuMlaDecode.splits.append(splits)
         return SplitPlan(batch, max_len, 1)
+
+    def splits_for(self, batch, max_len):
+        return max(1, 16 // batch)      # any rule that follows the batch
 
     def __call__(self, q, cache, block_table, lengths, out, *, ring_slot=None, scale=1.0, plan=None):
         B, _, _ = self.check(q, cache, block_table, lengths, out, ring_slot)
@@ -49,10 +55,11 @@ class CpuMlaDecode(MlaDecode):
 @pytest.fixture
 def cpu_kernels(monkeypatch):
     monkeypatch.setattr(launcher_mod, "check_one_device", lambda *a: None)
-    CpuMlaDecode.plans = []
+    CpuMlaDecode.plans, CpuMlaDecode.splits, CpuMlaDecode.launch_tokens = [], [], []
 
     def make(t: TargetConfig) -> KernelOps:
-        ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), H, H, t.max_drafts)
+        ops = KernelOps(t.target, t.recipe, t.ssm, t.kv_layout(), H, H, t.max_drafts, invariant=t.invariant,
+                        plan_batch=max(t.graph_batch_sizes))
         for T in ops.attention_tokens():
             spec = ops.mla_decode_spec(T)
             ops._launchers[spec.digest()] = CpuMlaDecode(spec)
@@ -106,6 +113,35 @@ def test_kernel_attention_equals_reference_path(cpu_kernels, tk):
     row_cap = bt.shape[1] * c.layout.page
     assert sorted(set(CpuMlaDecode.plans)) == sorted({(T, 3, row_cap) for T in ops.attention_tokens()})
     assert len(CpuMlaDecode.plans) == len(set(CpuMlaDecode.plans))
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_invariant_mode_fixes_the_splits_and_verifies_per_token(cpu_kernels, kv, invariant, monkeypatch):
+    """TargetConfig.invariant: every plan's split count is the one for the largest graph batch (8),
+    whatever the batch, and BF16/FP8 verify attention runs as 1 + M launches of T = 1 (what decode
+    reads), with the reference path's result; the default mode lets the launcher choose and runs
+    verify as one T = 1 + M launch."""
+    t = TargetConfig(kv=kv, ssm="fp32", max_drafts=M, path="kernel", invariant=invariant)
+    lengths = [18, 132, 37]
+    c, kvc, bt, slots, scale = _cache(t, lengths, seed=9)
+    ops = cpu_kernels(t)
+    import model.ops as O
+    real = O.api.mla_decode
+
+    def counted(h, q, *a, **k):
+        CpuMlaDecode.launch_tokens.append(q.shape[1])
+        return real(h, q, *a, **k)
+    monkeypatch.setattr(O.api, "mla_decode", counted)
+    q = (torch.randn(3, 1 + M, H, 576, generator=torch.Generator().manual_seed(10)) * 0.6).to(torch.bfloat16)
+    start = torch.tensor([n - 1 - M for n in lengths], dtype=torch.int32)
+    got = ops.mla_attention(c.layout, q, kvc, bt, start, slots, scale)
+    want = RefOps(t.recipe).mla_attention(c.layout, q, kvc, bt, start, slots, scale)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    for B in (1, 5):
+        ops.attention_plan(1, B, 256)
+    assert CpuMlaDecode.launch_tokens == ([1] * (1 + M) if invariant else [1 + M])
+    assert CpuMlaDecode.splits == ([16 // 8] * 3 if invariant else [None] * 3)
 
 
 def test_nvfp4_verify_sees_each_query_own_tail():
