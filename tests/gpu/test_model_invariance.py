@@ -1,7 +1,7 @@
 """Batch invariance of the K3 small preset on the kernel path (issue 27), with `TargetConfig.invariant`:
 a request's decode and verify logits are bitwise the same alone, at any position of a batch of 5 or 8,
-eager or replayed from the batch-8 CUDA graph (5 real rows padded), for NVFP4 KV + BF16 SSM and BF16
-KV + FP32 SSM. Each request is prefilled on its own (prefill's own batch invariance is not claimed:
+eager or replayed from the batch-8 CUDA graph (5 real rows padded), for NVFP4 KV + BF16 SSM, BF16
+KV + FP32 SSM and FP8 KV + BF16 SSM. Each request is prefilled on its own (prefill's own batch invariance is not claimed:
 its FP8 GEMMs over more than 128 rows choose tiles by the row count), then every scenario runs the
 same teacher-forced steps: 3 decodes, a verify of 3 drafts with a partial commit, 2 decodes.
 
@@ -22,7 +22,7 @@ from model.model import K3Model
 
 pytestmark = pytest.mark.gpu
 CFG = small_config()
-COMBOS = [("nvfp4", "bf16"), ("bf16", "fp32")]
+COMBOS = [("nvfp4", "bf16"), ("bf16", "fp32"), ("fp8", "bf16")]
 DRAFTS = 3
 N_REQ = 8
 
