@@ -1,7 +1,7 @@
 """The device-side error word: bounds faults that kernels met, recorded without a host sync.
 
-Every index a kernel of kv_cache_write, mla_decode, kda_decode, kda_verify or moe_experts reads (page
-ids, slots, ring slots, lengths, start positions, cu_rows, expert ids, offsets, perm) is clamped or
+Every index a kernel of kv_cache_write, mla_decode, kda_decode, kda_verify, moe_experts or mla_prefill
+reads (page ids, slots, ring slots, lengths, start positions, cu_rows, cu_seqlens, expert ids, offsets, perm) is clamped or
 skipped on the device, so no input makes a kernel touch memory outside its tensors; the kernel then
 ORs the fault's bit (FAULTS, mirrored from include/k3gen/common/faults.cuh) into its op's 32-bit word
 of a small buffer, one per CUDA device. What each op does with each bad index is in its spec.py
@@ -28,7 +28,7 @@ from k3gen.errors import KernelFaultError, SpecError
 FAULTS = ("page", "table", "slot", "ring", "length", "rows", "start", "pending", "expert", "offsets", "perm")
 BITS = {name: 1 << i for i, name in enumerate(FAULTS)}
 # One word per op, by index; WORDS leaves room for more ops without moving a word.
-OPS = ("kv_cache_write", "mla_decode", "kda_decode", "kda_verify", "moe_experts")
+OPS = ("kv_cache_write", "mla_decode", "kda_decode", "kda_verify", "moe_experts", "mla_prefill")
 WORDS = 16
 
 _buffers: dict = {}   # torch.device -> int32 [WORDS]

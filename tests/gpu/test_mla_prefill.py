@@ -152,6 +152,25 @@ def test_sanitize_out_of_range_offsets_are_clamped(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_sanitize_bad_offsets_are_reported_in_the_error_word(kernel):
+    """mla_prefill's device error word (k3gen/runtime/faults.py): nothing for good offsets; `rows`
+    for offsets past the tensors or query rows past the grid; `length` for fewer keys than queries."""
+    from k3gen.runtime import faults
+    H = 6
+    q, (kn, kp, v) = _q(H, 240, 12), _keys(H, 240, 12)
+    op = _op(H, kernel=kernel)
+    cases = [([0, 30, 240], [0, 30, 240], 210, set()),
+             ([0, 30, 1 << 30], [0, 30, 240], 1 << 12, {"rows"}),
+             ([0, 30, 240], [0, 30, 100], 210, {"length"}),     # sequence 1: 210 queries, 70 keys
+             ([0, 200, 240], [0, 200, 240], 100, {"rows"})]      # 200 rows, one 128-row block
+    for cq, ck, max_q, want in cases:
+        faults.clear()
+        _run(op, q, kn, kp, v, cq, ck, max_q)
+        got = set(faults.read().get("mla_prefill", []))
+        assert got == want, (cq, ck, max_q, got)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_sanitize_small(kernel):
     """Small enough for compute-sanitizer memcheck / racecheck (tools/h200.sh selects `sanitize`):
     lengths 1, 17, 130 with prefixes 0, 5, 3."""

@@ -11,6 +11,7 @@ import ctypes
 from k3gen.config import settings
 from k3gen.errors import SpecError
 from k3gen.ops.mla_prefill.spec import BLOCK_N, MAX_GRID_YZ, NOPE, QK_HEAD, ROPE, THREADS, V_HEAD, OutDtype
+from k3gen.runtime import faults
 from k3gen.runtime.checks import check_one_device, check_tensor
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.loader import I32, PTR, ArgPack
@@ -55,6 +56,12 @@ class MlaPrefill(Launcher):
         super().__init__(spec)
         self._smem_set: set[int] = set()
         self._tma = spec.impl.tma   # the variant reads K/V through tensor maps (encoded per launch)
+
+    def load(self):
+        if self._kernel is None:
+            super().load()
+            faults.buffer()   # allocated outside any capture (graphs keep its address)
+        return self
 
     def _allow_smem(self, device: int) -> None:
         if device not in self._smem_set:
@@ -115,8 +122,9 @@ class MlaPrefill(Launcher):
         fast = self.spec.heads_fast(nk) if heads_fast is None else bool(heads_fast)
         args = (q.data_ptr(), q.stride(0), q.stride(1), k_nope.data_ptr(), k_nope.stride(0), k_nope.stride(1),
                 k_pe.data_ptr(), k_pe.stride(0), v.data_ptr(), v.stride(0), v.stride(1),
-                cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), out.data_ptr(), nq, nk, qb, int(fast))
-        types = (PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I64, I64, PTR, PTR, PTR, I32, I32, I32, I32)
+                cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), out.data_ptr(), nq, nk, qb, int(fast),
+                faults.word("mla_prefill", out.device))
+        types = (PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I64, I64, PTR, PTR, PTR, I32, I32, I32, I32, PTR)
         pack = ArgPack()
         for val, t in zip(args, types):
             pack.add(t(val))

@@ -19,6 +19,11 @@ Kernel contract (shared by the template, the reference and the launcher). Per he
   lengths up to it). cu_seqlens are clamped on the device to [0, Nq] / [0, Nk], so bad offsets
   never address outside the tensors; the launcher checks them on the host when validating.
 
+Bad indices (k3gen/runtime/faults.py, the op's error word): offsets outside [0, Nq] / [0, Nk] or
+decreasing are clamped (the sequence covers what is left, maybe nothing), and query rows past
+`max_seqlen_q`'s grid are left unwritten: fault `rows`; len_k < len_q (a negative prefix: the first
+rows see no key and are written as zeros): fault `length`.
+
 Launch (variants `wgmma`, `wgmma_ov`, `wgmma_pp`, `wgmma_cp`: include/k3gen/mla/prefill.cuh):
 grid (H, ceil(max_seqlen_q / 128), B),
 or (ceil(max_seqlen_q / 128), H, B) when the K/V of all heads outgrow L2 (`heads_fast`), 384 threads,

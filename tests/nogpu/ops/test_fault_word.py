@@ -17,7 +17,7 @@ from k3gen.ir.dtypes import KvDtype, SsmDtype
 from k3gen.pipeline.render import render
 from k3gen.runtime import faults
 from k3gen.targets import TARGETS
-from test_launcher_checks import _kda_decode, _kda_verify, _kv_cache_write, _mla_decode, _moe_experts
+from test_launcher_checks import _kda_decode, _kda_verify, _kv_cache_write, _mla_decode, _mla_prefill, _moe_experts
 
 HEADER = faults.__file__.replace("runtime/faults.py", "include/k3gen/common/faults.cuh")
 
@@ -67,7 +67,7 @@ def test_word_addresses(cpu_words):
     assert ptrs == [cpu_words.data_ptr() + 4 * i for i in range(len(faults.OPS))]
     assert faults.buffer(cpu) is cpu_words      # one buffer per device, kept (graphs hold its address)
     with pytest.raises(SpecError):
-        faults.word("mla_prefill", cpu)
+        faults.word("act_quant_fp8", cpu)     # an op without a word
 
 
 def test_buffer_is_allocated_once_per_device(monkeypatch):
@@ -178,6 +178,35 @@ def test_mla_decode_passes_the_word(kv, cpu_words, monkeypatch):
     vals = packs[0]._vals
     assert len(vals) == signature_arity(L.spec, "k3gen_mla_decode")
     assert vals[-2].value == faults.word("mla_decode", torch.device("cpu")) and len(bytes(vals[-1])) == 128
+
+
+@pytest.mark.parametrize("variant", ["wgmma", "wgmma_cp"])
+def test_mla_prefill_passes_the_word_before_its_maps(variant, cpu_words, monkeypatch):
+    import dataclasses
+
+    import k3gen.ops.mla_prefill.launcher as ml
+    from k3gen.ops.mla_prefill.spec import PrefillKernel
+    L, args, _ = _mla_prefill("fp32")
+    L = type(L)(dataclasses.replace(L.spec, kernel=PrefillKernel(variant)))
+    calls, packs = [], []
+
+    class Recorded(ml.ArgPack):
+        def __init__(self):
+            super().__init__()
+            packs.append(self)
+
+    monkeypatch.setattr(ml, "ArgPack", Recorded)
+    monkeypatch.setattr(ml, "head_map", lambda t: bytes(128))
+    monkeypatch.setattr(ml, "rope_map", lambda t: bytes(128))
+    _wire(L, monkeypatch, calls, {"_kernel": "k3gen_mla_prefill"})
+    L(*args.values())
+    assert [c[0] for c in calls] == ["k3gen_mla_prefill"]
+    vals = packs[0]._vals
+    assert len(vals) == signature_arity(L.spec, "k3gen_mla_prefill") == 22
+    assert vals[18].value == faults.word("mla_prefill", torch.device("cpu"))
+    assert [len(bytes(v)) for v in vals[19:]] == [128] * 3
+    src = render(L.spec)
+    assert "int heads_fast,\n    unsigned* err," in src and "heads_fast, err};" in src
 
 
 def test_mla_decode_every_schedule_declares_the_word():

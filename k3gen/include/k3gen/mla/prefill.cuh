@@ -26,6 +26,7 @@
 
 #include <cuda_bf16.h>
 
+#include "k3gen/common/faults.cuh"
 #include "k3gen/common/sm90_async.cuh"
 
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -68,6 +69,7 @@ struct Params {
   void* out;                     // [nq, H, 128] contiguous, BF16 or FP32
   long long q_row, q_head, kn_row, kn_head, kpe_row, v_row, v_head;
   int nq, nk, q_blocks, heads_fast;
+  unsigned* err;                 // mla_prefill's error word (k3gen/runtime/faults.py)
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -371,8 +373,23 @@ __device__ __forceinline__ Work work_of(const Params& p) {
 }
 __device__ __forceinline__ void reload_barrier() { asm volatile("" ::: "memory"); }
 
+// One thread per sequence reports what seq_of clamped (the raw offsets outside the tensors or
+// decreasing, or more query rows than the grid covers: rows past it are left unwritten) and a
+// sequence with fewer keys than queries (its first rows see no key and are written as zeros).
+template <class C>
+__device__ __forceinline__ void report_seq(const Params& p) {
+  if (threadIdx.x != 0 || blockIdx.x != 0 || blockIdx.y != 0) return;
+  const int b = blockIdx.z;
+  const int a0 = p.cu_q[b], a1 = p.cu_q[b + 1], c0 = p.cu_k[b], c1 = p.cu_k[b + 1];
+  if (a0 < 0 || a1 < a0 || a1 > p.nq || c0 < 0 || c1 < c0 || c1 > p.nk || a1 - a0 > p.q_blocks * kBM)
+    fault::report<C>(p.err, fault::kRows);
+  else if (c1 - c0 < a1 - a0)
+    fault::report<C>(p.err, fault::kLength);
+}
+
 template <class C>
 __device__ void run(const Params& p, const Maps& maps) {
+  report_seq<C>(p);
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const unsigned base = smem_u32(smem);
