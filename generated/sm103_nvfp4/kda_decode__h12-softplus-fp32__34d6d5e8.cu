@@ -40,10 +40,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_decode(
     const __nv_bfloat16* beta_logit, long long beta_stride, const int* slots,
     void* ssm, __nv_bfloat16* conv, int num_slots,
     const __nv_bfloat16* conv_w, const __nv_bfloat16* fb_w, const float* dt_bias, const float* a_log,
-    const float* norm_w, __nv_bfloat16* out, int split, int warm, int ahead) {
+    const float* norm_w, __nv_bfloat16* out, int split, int warm, int ahead, unsigned* err) {
   const k3gen::kda::Params p{qkvg, fa, beta_logit, slots, ssm, conv, conv_w, reinterpret_cast<const uint4*>(fb_w),
                              dt_bias, a_log, norm_w, out, qkvg_stride, fa_stride, beta_stride, num_slots, split,
-                             warm, ahead};
+                             warm, ahead, err};
   k3gen::kda::decode_step<Config>(p);
 }
 
@@ -58,10 +58,10 @@ extern "C" __global__ void __launch_bounds__(256,
     const __nv_bfloat16* beta_logit, long long beta_stride, const int* slots,
     void* ssm, __nv_bfloat16* conv, int num_slots,
     const __nv_bfloat16* conv_w, const __nv_bfloat16* fb_w, const float* dt_bias, const float* a_log,
-    const float* norm_w, __nv_bfloat16* out, int batch) {
+    const float* norm_w, __nv_bfloat16* out, int batch, unsigned* err) {
   const k3gen::kda::StreamParams sp{
       k3gen::kda::Params{qkvg, fa, beta_logit, slots, ssm, conv, conv_w, reinterpret_cast<const uint4*>(fb_w),
-                         dt_bias, a_log, norm_w, out, qkvg_stride, fa_stride, beta_stride, num_slots, 1, 0, 0},
+                         dt_bias, a_log, norm_w, out, qkvg_stride, fa_stride, beta_stride, num_slots, 1, 0, 0, err},
       batch};
   k3gen::kda::decode_stream<Config>(sp);
 }

@@ -56,12 +56,12 @@ static_assert(k3gen::mla::kCombineThreads == 512, "combine block differs from th
 extern "C" __global__ void __launch_bounds__(320, 1) k3gen_mla_decode(
     const __nv_bfloat16* q, const int* lengths, const int* block_table, long long bt_stride, int bt_cols,
     int num_pages, const int* ring_slot, int num_slots, const void* c0, const void* c1, const void* c2,
-    const void* c3, float scale, __nv_bfloat16* out, float* part_o, float* part_lse, int splits) {
+    const void* c3, float scale, __nv_bfloat16* out, float* part_o, float* part_lse, int splits, unsigned* err) {
   // The combine (launched after this kernel, PDL when enabled) may get its CTAs resident now; they
   // wait for this grid's completion before reading anything (no-op without the attribute).
   k3gen::griddep_launch_dependents();
   const k3gen::mla::Params p{q, lengths, block_table, bt_stride, bt_cols, num_pages, ring_slot, num_slots,
-                             {c0, c1, c2, c3}, scale, out, part_o, part_lse, splits};
+                             {c0, c1, c2, c3}, scale, out, part_o, part_lse, splits, err};
   k3gen::mla::tc::decode<Config>(p, nullptr);
 }
 

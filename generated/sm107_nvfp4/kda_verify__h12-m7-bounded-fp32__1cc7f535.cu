@@ -18,6 +18,7 @@ struct Config {
   static constexpr bool kOriginal = false;
   static constexpr k3gen::kda::Gate kGate =
       k3gen::kda::Gate::kBounded;
+  static constexpr bool kFaults = true;
 };
 
 static_assert(!(Config::kOriginal && Config::kBf16State), "the original verify kernel stores FP32 state only");
@@ -30,10 +31,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) k3gen_kda_verify(
     const __nv_bfloat16* beta_logit, long long beta_stride, const int* slots, const int* pending,
     void* ssm, float* draft_rec, float* conv_ext, int num_slots,
     const __nv_bfloat16* conv_w, const __nv_bfloat16* fb_w, const float* dt_bias, const float* a_log,
-    const float* norm_w, __nv_bfloat16* out) {
+    const float* norm_w, __nv_bfloat16* out, unsigned* err) {
   const k3gen::kda::verify::Params p{
       {qkvg, fa, beta_logit, out, qkvg_stride, fa_stride, beta_stride, 0},
       {conv_w, reinterpret_cast<const uint4*>(fb_w), dt_bias, a_log, norm_w},
-      slots, pending, ssm, draft_rec, conv_ext, num_slots};
+      slots, pending, ssm, draft_rec, conv_ext, num_slots, err};
   k3gen::kda::verify::run<Config>(p);
 }

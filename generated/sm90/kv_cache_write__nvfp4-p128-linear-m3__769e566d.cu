@@ -22,6 +22,7 @@ struct Config {
   static constexpr int kThreads = 128;
   static constexpr bool kHwFp4Cvt = false;
   static constexpr int kNumTensors = 4;
+  static constexpr bool kFaults = true;
 };
 
 static_assert(Config::kThreads % 32 == 0 && Config::kThreads >= 64 && Config::kThreads <= 256,
@@ -40,8 +41,10 @@ extern "C" __global__ void __launch_bounds__(128) k3gen_kv_cache_write(
     const __nv_bfloat16* rows, const int* cu_rows, const int* start_pos,
     const int* block_table, int bt_stride, int num_pages, const int* ring_slot,
     void* c0, void* c1, void* c2, void* c3,
-    float scale, int num_seqs) {
+    float scale, int num_seqs,
+    int num_rows, int bt_cols, int num_slots, unsigned* err) {
   const k3gen::kvw::Params p{reinterpret_cast<const uint4*>(rows), cu_rows, start_pos, block_table,
-                             bt_stride, num_pages, ring_slot, {c0, c1, c2, c3}, scale, num_seqs};
+                             bt_stride, num_pages, ring_slot, {c0, c1, c2, c3}, scale, num_seqs,
+                             num_rows, bt_cols, num_slots, err};
   k3gen::kvw::kv_cache_write<Config>(p);
 }

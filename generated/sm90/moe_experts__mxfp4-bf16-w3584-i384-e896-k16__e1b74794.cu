@@ -16,6 +16,7 @@ struct Config {
   static constexpr int kInter = 384;
   static constexpr int kExperts = 896;
   static constexpr int kTopK = 16;
+  static constexpr int kRouteExperts = 896;
   static constexpr int kNTiles = 4;
   static constexpr bool kMxfp4 = true;
   static constexpr bool kFp8Act = false;
@@ -39,7 +40,7 @@ static_assert(Config::kHidden % 32 == 0 && Config::kInter % 32 == 0, "16-byte la
 static_assert(GateUp::kRows == 2 * Config::kInter && Down::kRows == Config::kHidden, "w13 [2I, W], w2 [W, I]");
 static_assert(GateUp::kWK * GateUp::kKC * 128 >= GateUp::kK && Down::kWK * Down::kKC * 128 >= Down::kK,
               "the warps of a CTA cover K");
-static_assert(sizeof(k3gen::moe::ExpertArgs) == 80, "launcher.ExpertArgs packs 8 pointers and 3 ints");
+static_assert(sizeof(k3gen::moe::ExpertArgs) == 88, "launcher.ExpertArgs packs 8 pointers, 3 ints and the error word");
 static_assert(!Config::kFp8Act || Config::kHidden % 128 == 0, "whole FP8 scale groups");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "moe_experts mma_swapab needs sm_90 (bf16x2 multiply, griddepcontrol)"
@@ -54,8 +55,9 @@ extern "C" __global__ void __launch_bounds__(128, 4) k3gen_moe_experts_down(k3ge
 }
 
 extern "C" __global__ void __launch_bounds__(256) k3gen_moe_experts_combine(
-    const float* y, const int* ids, const float* weights, __nv_bfloat16* out, float* out32, int base) {
-  k3gen::moe::combine<Config>(y, ids, weights, out, out32, base);
+    const float* y, const int* ids, const float* weights, __nv_bfloat16* out, float* out32, int base,
+    unsigned* err) {
+  k3gen::moe::combine<Config>(y, ids, weights, out, out32, base, err);
 }
 
 extern "C" __global__ void __launch_bounds__(256) k3gen_moe_experts_dequant(
