@@ -278,7 +278,7 @@ def check_arguments(a) -> str:
         raise SpecError("--graphs", True, [False], "CUDA graphs need the kernel path (--path kernel or auto on a GPU)")
     cuda = a.path != "reference" and torch.cuda.is_available()
     if (a.path == "kernel" or a.graphs) and not cuda:
-        from k3gen.cli import no_gpu_reason
+        from k3gen.envinfo import no_gpu_reason
         why = f"no CUDA GPU: {no_gpu_reason(torch)}"
         if a.path == "kernel":
             raise SpecError("--path", "kernel", ["reference"], why)
