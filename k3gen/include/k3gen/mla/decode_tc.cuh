@@ -5,8 +5,9 @@
 //
 // NVRTC C++ with inline tcgen05 PTX, not CuTe DSL: the page walk (tile_page), the split schedule,
 // Params, the BF16 TMA box plan of "wgmma_qm" and the combine entry are the SM90 kernels' own C++
-// (mla/decode.cuh); only the MMA/TMEM layer and the copy engine calls are new here. A CuTe DSL
-// kernel would have to re-implement all of those in Python and could not share them.
+// (mla/decode.cuh); only the MMA/TMEM layer (common/sm100_tc.cuh, shared with mla_prefill's tcgen05
+// kernel) and the copy engine calls are new here. A CuTe DSL kernel would have to re-implement all
+// of those in Python and could not share them.
 //
 // Geometry: grid (2 * groups, splits, B); CTA x = 2 g + half owns query rows 64 g .. 64 g + 63 of
 // sequence b (row r = t * H + h, zero past H * T) and output dims 256 half .. + 255 of the split's
@@ -44,6 +45,7 @@
 
 #include "k3gen/mla/decode.cuh"
 #include "k3gen/common/sm90_async.cuh"
+#include "k3gen/common/sm100_tc.cuh"
 
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM100_ALL) && !defined(__CUDA_ARCH_FEAT_SM103_ALL) && \
     !defined(__CUDA_ARCH_FEAT_SM107_ALL) && !defined(__CUDA_ARCH_FAMILY_SPECIFIC__)
@@ -85,69 +87,17 @@ struct TcGeo {
   static_assert(kQOff % 1024 == 0 && kPOff % 1024 == 0 && kRawOff % 16 == 0, "SW128 atoms 1024-aligned");
 };
 
-// ---- tcgen05 layer --------------------------------------------------------------------------------
-// Shared-memory matrix descriptor: the SM90 one (start >> 4, LBO >> 4, SBO >> 4, 128B swizzle at
-// bits 62..63 = tcgen05's 3-bit field 61..63 value 2) plus tcgen05's fixed version bits 46..48 = 1.
-template <unsigned kLbo, unsigned kSbo>
-__host__ __device__ constexpr unsigned long long desc(unsigned addr) {
-  return sm90::wgmma_desc<kLbo, kSbo, 1>(addr) | (1ull << 46);
-}
-// Instruction descriptor of kind::f16: D F32 (bits 4-5 = 1), A/B format (bits 7-9 / 10-12: 0 F16,
-// 1 BF16), B major (bit 16: 1 = MN-major), N >> 3 (bits 17-22), M >> 4 (bits 24-28).
-template <bool kBf16, bool kBMn, int M, int N>
-__host__ __device__ constexpr unsigned idesc() {
-  return (1u << 4) | (kBf16 ? (1u << 7) | (1u << 10) : 0u) | (kBMn ? 1u << 16 : 0u) |
-         (static_cast<unsigned>(N >> 3) << 17) | (static_cast<unsigned>(M >> 4) << 24);
-}
-__device__ __forceinline__ void mma(unsigned d_tmem, unsigned long long a, unsigned long long b, unsigned id,
-                                    int acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %4, 0;\n"
-      "tcgen05.mma.cta_group::1.kind::f16 [%0], %1, %2, %3, p;\n}\n" ::"r"(d_tmem),
-      "l"(a), "l"(b), "r"(id), "r"(acc)
-      : "memory");
-}
-// Arrives on `bar` once every tcgen05 op this thread issued before it has completed.
-__device__ __forceinline__ void commit(unsigned bar) {
-  asm volatile("tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.b64 [%0];\n" ::"r"(bar)
-               : "memory");
-}
-__device__ __forceinline__ void fence_before() { asm volatile("tcgen05.fence::before_thread_sync;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_after() { asm volatile("tcgen05.fence::after_thread_sync;\n" ::: "memory"); }
-__device__ __forceinline__ void tmem_alloc(unsigned slot, int cols) {
-  asm volatile("tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%0], %1;\n" ::"r"(slot), "r"(cols)
-               : "memory");
-  asm volatile("tcgen05.relinquish_alloc_permit.cta_group::1.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void tmem_dealloc(unsigned taddr, int cols) {
-  asm volatile("tcgen05.dealloc.cta_group::1.sync.aligned.b32 %0, %1;\n" ::"r"(taddr), "r"(cols) : "memory");
-}
-// 32 consecutive FP32 columns of this thread's TMEM lane (warp w of a warpgroup: lanes 32 w ..).
-__device__ __forceinline__ void ld32(unsigned taddr, float (&v)[32]) {
-  unsigned (&r)[32] = reinterpret_cast<unsigned (&)[32]>(v);
-  asm volatile(
-      "tcgen05.ld.sync.aligned.32x32b.x32.b32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, "
-      "%15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, [%32];\n"
-      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]), "=r"(r[4]), "=r"(r[5]), "=r"(r[6]), "=r"(r[7]),
-        "=r"(r[8]), "=r"(r[9]), "=r"(r[10]), "=r"(r[11]), "=r"(r[12]), "=r"(r[13]), "=r"(r[14]), "=r"(r[15]),
-        "=r"(r[16]), "=r"(r[17]), "=r"(r[18]), "=r"(r[19]), "=r"(r[20]), "=r"(r[21]), "=r"(r[22]), "=r"(r[23]),
-        "=r"(r[24]), "=r"(r[25]), "=r"(r[26]), "=r"(r[27]), "=r"(r[28]), "=r"(r[29]), "=r"(r[30]), "=r"(r[31])
-      : "r"(taddr)
-      : "memory");
-  asm volatile("tcgen05.wait::ld.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void st32(unsigned taddr, const float (&v)[32]) {
-  const unsigned (&r)[32] = reinterpret_cast<const unsigned (&)[32]>(v);
-  asm volatile(
-      "tcgen05.st.sync.aligned.32x32b.x32.b32 [%0], {%1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, "
-      "%15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32};\n" ::"r"(taddr),
-      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]), "r"(r[4]), "r"(r[5]), "r"(r[6]), "r"(r[7]), "r"(r[8]), "r"(r[9]),
-      "r"(r[10]), "r"(r[11]), "r"(r[12]), "r"(r[13]), "r"(r[14]), "r"(r[15]), "r"(r[16]), "r"(r[17]), "r"(r[18]),
-      "r"(r[19]), "r"(r[20]), "r"(r[21]), "r"(r[22]), "r"(r[23]), "r"(r[24]), "r"(r[25]), "r"(r[26]), "r"(r[27]),
-      "r"(r[28]), "r"(r[29]), "r"(r[30]), "r"(r[31])
-      : "memory");
-  asm volatile("tcgen05.wait::st.sync.aligned;\n" ::: "memory");
-}
+// ---- tcgen05 layer: common/sm100_tc.cuh (shared with mla/prefill_tc.cuh) ----------------------------
+using sm100::commit;
+using sm100::desc;
+using sm100::fence_after;
+using sm100::fence_before;
+using sm100::idesc;
+using sm100::ld32;
+using sm100::mma;
+using sm100::st32;
+using sm100::tmem_alloc;
+using sm100::tmem_dealloc;
 
 // ---- operand layout (the SM90 kernels' SW128 K-major rows) ------------------------------------------
 // Byte offset of 16-byte chunk c (of 72) of row `row` in a [64][576] 16-bit operand (9 SW128 blocks).

@@ -22,12 +22,15 @@
 // Long first: blockIdx.y = 0 is the last (largest causal) q-block; heads vary fastest, so the
 // heaviest CTAs of every head are dispatched in the first wave.
 // cu_seqlens are clamped on the device to [0, nq] / [0, nk] (never an out-of-bounds row).
+// Params, the work item (work_of), the fault report, the TMA boxes and the tail tile's V copy are
+// mla/prefill_common.cuh, shared with the tcgen05 kernel of the SM100 family (mla/prefill_tc.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include "k3gen/common/faults.cuh"
 #include "k3gen/common/sm90_async.cuh"
+#include "k3gen/mla/prefill_common.cuh"
 
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "mla_prefill's wgmma kernel needs sm_90a"
@@ -37,16 +40,11 @@ namespace k3gen {
 namespace mla {
 namespace prefill {
 
+// kBM, kBN, the head dims, kKBlk / kKBytes / kVBytes, kLog2e: mla/prefill_common.cuh.
 constexpr int kThreads = 384;
-constexpr int kBM = 128;                  // query rows per CTA (2 consumer warpgroups x 64)
-constexpr int kBN = 128;                  // keys per tile
-constexpr int kDqk = 192, kDnope = 128, kDpe = 64, kDv = 128;
 constexpr int kStages = 2;
 constexpr int kQBlk = 64 * 128;           // one [64 rows][64 dims] SW128 block of a consumer's Q
-constexpr int kKBlk = kBN * 128;          // one [128 keys][64 dims] SW128 block of K or V
 constexpr int kQBytes = 2 * 3 * kQBlk;    // 49152
-constexpr int kKBytes = 3 * kKBlk;        // 49152
-constexpr int kVBytes = 2 * kKBlk;        // 32768
 constexpr int kStageBytes = kKBytes + kVBytes;
 constexpr int kStageOff = kQBytes;
 constexpr int kBarOff = kStageOff + kStages * kStageBytes;
@@ -54,38 +52,9 @@ constexpr int kSmem = kBarOff + 8 * 8 + 1024;   // + slack to align the base to 
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
 static_assert(kSmem <= 232448, "one CTA per SM");
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kBarProducer = 1;   // named barrier of the producer warpgroup (tail-tile copies)
 constexpr unsigned kBarTurn = 2;       // 2, 3: the consumers' turns at issuing wgmmas (kPingpong)
-#define K3GEN_PF_NEG_INF (__int_as_float(0xff800000u))
 
-struct Params {
-  const __nv_bfloat16* q;        // [nq, H, 192] rows q_row apart, heads q_head apart
-  const __nv_bfloat16* k_nope;   // [nk, H, 128]
-  const __nv_bfloat16* k_pe;     // [nk, 64]
-  const __nv_bfloat16* v;        // [nk, H, 128]
-  const int* cu_q;               // [B + 1]
-  const int* cu_k;               // [B + 1]
-  void* out;                     // [nq, H, 128] contiguous, BF16 or FP32
-  long long q_row, q_head, kn_row, kn_head, kpe_row, v_row, v_head;
-  int nq, nk, q_blocks, heads_fast;
-  unsigned* err;                 // mla_prefill's error word (k3gen/runtime/faults.py)
-};
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, unsigned src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-// Byte offset of 16-byte chunk c (8 per 128-byte row) of row r in an SW128 block.
-__device__ __forceinline__ unsigned sw128(int r, int c) {
-  return static_cast<unsigned>((r >> 3) * 1024 + (r & 7) * 128 + ((c ^ (r & 7)) << 4));
-}
 // K-major SW128 operand (LBO unused), SBO = the 8-row group stride.
 __device__ __forceinline__ unsigned long long desc_k(unsigned a) { return sm90::wgmma_desc<16, 1024, 1>(a); }
 // V as the N-major B operand: 8-key groups 1024 bytes apart (SBO), the two 64-dim blocks kKBlk apart (LBO).
@@ -139,19 +108,6 @@ __device__ __forceinline__ void pin(unsigned (&x)[32]) {
   for (int i = 0; i < 32; ++i) asm volatile("" : "+r"(x[i])::"memory");
 }
 
-// The sequence's rows, clamped to the tensors: q rows q0 .. q0 + lq - 1, keys k0 .. k0 + lk - 1.
-struct Seq {
-  int q0, lq, k0, lk;
-};
-__device__ __forceinline__ Seq seq_of(const Params& p, int b) {
-  Seq s;
-  s.q0 = min(max(p.cu_q[b], 0), p.nq);
-  s.lq = min(max(p.cu_q[b + 1], s.q0), p.nq) - s.q0;
-  s.k0 = min(max(p.cu_k[b], 0), p.nk);
-  s.lk = min(max(p.cu_k[b + 1], s.k0), p.nk) - s.k0;
-  return s;
-}
-
 // Q rows i0 .. i0 + 127 of head h into consumer blocks (rows past the sequence zero-filled), all threads.
 __device__ __forceinline__ void load_q(const Params& p, const Seq& s, int h, int i0, unsigned aQ) {
   for (int i = threadIdx.x; i < kBM * (kDqk / 8); i += kThreads) {
@@ -175,17 +131,6 @@ __device__ __forceinline__ void load_k(const Params& p, const Seq& s, int h, int
     const __nv_bfloat16* src = c < 16 ? p.k_nope + row * p.kn_row + h * p.kn_head + c * 8
                                       : p.k_pe + row * p.kpe_row + (c - 16) * 8;
     cp_async16(aK + (c >> 3) * kKBlk + sw128(key, c & 7), ok ? src : p.k_pe, ok ? 16u : 0u);
-  }
-}
-// V of keys kv0 .. kv0 + 127 of head h into the stage's two V blocks (keys past the sequence
-// zero-filled), 128 producer threads.
-__device__ __forceinline__ void load_v(const Params& p, const Seq& s, int h, int kv0, unsigned aV, int t) {
-#pragma unroll 2
-  for (int i = t; i < kBN * 16; i += 128) {
-    const int key = i >> 4, c = i & 15;
-    const bool ok = kv0 + key < s.lk;
-    const __nv_bfloat16* src = p.v + (s.k0 + kv0 + key) * p.v_row + h * p.v_head + c * 8;
-    cp_async16(aV + (c >> 3) * kKBlk + sw128(key, c & 7), ok ? src : p.k_pe, ok ? 16u : 0u);
   }
 }
 
@@ -259,25 +204,6 @@ __device__ __forceinline__ void rescale(float (&o)[64], const float (&a)[2]) {
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] *= (i & 2) ? a[1] : a[0];
 }
-
-// 3-D TMA box at (c0 = byte in the row, c1 = head, c2 = row) into shared `dst`, completing on `bar`.
-__device__ __forceinline__ void tma_load_3d(unsigned dst, const sm90::TmaMap* map, int c0, int c1, int c2,
-                                            unsigned bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
-          "r"(dst),
-      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
-
-// The TMA maps of the launcher (uint8, 128B swizzle, zero fill past the tensors): k_nope and v as
-// [rows][heads][256 bytes] with boxes [128 rows][1][128 bytes], k_pe as [rows][128 bytes] with box
-// [128 rows][128 bytes]; one box is one SW128 block of a stage.
-struct Maps {
-  const sm90::TmaMap* kn;
-  const sm90::TmaMap* kpe;
-  const sm90::TmaMap* v;
-};
 
 // K of tile `it` (3 TMA boxes: k_nope 0-63, 64-127, k_pe) into its stage, on K-full; one thread.
 __device__ __forceinline__ void issue_k(const Seq& s, int h, int it, unsigned base, const Bars& bars,
@@ -353,39 +279,7 @@ __device__ __forceinline__ void produce_cp(const Params& p, const Seq& s, int h,
   }
 }
 
-// A CTA's work: head h, sequence rows s, q-block rows i0 .., prefix pre, n key tiles. Recomputed after
-// each setmaxnreg (values live across it are spilled to local memory by ptxas).
-struct Work {
-  Seq s;
-  int h, i0, pre, n;
-};
-__device__ __forceinline__ Work work_of(const Params& p) {
-  Work w;
-  w.h = p.heads_fast ? blockIdx.x : blockIdx.y;
-  const int qb = p.q_blocks - 1 - static_cast<int>(p.heads_fast ? blockIdx.y : blockIdx.x);
-  w.i0 = qb * kBM;
-  w.s = seq_of(p, blockIdx.z);
-  w.pre = w.s.lk - w.s.lq;
-  // Keys up to pre + (last row of the block), clipped to the sequence.
-  const int kend = max(0, min(w.s.lk, w.pre + min(w.i0 + kBM, w.s.lq)));
-  w.n = (kend + kBN - 1) / kBN;
-  return w;
-}
 __device__ __forceinline__ void reload_barrier() { asm volatile("" ::: "memory"); }
-
-// One thread per sequence reports what seq_of clamped (the raw offsets outside the tensors or
-// decreasing, or more query rows than the grid covers: rows past it are left unwritten) and a
-// sequence with fewer keys than queries (its first rows see no key and are written as zeros).
-template <class C>
-__device__ __forceinline__ void report_seq(const Params& p) {
-  if (threadIdx.x != 0 || blockIdx.x != 0 || blockIdx.y != 0) return;
-  const int b = blockIdx.z;
-  const int a0 = p.cu_q[b], a1 = p.cu_q[b + 1], c0 = p.cu_k[b], c1 = p.cu_k[b + 1];
-  if (a0 < 0 || a1 < a0 || a1 > p.nq || c0 < 0 || c1 < c0 || c1 > p.nk || a1 - a0 > p.q_blocks * kBM)
-    fault::report<C>(p.err, fault::kRows);
-  else if (c1 - c0 < a1 - a0)
-    fault::report<C>(p.err, fault::kLength);
-}
 
 template <class C>
 __device__ void run(const Params& p, const Maps& maps) {
