@@ -21,7 +21,7 @@ from k3gen.ir.target import Target
 # Every op a full K3 rank launches, in build order; adding an op = one line here.
 K3_MENU = ("kv_cache_write", "kda_decode", "kda_verify", "kda_prefill", "act_quant_fp8", "fp8_block_gemm",
            "mla_q_absorb", "mla_vb_gate", "mla_decode",
-           "mla_prefill",   # wgmma targets only so far (has_prefill_kernel)
+           "mla_prefill",   # wgmma (sm90) and tcgen05 (sm103/sm107) kernels: has_prefill_kernel
            "moe_experts",   # sm90 only so far: the fp4_cvt targets' tcgen05 variant is not built (its spec says why)
            "moe_route", "attn_res", "glu_act")
 
@@ -315,9 +315,17 @@ def has_expert_kernel(target: Target) -> bool:
 
 
 def has_prefill_kernel(target: Target) -> bool:
-    """Whether `target` builds mla_prefill (the wgmma kernel; no tcgen05 one is written yet, so the
-    SM100 family keeps the model's PyTorch prefill attention)."""
-    return target.mma == "wgmma"
+    """Whether `target` builds mla_prefill: the op is on its menu and one of the op's variants
+    implements it there (ops/mla_prefill/variants.py decides by the target's features: wgmma on
+    sm_90a, tcgen05 on sm103/sm107). Elsewhere the model keeps its PyTorch prefill attention."""
+    if "mla_prefill" not in target.menu:
+        return False
+    from k3gen.ops.mla_prefill.spec import MlaPrefillSpec
+    try:
+        MlaPrefillSpec(target=target, heads=1)
+    except SpecError:
+        return False
+    return True
 
 
 def expert_specs(target: Target, m: ModelShape, tp: int, ep: int = 1, experts: str | None = None) -> list[OpSpec]:

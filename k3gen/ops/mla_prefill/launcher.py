@@ -10,7 +10,7 @@ import ctypes
 
 from k3gen.config import settings
 from k3gen.errors import SpecError
-from k3gen.ops.mla_prefill.spec import BLOCK_N, MAX_GRID_YZ, NOPE, QK_HEAD, ROPE, THREADS, V_HEAD, OutDtype
+from k3gen.ops.mla_prefill.spec import BLOCK_N, MAX_GRID_YZ, NOPE, QK_HEAD, ROPE, V_HEAD, OutDtype
 from k3gen.runtime import faults
 from k3gen.runtime.checks import check_one_device, check_tensor
 from k3gen.runtime.launcher import Launcher
@@ -132,6 +132,6 @@ class MlaPrefill(Launcher):
         for raw in maps:
             pack.add(raw)
         self.load()._allow_smem(dev)
-        self.kernel.launch_ex(self.spec.grid(B, max_seqlen_q, fast), (THREADS, 1, 1), None, pack.address(), None,
-                              dev, torch.cuda.current_stream(out.device).cuda_stream, self.spec.smem_bytes)
+        self.kernel.launch_ex(self.spec.grid(B, max_seqlen_q, fast), (self.spec.threads, 1, 1), None,
+                              pack.address(), None, dev, torch.cuda.current_stream(out.device).cuda_stream, self.spec.smem_bytes)
         return out

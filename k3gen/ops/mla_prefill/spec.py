@@ -24,11 +24,12 @@ decreasing are clamped (the sequence covers what is left, maybe nothing), and qu
 `max_seqlen_q`'s grid are left unwritten: fault `rows`; len_k < len_q (a negative prefix: the first
 rows see no key and are written as zeros): fault `length`.
 
-Launch (variants `wgmma`, `wgmma_ov`, `wgmma_pp`, `wgmma_cp`: include/k3gen/mla/prefill.cuh):
-grid (H, ceil(max_seqlen_q / 128), B),
-or (ceil(max_seqlen_q / 128), H, B) when the K/V of all heads outgrow L2 (`heads_fast`), 384 threads,
-`smem_bytes` of dynamic shared memory, one CTA per SM; three TMA maps (k_nope, k_pe, v) encoded
-per call on the host (no device state: graph-capturable).
+Launch (every variant: sm_90a `wgmma`, `wgmma_ov`, `wgmma_pp`, `wgmma_cp`, include/k3gen/mla/prefill.cuh;
+SM100-family `tcgen05`, include/k3gen/mla/prefill_tc.cuh): grid (H, ceil(max_seqlen_q / 128), B),
+or (ceil(max_seqlen_q / 128), H, B) when the K/V of all heads outgrow L2 (`heads_fast`), `threads`
+threads (the variant's plan: 384 for wgmma, 224 for tcgen05), `smem_bytes` of dynamic shared memory,
+one CTA per SM; three TMA maps (k_nope, k_pe, v) encoded per call on the host (no device state:
+graph-capturable).
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ NOPE, ROPE, QK_HEAD, V_HEAD = 128, 64, 192, 128
 SOFTMAX_SCALE = QK_HEAD ** -0.5
 BLOCK_M = 128        # query rows per CTA
 BLOCK_N = 128        # keys per tile
-THREADS = 384
-# Q (2 x 3 SW128 blocks of [64][64]) + 2 stages of K (3 x [128][64]) and V (2 x [128][64]) + 8
+THREADS = 384       # the wgmma variants' block (tcgen05: its plan, variants.py)
+# wgmma variants: Q (2 x 3 SW128 blocks of [64][64]) + 2 stages of K (3 x [128][64]) and V (2 x [128][64]) + 8
 # barriers + 1024 bytes to align the base (the template static_asserts the header agrees).
 SMEM_BYTES = 2 * 3 * 64 * 128 + 2 * (5 * BLOCK_N * 128) + 8 * 8 + 1024
 MAX_GRID_YZ = 65535
@@ -67,6 +68,7 @@ class PrefillKernel(str, enum.Enum):
     WGMMA = "wgmma"          # K/V by TMA, the same consumers (the other warpgroup fills the gaps)
     WGMMA_OV = "wgmma_ov"    # FA3's overlap: QK of tile i and PV of tile i - 1 in flight, softmax under the PV
     WGMMA_PP = "wgmma_pp"    # wgmma_ov with the two consumers taking turns at issuing their wgmmas (FA3's pingpong)
+    TCGEN05 = "tcgen05"      # SM100 family: tcgen05 MMAs, S and O in TMEM, warp-specialized (variants.py)
 
     def __str__(self) -> str:
         return self.value
@@ -91,7 +93,12 @@ class MlaPrefillSpec(OpSpec):
 
     @property
     def smem_bytes(self) -> int:
-        return SMEM_BYTES
+        """Dynamic shared memory of a launch: the variant's plan (variants.py)."""
+        return self.impl.plan(self).smem_bytes
+
+    @property
+    def threads(self) -> int:
+        return self.impl.plan(self).threads
 
     def q_blocks(self, max_seqlen_q: int) -> int:
         return -(-max_seqlen_q // BLOCK_M)
@@ -107,8 +114,8 @@ class MlaPrefillSpec(OpSpec):
         return nk * (self.heads * (NOPE + V_HEAD) + ROPE) * 2 <= L2_KV_BYTES
 
     def slug(self) -> str:
-        tag = {PrefillKernel.WGMMA_OV: "-ov", PrefillKernel.WGMMA_PP: "-pp", PrefillKernel.WGMMA_CP: "-cp"}.get(
-            self.kernel, "")
+        tag = {PrefillKernel.WGMMA_OV: "-ov", PrefillKernel.WGMMA_PP: "-pp", PrefillKernel.WGMMA_CP: "-cp",
+               PrefillKernel.TCGEN05: "-tcgen05"}.get(self.kernel, "")
         return f"h{self.heads}-{self.out_dtype.value}{tag}"
 
     # -- estimates (sympy over N tokens in one sequence, no prefix) ------------------------------

@@ -15,6 +15,7 @@ from k3gen.targets import TARGETS
 
 SM90 = TARGETS["sm90"]
 BF = torch.bfloat16
+WGMMA_KERNELS = [k for k in PrefillKernel if k.value.startswith("wgmma")]
 
 
 def test_fields_slug_and_canonical_round_trip():
@@ -44,9 +45,14 @@ def test_bad_enums():
 
 
 @pytest.mark.parametrize("target", ["sm103-nvfp4", "sm107-nvfp4", "sm100-mxfp4"])
-def test_blackwell_targets_refused_with_a_reason(target):
-    with pytest.raises(SpecError, match="needs wgmma"):
-        MlaPrefillSpec(target=TARGETS[target], heads=12)
+def test_blackwell_targets_get_tcgen05_and_refuse_wgmma_with_a_reason(target):
+    # auto: the tcgen05 kernel (tests/nogpu/ops/test_mla_prefill_tcgen05.py); the wgmma ones say why not.
+    assert MlaPrefillSpec(target=TARGETS[target], heads=12).kernel is PrefillKernel.TCGEN05
+    for k in WGMMA_KERNELS:
+        with pytest.raises(SpecError, match="needs wgmma"):
+            MlaPrefillSpec(target=TARGETS[target], heads=12, kernel=k)
+    with pytest.raises(SpecError, match="needs tcgen05"):
+        MlaPrefillSpec(target=SM90, heads=12, kernel=PrefillKernel.TCGEN05)
 
 
 def test_launch_plan():
@@ -102,7 +108,7 @@ def test_continuation_pieces_equal_one_piece():
 
 
 # -- compile ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kernel,out_dtype", [(k, o) for k in list(PrefillKernel)[1:] for o in OutDtype])
+@pytest.mark.parametrize("kernel,out_dtype", [(k, o) for k in WGMMA_KERNELS for o in OutDtype])
 def test_compiles_to_hgmma_without_spills(kernel, out_dtype):
     from k3gen.pipeline.build import build_one
     from k3gen.pipeline.inspect import sass_text

@@ -208,22 +208,15 @@ __device__ __forceinline__ void rescale(float (&o)[64], const float (&a)[2]) {
 // K of tile `it` (3 TMA boxes: k_nope 0-63, 64-127, k_pe) into its stage, on K-full; one thread.
 __device__ __forceinline__ void issue_k(const Seq& s, int h, int it, unsigned base, const Bars& bars,
                                         const Maps& maps) {
-  const int st = it & 1, row = s.k0 + it * kBN;
-  const unsigned aK = base + kStageOff + st * kStageBytes;
-  sm90::mbar_arrive_expect_tx(bars.kfull(st), kKBytes);
-  tma_load_3d(aK, maps.kn, 0, h, row, bars.kfull(st));
-  tma_load_3d(aK + kKBlk, maps.kn, 128, h, row, bars.kfull(st));
-  sm90::tma_load_2d(aK + 2 * kKBlk, maps.kpe, 0, row, bars.kfull(st));
+  const int st = it & 1;
+  tma_k(base + kStageOff + st * kStageBytes, bars.kfull(st), maps, h, s.k0 + it * kBN);
 }
 
 // V of tile `it` (2 TMA boxes) into its stage, on V-full; one thread.
 __device__ __forceinline__ void issue_v(const Seq& s, int h, int it, unsigned base, const Bars& bars,
                                         const Maps& maps) {
-  const int st = it & 1, row = s.k0 + it * kBN;
-  const unsigned aV = base + kStageOff + st * kStageBytes + kKBytes;
-  sm90::mbar_arrive_expect_tx(bars.vfull(st), kVBytes);
-  tma_load_3d(aV, maps.v, 0, h, row, bars.vfull(st));
-  tma_load_3d(aV + kKBlk, maps.v, 128, h, row, bars.vfull(st));
+  const int st = it & 1;
+  tma_v(base + kStageOff + st * kStageBytes + kKBytes, bars.vfull(st), maps, h, s.k0 + it * kBN);
 }
 
 // Keys tile `it` into its stage, K and V each once its own buffer is released. One thread issues the

@@ -97,6 +97,20 @@ struct Maps {
   const sm90::TmaMap* v;
 };
 
+// K of keys row .. row + 127 of head h into the 3 blocks at `dst` (3 boxes: k_nope 0-63, 64-127, k_pe),
+// and V into the 2 blocks at `dst` (v 0-63, 64-127), each completing its bytes on `bar`; one thread.
+__device__ __forceinline__ void tma_k(unsigned dst, unsigned bar, const Maps& maps, int h, int row) {
+  sm90::mbar_arrive_expect_tx(bar, kKBytes);
+  tma_load_3d(dst, maps.kn, 0, h, row, bar);
+  tma_load_3d(dst + kKBlk, maps.kn, 128, h, row, bar);
+  sm90::tma_load_2d(dst + 2 * kKBlk, maps.kpe, 0, row, bar);
+}
+__device__ __forceinline__ void tma_v(unsigned dst, unsigned bar, const Maps& maps, int h, int row) {
+  sm90::mbar_arrive_expect_tx(bar, kVBytes);
+  tma_load_3d(dst, maps.v, 0, h, row, bar);
+  tma_load_3d(dst + kKBlk, maps.v, 128, h, row, bar);
+}
+
 // A CTA's work: head h, sequence rows s, q-block rows i0 .., prefix pre, n key tiles. Recomputed after
 // each setmaxnreg (values live across it are spilled to local memory by ptxas).
 struct Work {
