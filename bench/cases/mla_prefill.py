@@ -96,3 +96,49 @@ def mla_prefill(ceiling: float, quick: bool = False) -> list:
             del sets
             torch.cuda.empty_cache()
     return rows
+
+
+# -- Blackwell (B300) projection: no Blackwell GPU exists here, so these are computed, never measured ----
+B300_SHAPES = ((12, 1, 4096), (12, 8, 1024), (96, 1, 4096), (96, 8, 1024))   # (H, B, T) the H200 case measures
+
+
+def b300_prefill_projection(spec, batch: int, tokens: int) -> dict:
+    """Projected B300 time of the sm103 tcgen05 mla_prefill on `batch` sequences of `tokens` (no
+    prefix): the larger of its bytes (MlaPrefillSpec.bytes_moved: q, k_nope, v, k_pe once, the output)
+    at 8 TB/s and the MMA work it issues at the assumed 2.25 PFLOP/s dense BF16 (B300_F16_FLOPS,
+    kind::f16): every CTA's key tiles as whole 128 x 128 tiles (QK over 192 dims, PV over 128), so the
+    causal diagonal tiles count in full. No softmax (MUFU exp), latency or wave-quantization term:
+    a floor, not a forecast."""
+    from bench.cases.mla_decode import B300_F16_FLOPS, B300_TBPS
+    from k3gen.ir.dims import evaluate
+    from k3gen.ops.mla_prefill.spec import BLOCK_M, BLOCK_N, QK_HEAD, V_HEAD
+    nbytes = int(evaluate(spec.bytes_moved(), N=batch * tokens))
+    # q-block qb (rows 128 qb ..) of a sequence without prefix sees keys < min(T, 128 (qb + 1)).
+    tiles = sum(-(-min(tokens, BLOCK_M * (qb + 1)) // BLOCK_N) for qb in range(-(-tokens // BLOCK_M)))
+    flops = batch * spec.heads * tiles * 2 * BLOCK_M * BLOCK_N * (QK_HEAD + V_HEAD)
+    useful = batch * evaluate(spec.flops(), N=tokens)
+    mem_us, mma_us = nbytes / B300_TBPS * 1e6, flops / B300_F16_FLOPS * 1e6
+    return {"bytes": nbytes, "tiles": batch * spec.heads * tiles, "mma_flops": flops, "useful_flops": float(useful),
+            "mem_us": mem_us, "mma_us": mma_us, "proj_us": max(mem_us, mma_us),
+            "bound": "memory" if mem_us >= mma_us else "MMA"}
+
+
+@case(device="cpu")
+def mla_prefill_b300(quick: bool = False) -> list:
+    """Projected B300 times of the sm103 tcgen05 MLA prefill on the H200 case's shapes (BF16 and
+    FP32 out; computed, not measured)."""
+    from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype
+    from k3gen.targets import get_target
+    tgt = get_target("sm103")
+    rows = []
+    print(f"{'case':<34} {'MB':>8} {'mem us':>8} {'MMA us':>8} {'proj us':>8}  bound  (B300 projection, not measured)")
+    for H, B, T in B300_SHAPES[:2] if quick else B300_SHAPES:
+        for od in (OutDtype.BF16, OutDtype.FP32):
+            spec = MlaPrefillSpec(target=tgt, heads=H, out_dtype=od)
+            p = b300_prefill_projection(spec, B, T)
+            name = f"{spec.kernel.value} H{H} B{B} T{T} {od.value}"
+            print(f"{name:<34} {p['bytes'] / 1e6:8.1f} {p['mem_us']:8.1f} {p['mma_us']:8.1f} {p['proj_us']:8.1f}"
+                  f"  {p['bound']}")
+            rows.append({"case": name, "seconds": p["proj_us"] * 1e-6,
+                         "detail": f"projected {p['proj_us']:.1f} us ({p['bound']}-bound; not measured)", **p})
+    return rows

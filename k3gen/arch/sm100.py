@@ -10,6 +10,10 @@
 - TMEM data path layout F (M = 64, cta_group::1, not .ws): accumulator row r in TMEM lane
   32 (r // 16) + r % 16, column n in column n; a warp reads the 32 lanes of its quarter with
   tcgen05.ld.32x32b, so lanes 0..15 of warp w hold rows 16 w .. 16 w + 15.
+- TMEM data path layout D (M = 128, cta_group::1): accumulator row r in TMEM lane r, column n in
+  column n; warp w (of a warpgroup) may access lanes 32 w .. 32 w + 31 only, so with 32x32b loads
+  thread t of the warpgroup holds row t (mla_prefill's tcgen05 softmax).
+- A TMEM address is (lane << 16) | column.
 """
 from __future__ import annotations
 
@@ -36,3 +40,17 @@ def tmem_lane_m64(row: int) -> int:
     if not 0 <= row < 64:
         raise ValueError("M = 64 has rows 0..63")
     return 32 * (row // 16) + row % 16
+
+
+def tmem_lane_m128(row: int) -> int:
+    """TMEM lane of accumulator row `row` of an M = 128 cta_group::1 MMA (layout D)."""
+    if not 0 <= row < 128:
+        raise ValueError("M = 128 has rows 0..127")
+    return row
+
+
+def tmem_addr(lane: int, col: int) -> int:
+    """The 32-bit TMEM address of (lane, column) relative to an allocation at lane 0, column 0."""
+    if not (0 <= lane < 128 and 0 <= col < 512):
+        raise ValueError("TMEM has 128 lanes x 512 columns")
+    return (lane << 16) | col

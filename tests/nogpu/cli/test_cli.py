@@ -56,7 +56,10 @@ def test_list_show_inspect():
     from k3gen.cli import _find_spec
     mla = _find_spec("mla_decode_h12_t1_bf16_tcgen05", "sm103")
     gemm = _find_spec("fp8_block_gemm_n2304_k1536_ue8m0", "sm103")
-    for spec, ops in ((mla, ("UTCHMMA", "UTMALDG")), (gemm, ("UTCQMMA", "UTMALDG", "UTCCP"))):
+    prefill = _find_spec("mla_prefill_h12_fp32_tcgen05", "sm103")
+    assert variant["mla_prefill"] == "tcgen05" and prefill.smem_bytes > 200 * 1024
+    for spec, ops in ((mla, ("UTCHMMA", "UTMALDG")), (gemm, ("UTCQMMA", "UTMALDG", "UTCCP")),
+                      (prefill, ("UTCHMMA", "UTMALDG", "LDTM"))):
         ins = k3gen("inspect", spec.kernel_name, "--arch", "sm103", check=True).stdout
         dyn = [line for line in ins.splitlines() if "dynamic shared memory" in line]
         assert len(dyn) == 1 and "no spills" in ins and all(op in ins for op in ops), ins[:2000]
