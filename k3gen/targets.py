@@ -9,6 +9,7 @@ only in arch. `sm100-mxfp4` is the original target: its generated sources are fr
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -314,6 +315,7 @@ def has_expert_kernel(target: Target) -> bool:
     return not target.fp4_cvt
 
 
+@functools.lru_cache(maxsize=None)   # the model asks once per MLA layer and prefill step
 def has_prefill_kernel(target: Target) -> bool:
     """Whether `target` builds mla_prefill: the op is on its menu and one of the op's variants
     implements it there (ops/mla_prefill/variants.py decides by the target's features: wgmma on
