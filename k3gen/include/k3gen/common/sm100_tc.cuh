@@ -64,6 +64,13 @@ __device__ __forceinline__ void ld32_async(unsigned taddr, float (&v)[32]) {
       : "memory");
 }
 __device__ __forceinline__ void wait_ld() { asm volatile("tcgen05.wait::ld.sync.aligned;\n" ::: "memory"); }
+// A tcgen05.ld's destination registers are defined, for the compiler, at the load, but hold the data
+// only after tcgen05.wait::ld: pinning them after the wait keeps every use of them below it (NVVM
+// may otherwise hoist register-only arithmetic above an asm statement it does not depend on).
+__device__ __forceinline__ void pin(float (&v)[32]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(v[i])::"memory");
+}
 __device__ __forceinline__ void ld32(unsigned taddr, float (&v)[32]) {
   ld32_async(taddr, v);
   wait_ld();

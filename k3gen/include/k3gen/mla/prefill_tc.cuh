@@ -273,6 +273,8 @@ __device__ void run(const Params& p, const Maps& maps) {
 #pragma unroll
       for (int c = 0; c < kBN / 32; ++c) sm100::ld32_async(lane_addr + kSCol + kBN * st + 32 * c, x[c]);
       sm100::wait_ld();
+#pragma unroll
+      for (int c = 0; c < kBN / 32; ++c) sm100::pin(x[c]);
       const float mx = it * kBN + kBN - 1 <= free_end ? scale_mask<false>(x, it * kBN, lim, scale)
                                                       : scale_mask<true>(x, it * kBN, lim, scale);
       const float m_new = fmaxf(m, mx);
@@ -299,6 +301,7 @@ __device__ void run(const Params& p, const Maps& maps) {
           for (int c = 0; c < kDv / 32; ++c) {
             float o[32];
             sm100::ld32(lane_addr + kOCol + 32 * c, o);
+            sm100::pin(o);
 #pragma unroll
             for (int j = 0; j < 32; ++j) o[j] *= a;
             sm100::st32(lane_addr + kOCol + 32 * c, o);
@@ -325,6 +328,7 @@ __device__ void run(const Params& p, const Maps& maps) {
       float o[32];
       if (n > 0) {
         sm100::ld32(lane_addr + kOCol + 32 * c, o);
+        sm100::pin(o);
       } else {
 #pragma unroll
         for (int j = 0; j < 32; ++j) o[j] = 0.f;
@@ -352,6 +356,7 @@ __device__ void run(const Params& p, const Maps& maps) {
     }
     fence_before();
   }
+  __syncwarp();   // lane 0 of the producer / MMA warps rejoins its warp before the aligned barrier
   __syncthreads();
   if (warp == kWarpMma) {
     fence_after();
