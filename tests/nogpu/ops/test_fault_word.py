@@ -88,6 +88,7 @@ class FakeKernel:
 
     def launch_ex(self, grid, block, cluster, args, types_, *rest, **kw):
         self.calls.append((self.name, args if isinstance(args, int) else tuple(args), types_))
+        self.last_ex = (grid, block, rest)
 
     def __getattr__(self, name):
         return lambda *a, **k: 0
@@ -180,14 +181,16 @@ def test_mla_decode_passes_the_word(kv, cpu_words, monkeypatch):
     assert vals[-2].value == faults.word("mla_decode", torch.device("cpu")) and len(bytes(vals[-1])) == 128
 
 
-@pytest.mark.parametrize("variant", ["wgmma", "wgmma_cp"])
+@pytest.mark.parametrize("variant", ["wgmma", "wgmma_cp", "tcgen05"])
 def test_mla_prefill_passes_the_word_before_its_maps(variant, cpu_words, monkeypatch):
     import dataclasses
 
     import k3gen.ops.mla_prefill.launcher as ml
     from k3gen.ops.mla_prefill.spec import PrefillKernel
     L, args, _ = _mla_prefill("fp32")
-    L = type(L)(dataclasses.replace(L.spec, kernel=PrefillKernel(variant)))
+    # The same launcher serves the SM100 family's tcgen05 kernel (its plan: 224 threads).
+    target = TARGETS["sm103-nvfp4"] if variant == "tcgen05" else L.spec.target
+    L = type(L)(dataclasses.replace(L.spec, kernel=PrefillKernel(variant), target=target))
     calls, packs = [], []
 
     class Recorded(ml.ArgPack):
@@ -207,6 +210,9 @@ def test_mla_prefill_passes_the_word_before_its_maps(variant, cpu_words, monkeyp
     assert [len(bytes(v)) for v in vals[19:]] == [128] * 3
     src = render(L.spec)
     assert "int heads_fast,\n    unsigned* err," in src and "heads_fast, err};" in src
+    grid, block, rest = L._kernel.last_ex   # the variant's plan: block and dynamic shared memory
+    assert block == (L.spec.threads, 1, 1) and rest[-1] == L.spec.smem_bytes and grid == L.spec.grid(2, 3, True)
+    assert f"__launch_bounds__({L.spec.threads}, 1)" in src and L.spec.threads == (224 if variant == "tcgen05" else 384)
 
 
 def test_mla_decode_every_schedule_declares_the_word():
