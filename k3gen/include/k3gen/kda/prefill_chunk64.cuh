@@ -14,7 +14,8 @@
 //    cores. On the diagonal blocks the bounded gate splits the same way (ref_0 = 0; e^(ref_i - G_s) <=
 //    e^80 over 16 tokens of g >= -5); the softplus gate forms every factor per element (FP32). Then the
 //    forward substitution (I + A) [W | U] = diag(beta) [e^G K | V] in FP32, one column a thread, and
-//    the chunk's record (Rec): -W, e^G Q, (K e^(G_C - G))^T, Aqk as BF16, U^T and e^(G_C) as FP32.
+//    the chunk's record (Rec): -W, e^G Q, (K e^(G_C - G))^T, Aqk as BF16, U^T and e^(G_C) as FP32,
+//    stored through a layout policy (RecPad; chunk64_tc's prep stores the same values as c64tc::RecTc).
 // 2. state (grid H x B x 8 / W, W warps): warp w owns 16 rows of S^T (the rows are independent), all
 //    128 k, in mma m16n8 accumulators; a pair of accumulator tiles is already an m16n8k16 A fragment,
 //    so per chunk, on the warp's own registers:
