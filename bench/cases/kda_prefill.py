@@ -99,3 +99,56 @@ def kda_prefill(ceiling: float, quick: bool = False) -> list:
         rows.append(make_row("kda_prefill", f"{shape} fp32 {algo.value}", us, nbytes, ceiling, same,
                              peer="fla chunk_kda" if peer_us else "", peer_us=peer_us, extra=extra))
     return rows
+
+
+# -- Blackwell (B300) projection: no Blackwell GPU exists here, so these are computed, never measured ----
+B300_SMS = 148   # SMs assumed (one state-pass CTA per SM); bandwidth and kind::f16 peak: bench/cases/mla_decode.py
+# Per (64-token chunk, head), padded chunks: the tcgen05 state pass's 24 MMAs at M = 128 (V_new and O over
+# K = 128 at N = 64, O's Aqk part and the state update over K = 64 at N = 64 and 128), and prep's
+# mma.sync work (the f_b gate GEMM, 24 off-diagonal and 16 bounded-gate diagonal m16n8k128 units).
+STATE_FLOPS = 2 * 128 * (2 * 64 * 128 + 64 * 64 + 128 * 64)
+PREP_FLOPS = 2 * 64 * 128 * 128 + (24 + 16) * 2 * 16 * 8 * 128
+
+
+def b300_projection(spec, lengths) -> dict:
+    """Projected B300 time of chunk64_tc on one varlen batch: the largest of
+    - memory: KdaPrefillSpec.bytes_moved (the op's fewest bytes) plus the workspace traffic (each
+      record written by prep and read by the state pass, the raw FP32 O written by it and read by
+      emit) at 8 TB/s;
+    - MMA: all state-pass and prep MMA work at the assumed kind::f16 peak (optimistic for prep, whose
+      mma.sync rate on Blackwell is not known here);
+    - chain: the state pass is sequential per (sequence, head), one CTA on one SM: the longest
+      sequence's chunks one after another at one SM's share of the peak, times the waves of H x B
+      CTAs over the SMs (exact for equal lengths, an upper bound of this term otherwise).
+    Not modelled: the warps' TMEM and shared-memory traffic per chunk, barrier latency, launch gaps."""
+    from bench.cases.mla_decode import B300_F16_FLOPS, B300_TBPS
+    H, B, N = spec.heads, len(lengths), sum(lengths)
+    chunks = [-(-L // 64) for L in lengths]
+    nbytes = int(evaluate(spec.bytes_moved(), B=B, N=N))
+    ws = 2 * sum(chunks) * H * spec.rec_bytes + 2 * N * H * 128 * 4
+    terms = {"memory": (nbytes + ws) / B300_TBPS * 1e6,
+             "MMA": sum(chunks) * H * (STATE_FLOPS + PREP_FLOPS) / B300_F16_FLOPS * 1e6,
+             "chain": -(-H * B // B300_SMS) * max(chunks) * STATE_FLOPS / (B300_F16_FLOPS / B300_SMS) * 1e6}
+    bound = max(terms, key=terms.get)
+    return {"bytes": nbytes, "ws_bytes": ws, "mem_us": terms["memory"], "mma_us": terms["MMA"],
+            "chain_us": terms["chain"], "proj_us": terms[bound], "bound": bound}
+
+
+@case(device="cpu")
+def kda_prefill_b300(quick: bool = False) -> list:
+    """Projected B300 times of the sm103 chunk64_tc prefill at `kda_prefill`'s shapes (FP32 state;
+    computed, not measured)."""
+    from k3gen.ops.kda_prefill.spec import KdaPrefillSpec
+    from k3gen.targets import get_target
+    rows = []
+    print(f"{'case':<28} {'MB':>8} {'ws MB':>8} {'mem us':>8} {'MMA us':>8} {'chain us':>9} {'proj us':>8}  bound"
+          "  (B300 projection, not measured)")
+    for H, lengths in (SHAPES[:1] if quick else SHAPES):
+        spec = KdaPrefillSpec(target=get_target("sm103"), heads=H)
+        p = b300_projection(spec, lengths)
+        name = f"{spec.algo.value} H{H} T{sum(lengths)}" + (f" B{len(lengths)}x{lengths[0]}" if len(lengths) > 1 else "")
+        print(f"{name:<28} {p['bytes'] / 1e6:8.1f} {p['ws_bytes'] / 1e6:8.1f} {p['mem_us']:8.1f} {p['mma_us']:8.1f}"
+              f" {p['chain_us']:9.1f} {p['proj_us']:8.1f}  {p['bound']}")
+        rows.append({"case": name, "seconds": p["proj_us"] * 1e-6,
+                     "detail": f"projected {p['proj_us']:.1f} us ({p['bound']}-bound; not measured)", **p})
+    return rows

@@ -2,7 +2,9 @@
 
 CUDA-graph safe: metadata checks only; three kernels (prep, state, emit) over a workspace sized
 from (N, B, H) only, taken from torch's caching allocator on the launch stream (inside a capture:
-the graph's private pool); the kernels read cu_seqlens on the device.
+the graph's private pool); the kernels read cu_seqlens on the device. The state pass's entries,
+grids and shared memory come from the variant's plan (variants.py): chunk64 carries three (W = 2, 4,
+8 warps, chosen here per launch), chunk64_tc one (grid (H, B), TMEM).
 """
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import ctypes
 
 from k3gen.config import settings
 from k3gen.errors import SpecError
-from k3gen.ops.kda_prefill.spec import C64_STATE_WARPS, c64_state_smem
 from k3gen.ir.layouts import CONV_TAPS, KDA_DV
+from k3gen.ops.kda_prefill.spec import C64_STATE_WARPS
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.checks import check_kda_rows, check_kda_ssm, check_kda_weights, check_one_device, check_tensor
 from k3gen.runtime.loader import I32, PTR, _check
@@ -19,7 +21,6 @@ from k3gen.ops.kda_decode.launcher import MAX_GRID_Z, KdaDecode
 
 I64 = ctypes.c_longlong
 EMIT_ENTRY = "k3gen_kda_prefill_emit"
-C64_STATE_ENTRY = "k3gen_kda_prefill_state{}"  # W warps, (H, B, 8 / W) CTAs
 
 
 def c64_state_warps(heads: int, batch: int, sms: int) -> int:
@@ -36,21 +37,29 @@ class KdaPrefill(Launcher):
     def __init__(self, spec):
         super().__init__(spec)
         self._smem_set: set[int] = set()
-        self.state_warps: int | None = None  # the state pass: None = c64_state_warps; tests force each
-        self._c64: dict = {}
+        self.state_warps: int | None = None  # chunk64's state pass: None = c64_state_warps; tests force each
+        self.plan = spec.impl.plan(spec)
+        self._state: dict = {}
 
     def load(self):
         super().load()
-        if not self._c64:
-            self._c64 = {w: self._kernel.sibling(C64_STATE_ENTRY.format(w)) for w in C64_STATE_WARPS}
-            self._c64["emit"] = self._kernel.sibling(EMIT_ENTRY)
+        if not self._state:
+            self._state = {key: self._kernel.sibling(st.entry) for key, st in self.plan.states.items()}
+            self._emit = self._kernel.sibling(EMIT_ENTRY)
             self._sms = self.sm_count
         self._allow_smem(self.device_index)
         return self
 
+    def state_key(self, batch: int):
+        """The state-pass entry of this launch: the plan's only one, or chunk64's warps per CTA."""
+        if len(self.plan.states) == 1:
+            return next(iter(self.plan.states))
+        return self.state_warps or c64_state_warps(self.spec.heads, batch, self._sms)
+
     def _smem_needs(self) -> list:
         """(kernel, dynamic shared memory bytes) of every kernel above the 48 KB default."""
-        return [(self._kernel, self.spec.smem_bytes)] + [(self._c64[w], c64_state_smem(w)) for w in C64_STATE_WARPS]
+        return [(self._kernel, self.spec.smem_bytes)] + [(self._state[k], st.smem_bytes)
+                                                         for k, st in self.plan.states.items()]
 
     def _allow_smem(self, device: int) -> None:
         """The kernels' dynamic shared memory is above the 48 KB default: raise the limit once per
@@ -114,7 +123,8 @@ class KdaPrefill(Launcher):
         return self._launch_c64(qkvg.shape[0], B, args, types, dev, stream, out)
 
     def _launch_c64(self, N, B, args, types, dev, stream, out):
-        """prep (H, J) -> state (H, B, 8 / W) -> emit (H, J), on one stream over one workspace."""
+        """prep (H, J) -> state (H, B, grid z of the plan's entry) -> emit (H, J), on one stream over one
+        workspace."""
         import torch
         H = self.spec.heads
         nbytes = self.spec.workspace_bytes(N, B)
@@ -122,8 +132,9 @@ class KdaPrefill(Launcher):
         args += (ws.data_ptr(), ws.data_ptr() + nbytes - N * H * KDA_DV * 4, B)
         types += (PTR, PTR, I32)
         items = self.spec.workspace_items(N, B)
-        w = self.state_warps or c64_state_warps(H, B, self._sms)
+        key = self.state_key(B)
+        st = self.plan.states[key]
         self._kernel.launch((H, items, 1), (self.spec.threads, 1, 1), args, types, dev, stream, self.spec.smem_bytes)
-        self._c64[w].launch((H, B, 8 // w), (32 * w, 1, 1), args, types, dev, stream, c64_state_smem(w))
-        self._c64["emit"].launch((H, items, 1), (self.spec.threads, 1, 1), args, types, dev, stream, 0)
+        self._state[key].launch((H, B, st.grid_z), (st.threads, 1, 1), args, types, dev, stream, st.smem_bytes)
+        self._emit.launch((H, items, 1), (self.spec.threads, 1, 1), args, types, dev, stream, 0)
         return out

@@ -72,20 +72,21 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def chunk64_emulation(q, k, v, g, beta, state, *, bf16: bool = True, bounded: bool = False):
-    """The chunk64 kernels' algebra (include/k3gen/kda/prefill_chunk64.cuh) with their rounding
-    points: per 64-token chunk, A and Aqk on the 16 x 16 diagonal blocks per element in FP32 (the
-    softplus gate's form; see `bounded`); off the diagonal from BF16 factor tiles referred to G at the end of the previous 16-token block
-    (every exp of a difference <= 0); T = (I + A)^-1 applied in FP32; W, e^G Q, K e^(G_C - G),
-    Aqk and the state S as BF16 operands with FP32 sums; U and the state FP32. Arguments and
-    returns as chunk_emulation. bf16=False keeps every operand in the input dtype (the algebra
-    alone, for the FP64 check). bounded=True: the kernel's bounded-gate form (g >= -5, so G falls by
-    at most 80 over a block and e^(ref_i - G_s) stays finite), where the diagonal blocks also come
-    from BF16 factors referred to ref_i (0 for the first block), masked to s <= r."""
+def chunk64_records(q, k, v, g, beta, *, bf16: bool = True, bounded: bool = False) -> list[dict]:
+    """chunk64's prep (include/k3gen/kda/prefill_chunk64.cuh) per 64-token chunk, with its rounding
+    points: A and Aqk on the 16 x 16 diagonal blocks per element in FP32 (the softplus gate's form;
+    see `bounded`); off the diagonal from BF16 factor tiles referred to G at the end of the previous
+    16-token block (every exp of a difference <= 0); T = (I + A)^-1 applied in FP32. Returns what
+    each chunk's record holds, logically ([n] rows, n the chunk's tokens): w = W and qg = e^G Q
+    ([n, K], BF16 values; the record stores -W), kg = K e^(G_C - G) ([n, K], BF16), aqk = Aqk ([n, n],
+    BF16), u = U ([n, V], FP32), egl = e^(G_C) ([K], FP32). bf16=False keeps every operand in the
+    input dtype (the algebra alone, for the FP64 check). bounded=True: the kernel's bounded-gate form
+    (g >= -5, so G falls by at most 80 over a block and e^(ref_i - G_s) stays finite), where the
+    diagonal blocks also come from BF16 factors referred to ref_i (0 for the first block), masked to
+    s <= r."""
     rnd = _bf16 if bf16 else (lambda x: x)
     T, C, B = q.shape[0], 64, 16
-    s = state.clone()
-    outs = []
+    recs = []
     for t0 in range(0, T, C):
         qc, kc, vc, gc, bc = (x[t0:t0 + C] for x in (q, k, v, g, beta))
         n = qc.shape[0]
@@ -112,11 +113,32 @@ def chunk64_emulation(q, k, v, g, beta, state, *, bf16: bool = True, bounded: bo
         A = bc[:, None] * A
         rhs = bc[:, None] * torch.cat([kc * torch.exp(G), vc], dim=1)
         x = torch.linalg.solve_triangular(torch.eye(n, dtype=q.dtype) + A, rhs, upper=False, unitriangular=True)
-        W, U = rnd(x[:, :kc.shape[1]]), x[:, kc.shape[1]:]
+        recs.append({"w": rnd(x[:, :kc.shape[1]]), "u": x[:, kc.shape[1]:], "qg": rnd(qc * torch.exp(G)),
+                     "aqk": rnd(P), "kg": rnd(kc * torch.exp(G[-1] - G)), "egl": torch.exp(G[-1])})
+    return recs
+
+
+@torch.no_grad()
+def chunk64_state_pass(recs, state, *, bf16: bool = True):
+    """chunk64's state pass over `chunk64_records` from S^T = `state` [V, K]: per chunk, S enters the
+    MMAs as bf16(S) (FP32 kept), V_new = U - W bf16(S)^T in FP32 and enters as bf16 once,
+    O = e^G Q bf16(S)^T + Aqk bf16(V_new), S <- S e^(G_C) + bf16(V_new)^T K e^(G_C - G). The rounding
+    contract chunk64 and chunk64_tc share (spec.py). Returns (o [T, V], final S^T)."""
+    rnd = _bf16 if bf16 else (lambda x: x)
+    s = state.clone()
+    outs = []
+    for r in recs:
         sb = rnd(s)
-        vnew = U - W @ sb.t()                                              # [n, V]
-        outs.append(rnd(qc * torch.exp(G)) @ sb.t() + rnd(P) @ rnd(vnew))
-        kd = rnd(kc * torch.exp(G[-1] - G))
-        s = s * torch.exp(G[-1])[None, :] + rnd(vnew).t() @ kd
-    o = torch.cat(outs) if outs else torch.empty(0, v.shape[1], dtype=q.dtype)
+        vnew = r["u"] - r["w"] @ sb.t()                                    # [n, V]
+        outs.append(r["qg"] @ sb.t() + r["aqk"] @ rnd(vnew))
+        s = s * r["egl"][None, :] + rnd(vnew).t() @ r["kg"]
+    o = torch.cat(outs) if outs else torch.empty(0, state.shape[0], dtype=state.dtype)
     return o, s
+
+
+@torch.no_grad()
+def chunk64_emulation(q, k, v, g, beta, state, *, bf16: bool = True, bounded: bool = False):
+    """The chunk64 kernels' algebra with their rounding points: `chunk64_records` (prep) then
+    `chunk64_state_pass`. Arguments and returns as chunk_emulation; bf16 and bounded as
+    chunk64_records."""
+    return chunk64_state_pass(chunk64_records(q, k, v, g, beta, bf16=bf16, bounded=bounded), state, bf16=bf16)

@@ -45,10 +45,10 @@ def test_targets_and_build_specs():
     for t in (SM90, SM103, SM107):
         for s in (KdaPrefillSpec(target=t, heads=h, ssm=d) for h in KDA_PREFILL_HEADS for d in SsmDtype):
             assert spec_from_canonical(s.canonical(), t) == s
-    # auto is chunk64, built for the NVFP4 targets and SM90 (not the frozen original target).
-    for t in (SM90, SM103, SM107):
+    # auto is chunk64 on SM90 and chunk64_tc on the tcgen05 NVFP4 targets (not the frozen original target).
+    for t, algo in ((SM90, PrefillAlgo.CHUNK64), (SM103, PrefillAlgo.CHUNK64_TC), (SM107, PrefillAlgo.CHUNK64_TC)):
         specs = [s for s in build_specs(t) if s.op == "kda_prefill"]
-        assert len(specs) == len(KDA_PREFILL_HEADS) * 2 and all(s.algo is PrefillAlgo.CHUNK64 for s in specs)
+        assert len(specs) == len(KDA_PREFILL_HEADS) * 2 and all(s.algo is algo for s in specs)
     assert not [s for s in build_specs(SM100) if s.op == "kda_prefill"]
     c64 = KdaPrefillSpec(target=SM90, heads=12)
     assert c64.algo is PrefillAlgo.CHUNK64 and c64.slug() == "h12-bounded-fp32-chunk64"  # auto: what the model runs
@@ -205,14 +205,15 @@ def test_chunk64_algebra_equals_token_recurrence(T, gate_scale):
 @pytest.mark.parametrize("ssm,gate", [(SsmDtype.FP32, GateKind.BOUNDED), (SsmDtype.BF16, GateKind.BOUNDED),
                                       (SsmDtype.FP32, GateKind.SOFTPLUS)])
 def test_chunk64_compiles_without_spills(target, ssm, gate):
-    """prep, the three state kernels and emit in one cubin: no local memory (spills), BF16 HMMA
+    """chunk64 (explicit on the tcgen05 targets, where auto is chunk64_tc and
+    test_kda_prefill_tcgen05.py builds that): prep, the three state kernels and emit in one cubin:
+    no local memory (spills), BF16 HMMA
     where the algebra says: prep 8 k steps x (8 gate channel tiles + 3 off-diagonal units) per warp
     (a loop body each; the bounded gate's diagonal blocks 8 more), each state kernel 64 (V_new) +
     64 (O) + 20 (causal Aqk) + 64 (state) per chunk."""
     from k3gen.pipeline.build import build_one
     from k3gen.pipeline.inspect import cubin_arch, sass_text
-    spec = KdaPrefillSpec(target=TARGETS[target], heads=12, ssm=ssm, gate=gate)
-    assert spec.algo is PrefillAlgo.CHUNK64
+    spec = KdaPrefillSpec(target=TARGETS[target], heads=12, ssm=ssm, gate=gate, algo=PrefillAlgo.CHUNK64)
     r = build_one(spec)
     assert cubin_arch(r.cubin) == spec.target.arch
     by = {x["function"]: x for x in r.resources}

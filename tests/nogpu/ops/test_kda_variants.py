@@ -64,12 +64,15 @@ def test_verify_variant_reasons():
 
 def test_prefill_variant_reasons():
     table = KdaPrefillSpec.variants
-    assert table.names() == ("chunk64",)
+    assert table.names() == ("chunk64_tc", "chunk64")
     spec = KdaPrefillSpec(target=SM90, heads=12)
     assert spec.algo is PrefillAlgo.CHUNK64
+    assert table.get("chunk64").can_implement(spec) is None
+    assert "needs tcgen05" in table.get("chunk64_tc").can_implement(spec)
     for name in table.names():
-        assert table.get(name).can_implement(spec) is None
         assert "sm_90" in table.get(name).can_implement(_on(spec, SM80))
+    with pytest.raises(SpecError, match="algo='chunk64_tc'.*needs tcgen05"):
+        KdaPrefillSpec(target=SM90, heads=12, algo=PrefillAlgo.CHUNK64_TC)
     with pytest.raises(SpecError, match="no kda_prefill kernel can implement.*chunk64: needs bulk copies"):
         KdaPrefillSpec(target=SM80, heads=12)
     with pytest.raises(SpecError, match="algo='token'"):

@@ -14,7 +14,8 @@
 //    cores. On the diagonal blocks the bounded gate splits the same way (ref_0 = 0; e^(ref_i - G_s) <=
 //    e^80 over 16 tokens of g >= -5); the softplus gate forms every factor per element (FP32). Then the
 //    forward substitution (I + A) [W | U] = diag(beta) [e^G K | V] in FP32, one column a thread, and
-//    the chunk's record (Rec): -W, e^G Q, (K e^(G_C - G))^T, Aqk as BF16, U^T and e^(G_C) as FP32.
+//    the chunk's record (Rec): -W, e^G Q, (K e^(G_C - G))^T, Aqk as BF16, U^T and e^(G_C) as FP32,
+//    stored through a layout policy (RecPad; chunk64_tc's prep stores the same values as c64tc::RecTc).
 // 2. state (grid H x B x 8 / W, W warps): warp w owns 16 rows of S^T (the rows are independent), all
 //    128 k, in mma m16n8 accumulators; a pair of accumulator tiles is already an m16n8k16 A fragment,
 //    so per chunk, on the warp's own registers:
@@ -33,7 +34,7 @@ namespace kda {
 namespace c64 {
 
 // ---- 1. prep -----------------------------------------------------------------------------------
-template <class C>
+template <class C, class L = RecPad>
 __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
   constexpr int H = C::kHeads, D = H * kDim;
   const Item it = item_of(p);
@@ -323,7 +324,7 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
   }
   // Forward substitution, one column a thread (threads < 128: W from e^G k; the others: U from v),
   // then the record. Rows past n are zero throughout (zero k, v, beta, decay).
-  Rec* rec = p.rec + (static_cast<long long>(blockIdx.y) * H + h);
+  const typename L::Ptr rec = L::at(p, static_cast<long long>(blockIdx.y) * H + h);
   {
     const int c = tid & (kDim - 1);
     const bool wcol = tid < kDim;
@@ -331,7 +332,7 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
     // the CTA do about the same work: W threads e^(G_C) and (K e^(G_C - G))^T, U threads e^G Q.
     if (wcol) {
       const float gl = sm.g[kC - 1][c];
-      rec->egl[c] = expf(gl);
+      L::egl(rec, c, expf(gl));
 #pragma unroll 1
       for (int r8 = 0; r8 < kC / 8; ++r8) {
         unsigned wd[4];
@@ -340,11 +341,11 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
           const int t = 8 * r8 + 2 * e;
           wd[e] = pack_bf16x2(sm.k[t][c] * bexp(gl - sm.g[t][c]), sm.k[t + 1][c] * bexp(gl - sm.g[t + 1][c]));
         }
-        *reinterpret_cast<uint4*>(&rec->kgt[c][8 * r8]) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+        L::kgt8(rec, c, r8, make_uint4(wd[0], wd[1], wd[2], wd[3]));
       }
     } else {
 #pragma unroll 4
-      for (int r = 0; r < kC; ++r) rec->qg[r][c] = bf(sm.q[r][c] * bexp(sm.g[r][c]));
+      for (int r = 0; r < kC; ++r) L::qg(rec, r, c, bf(sm.q[r][c] * bexp(sm.g[r][c])));
     }
     // Four partial sums per row: a quarter of the dependent FMA chain.
     float x[kC];
@@ -359,18 +360,18 @@ __device__ __forceinline__ void prep(const Params& p, PrepSmem& sm) {
     }
     if (wcol) {
 #pragma unroll
-      for (int r = 0; r < kC; ++r) rec->w[r][c] = bf(-x[r]);
+      for (int r = 0; r < kC; ++r) L::w(rec, r, c, bf(-x[r]));
     } else {
 #pragma unroll
       for (int r4 = 0; r4 < kC / 4; ++r4)
-        *reinterpret_cast<float4*>(&rec->ut[c][4 * r4]) = make_float4(x[4 * r4], x[4 * r4 + 1], x[4 * r4 + 2], x[4 * r4 + 3]);
+        L::ut4(rec, c, r4, make_float4(x[4 * r4], x[4 * r4 + 1], x[4 * r4 + 2], x[4 * r4 + 3]));
     }
   }
 #pragma unroll 1
   for (int e = tid; e < kC * kC / 2; e += kThreads) {
     const int t = e >> 5, s = 2 * (e & 31);
     const float a0 = s <= t ? sm.u2.a.P[t][s] : 0.0f, a1 = s + 1 <= t ? sm.u2.a.P[t][s + 1] : 0.0f;
-    *reinterpret_cast<unsigned*>(&rec->aqk[t][s]) = pack_bf16x2(a0, a1);
+    L::aqk2(rec, t, s, pack_bf16x2(a0, a1));
   }
 }
 
@@ -541,22 +542,7 @@ __device__ __forceinline__ void state(const Params& p, StateSmem<W>& sm) {
   }
   store_state<C::kBf16State>(head, st, rb);
   if (blockIdx.z != 0) return;
-  // The window after the prompt: the last three of (old window, x_0 .. x_{len-1}); prep read the old
-  // window in an earlier kernel. Raw BF16 bits: exact.
-  unsigned short* wb = reinterpret_cast<unsigned short*>(p.conv) + static_cast<long long>(slot) * (3 * D) * 3;
-  const unsigned short* x = reinterpret_cast<const unsigned short*>(p.qkvg);
-#pragma unroll 1
-  for (int c = threadIdx.x; c < 3 * kDim; c += W * 32) {
-    const int chan = (c >> 7) * D + h * kDim + (c & (kDim - 1));
-    unsigned short nw[3];
-#pragma unroll
-    for (int i = 0; i < 3; ++i) {
-      const int m = len + i;  // index into (old window, x)
-      nw[i] = m >= 3 ? x[(tok0 + m - 3) * p.qkvg_stride + chan] : (resume ? wb[chan * 3 + m] : 0);
-    }
-#pragma unroll
-    for (int i = 0; i < 3; ++i) wb[chan * 3 + i] = nw[i];
-  }
+  conv_tail<D, W * 32>(p, slot, tok0, len, resume, h);
 }
 
 // ---- 3. emit -----------------------------------------------------------------------------------

@@ -98,6 +98,27 @@ struct Params {
   int batch;
 };
 
+// Where prep writes each record element: a layout policy, so one prep serves both record formats
+// (this padded Rec, read by chunk64's mma.sync state pass; c64tc::RecTc, the UMMA operand images of
+// chunk64_tc's tcgen05 state pass). Stores: e^(G_C)[c]; 8 BF16 t = 8 r8 .. of (K e^(G_C-G))^T row
+// c; e^G Q and -W at (t, k = c); 4 FP32 t = 4 r4 .. of U^T row c; the BF16 pair Aqk[t][s, s+1].
+struct RecPad {
+  using Ptr = Rec*;
+  static __device__ __forceinline__ Rec* at(const Params& p, long long i) { return p.rec + i; }
+  static __device__ __forceinline__ void egl(Rec* r, int c, float v) { r->egl[c] = v; }
+  static __device__ __forceinline__ void kgt8(Rec* r, int c, int r8, uint4 v) {
+    *reinterpret_cast<uint4*>(&r->kgt[c][8 * r8]) = v;
+  }
+  static __device__ __forceinline__ void qg(Rec* r, int t, int c, __nv_bfloat16 v) { r->qg[t][c] = v; }
+  static __device__ __forceinline__ void w(Rec* r, int t, int c, __nv_bfloat16 v) { r->w[t][c] = v; }
+  static __device__ __forceinline__ void ut4(Rec* r, int c, int r4, float4 v) {
+    *reinterpret_cast<float4*>(&r->ut[c][4 * r4]) = v;
+  }
+  static __device__ __forceinline__ void aqk2(Rec* r, int t, int s, unsigned v) {
+    *reinterpret_cast<unsigned*>(&r->aqk[t][s]) = v;
+  }
+};
+
 template <Gate G>
 __device__ __forceinline__ float log_decay(float z, float a) {
   if constexpr (G == Gate::kBounded) {
@@ -157,6 +178,26 @@ __device__ __forceinline__ Item item_of(const Params& p) {
   it.len = __ldg(p.cu_seqlens + it.b + 1) - static_cast<int>(it.tok0);
   it.t0 = static_cast<int>(j - item_base(p.cu_seqlens, it.b)) * kC;
   return it;
+}
+
+// The window after the prompt (both state passes, one CTA per (sequence, head)): the last three of
+// (old window, x_0 .. x_{len-1}); prep read the old window in an earlier kernel. Raw BF16 bits: exact.
+template <int D, int kThreadsIn>
+__device__ __forceinline__ void conv_tail(const Params& p, int slot, long long tok0, int len, bool resume, int h) {
+  unsigned short* wb = reinterpret_cast<unsigned short*>(p.conv) + static_cast<long long>(slot) * (3 * D) * 3;
+  const unsigned short* x = reinterpret_cast<const unsigned short*>(p.qkvg);
+#pragma unroll 1
+  for (int c = threadIdx.x; c < 3 * kDim; c += kThreadsIn) {
+    const int chan = (c >> 7) * D + h * kDim + (c & (kDim - 1));
+    unsigned short nw[3];
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const int m = len + i;  // index into (old window, x)
+      nw[i] = m >= 3 ? x[(tok0 + m - 3) * p.qkvg_stride + chan] : (resume ? wb[chan * 3 + m] : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 3; ++i) wb[chan * 3 + i] = nw[i];
+  }
 }
 
 }  // namespace c64
