@@ -408,3 +408,24 @@ def test_launcher_packs_args_and_map_with_the_plans_geometry(weights, monkeypatc
     with pytest.raises(SpecError, match="16-byte aligned"):
         L(*{**args, "s13": bad}.values(), **kw)
 
+
+def test_b300_projection_counts():
+    """`k3gen bench --op moe_experts_b300`: bytes counted by hand at 8 TB/s, the padded MMA work at the
+    assumed BF16 rate, the decode's issue slots; the largest wins; nothing measured."""
+    from bench.cases.mla_decode import B300_F16_FLOPS
+    from bench.cases.moe_experts import b300_moe_projection, moe_experts_b300, touched_experts
+    s = tc(**K3_TP8)
+    assert touched_experts(s, 1) == pytest.approx(16) and round(touched_experts(s, 8)) == 120
+    assert round(touched_experts(s, 64)) == 613 and touched_experts(tc(**K3_EP8), 1) == pytest.approx(2)
+    p = b300_moe_projection(s, 1)
+    per_expert = 3 * 3584 * 384 // 2 + 3 * 3584 * 384 // 32                   # codes + UE8M0 scales
+    nbytes = 16 * per_expert + 3584 * 2 + 16 * (2 * 384 * 2 + 2 * 3584 * 4) + 3584 * 2
+    assert p["weight_bytes"] == pytest.approx(16 * per_expert) and p["bytes"] == pytest.approx(nbytes)
+    assert p["mem_us"] == pytest.approx(nbytes / 8e12 * 1e6)
+    flops = 16 * 2 * 32 * (2 * 384 * 3584 + 3584 * 384)                          # 16 items, N = 32
+    assert p["mma_us"] == pytest.approx(flops / B300_F16_FLOPS * 1e6)
+    assert p["proj_us"] == max(p["mem_us"], p["mma_us"], p["decode_us"]) and p["bound"] == "memory"
+    nv = b300_moe_projection(tc(weights=WeightFormat.NVFP4, **K3_TP8), 1)
+    assert nv["weight_bytes"] == pytest.approx(16 * (3 * 3584 * 384 // 2 + 3 * 3584 * 384 // 16 + 12))
+    rows = moe_experts_b300(quick=True)
+    assert len(rows) == 2 * 3 and all("not measured" in r["detail"] for r in rows)
