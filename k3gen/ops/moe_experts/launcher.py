@@ -33,6 +33,7 @@ from k3gen.runtime import faults
 from k3gen.runtime.checks import check_one_device, check_tensor
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.loader import I32, PTR, ArgPack, CudaKernel
+from k3gen.runtime.tma import MapCache
 
 ROUTE_KEYS = ("ids", "weights", "offsets", "perm")
 
@@ -57,6 +58,8 @@ class MoeExperts(Launcher):
     def __init__(self, spec):
         super().__init__(spec)
         self._ws: dict = {}
+        self._maps = MapCache(512)      # tcgen05: the codes' maps, per weight tensor (a model's layers)
+        self._smem_set: set[int] = set()
 
     def load(self):
         if self._kernel is None:
@@ -67,11 +70,17 @@ class MoeExperts(Launcher):
             self._combine = self._kernel.sibling("k3gen_moe_experts_combine")
             self._probe = self._kernel.sibling("k3gen_moe_experts_dequant")
             self.sm_count  # noqa: B018  (grid.y of the persistent GEMMs; queried outside any capture)
-            if self._tc:
-                for k, p in ((self._kernel, self._plans[0]), (self._down, self._plans[1])):
-                    k.set_max_dynamic_smem(p.smem_bytes, self.device_index)
+            self._allow_smem(self.device_index)
             faults.buffer()   # allocated outside any capture (graphs keep its address)
         return self
+
+    def _allow_smem(self, device: int) -> None:
+        """tcgen05: the GEMMs' dynamic shared memory (over 48 KB) opted in, once per device."""
+        if not self._tc or device in self._smem_set:
+            return
+        for k, p in ((self._kernel, self._plans[0]), (self._down, self._plans[1])):
+            k.set_max_dynamic_smem(p.smem_bytes, device)
+        self._smem_set.add(device)
 
     @property
     def _tc(self) -> bool:
@@ -85,9 +94,8 @@ class MoeExperts(Launcher):
     def _wmap(self, w, plan) -> bytes:
         """TMA map of packed codes w [E, rows, K/2] as uint8 rows [E rows][K/2 bytes]: box [32 rows]
         [kstage / 2 bytes], no swizzle (the decoders read the raw rows); past K reads as zeros."""
-        from k3gen.runtime.tma import encode_tma
         rows, kb = w.shape[0] * w.shape[1], w.shape[2]
-        return encode_tma(w.data_ptr(), (kb, rows), (kb,), (plan.kstage // 2, 32), swizzle=0)
+        return self._maps.get(w, (kb, rows), (kb,), (plan.kstage // 2, 32), swizzle=0)
 
     def workspace(self, max_tokens: int, device="cuda") -> dict:
         """The intermediate and partial buffers for up to max_tokens tokens (allocated once)."""
@@ -184,7 +192,7 @@ class MoeExperts(Launcher):
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         ws = self._own_workspace(T, out.device) if ws is None else ws
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        self.load()
+        self.load()._allow_smem(dev)
         pdl = settings().pdl if pdl is None else pdl
         ptr = lambda t: 0 if t is None else t.data_ptr()   # noqa: E731
         err = faults.word("moe_experts", out.device)

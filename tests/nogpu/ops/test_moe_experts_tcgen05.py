@@ -429,3 +429,21 @@ def test_b300_projection_counts():
     assert nv["weight_bytes"] == pytest.approx(16 * (3 * 3584 * 384 // 2 + 3 * 3584 * 384 // 16 + 12))
     rows = moe_experts_b300(quick=True)
     assert len(rows) == 2 * 3 and all("not measured" in r["detail"] for r in rows)
+
+
+def test_code_maps_are_the_boxes_the_producer_loads(monkeypatch):
+    """_wmap: w [E, rows, K/2] as uint8 rows [E rows][K/2] (innermost first), box [kstage/2 bytes][32
+    rows], no swizzle (the decoders read raw rows), zero fill past K/2; one encoding per tensor."""
+    import k3gen.runtime.tma as tma
+    from k3gen.ops.moe_experts.launcher import MoeExperts
+    got = []
+    monkeypatch.setattr(tma, "encode_tma", lambda *a, **k: got.append((a, k)) or b"\0" * 128)
+    s = tc(**K3_TP8)
+    L = MoeExperts(s)
+    p13, p2 = plans(s)
+    w13 = torch.zeros(4, 2 * s.inter, s.hidden // 2, dtype=torch.uint8)
+    w2 = torch.zeros(4, s.hidden, s.inter // 2, dtype=torch.uint8)
+    for _ in range(2):
+        L._wmap(w13, p13), L._wmap(w2, p2)
+    assert [a[1:] for a, _ in got] == [((1792, 4 * 768), (1792,), (128, 32)), ((192, 4 * 3584), (192,), (128, 32))]
+    assert all(k == {"swizzle": 0} for _, k in got)   # encode_tma's defaults: uint8, zero OOB fill
