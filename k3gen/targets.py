@@ -23,7 +23,7 @@ from k3gen.ir.target import Target
 K3_MENU = ("kv_cache_write", "kda_decode", "kda_verify", "kda_prefill", "act_quant_fp8", "fp8_block_gemm",
            "mla_q_absorb", "mla_vb_gate", "mla_decode",
            "mla_prefill",   # wgmma (sm90) and tcgen05 (sm103/sm107) kernels: has_prefill_kernel
-           "moe_experts",   # sm90 only so far: the fp4_cvt targets' tcgen05 variant is not built (its spec says why)
+           "moe_experts",   # sm90: mma.sync; sm103 / sm107: tcgen05 (compiled, never run: variants.py)
            "moe_route", "attn_res", "glu_act")
 
 
@@ -310,9 +310,13 @@ EXPERT_FORMATS = ("mxfp4", "nvfp4", "bf16")
 
 
 def has_expert_kernel(target: Target) -> bool:
-    """Whether `target` builds moe_experts (SM90's mma.sync kernel; Blackwell's tcgen05 one is not
-    built yet, so there the model keeps the routed experts on its PyTorch stand-in)."""
-    return not target.fp4_cvt
+    """Whether `target` builds moe_experts: its menu has the op (SM90's mma.sync kernel, the SM100
+    family's tcgen05 one; the frozen sm100-mxfp4 menu does not), and a variant exists for its
+    features (mma.sync needs no FP4 hardware; tcgen05 needs tcgen05, TMA and the FP4 conversion).
+    Elsewhere the model keeps the routed experts on its PyTorch stand-in."""
+    if "moe_experts" not in target.menu:
+        return False
+    return not target.fp4_cvt or (target.mma == "tcgen05" and target.tma)
 
 
 @functools.lru_cache(maxsize=None)   # the model asks once per MLA layer and prefill step

@@ -132,3 +132,69 @@ def moe_experts(ceiling: float, quick: bool = False) -> list:
         del peer_w
         torch.cuda.empty_cache()
     return rows
+
+
+# -- Blackwell (B300) projection: no Blackwell GPU exists here, so these are computed, never measured ----
+B300_SMS = 148             # SMs the projection assumes (the fp8_block_gemm_b300 plans use the same)
+B300_ISSUE = 4 * 32 * 1.9e9   # lane-instructions per second per SM: 4 schedulers x 32 lanes at 1.9 GHz
+# Issue slots per decoded weight value in the tcgen05 kernel's decode loop, from its SASS per 32-value
+# segment: 16 F2FP.BF16.E2M1 + 16 HMUL2/HFMA2 + 4 STS.128 + LDS.128, the scale byte and ~10 address /
+# loop instructions = ~48. Assumes F2FP issues at full rate (not known for Blackwell: none here).
+B300_DECODE_SLOTS = 48 / 32
+
+
+def touched_experts(spec, T: int) -> float:
+    """Expected distinct local experts T tokens touch with top_k of route_experts picked uniformly
+    (PERF.md's touched bytes at TP8: 16 / 120 / 614 experts at T1 / T8 / T64)."""
+    k, R = spec.top_k, spec.route_experts
+    return spec.experts * (1 - (1 - k / R) ** T)
+
+
+def b300_moe_projection(spec, T: int) -> dict:
+    """Projected B300 time of the sm103 tcgen05 kernel at T tokens: the largest of (a) its bytes at
+    8 TB/s: the touched experts' packed weights and scales, x, h written and read (BF16), the FP32
+    partials written and read, the BF16 out; (b) the MMA work it issues (kind::f16, 64 weight rows x
+    N = 8 n_tiles tokens per item, padded) at the assumed dense BF16 rate; (c) the decode's issue
+    slots (B300_DECODE_SLOTS per weight value) over B300_SMS SMs. Items: each touched expert's local
+    slots in items of N. No wave or per-SM model: at T1 the TP8 gate_up has 16 x 12 tiles for 148 SMs
+    with one CTA each, so some SMs stream two tiles while others idle."""
+    from bench.cases.mla_decode import B300_F16_FLOPS, B300_TBPS
+    from math import ceil
+    W, I, k = spec.hidden, spec.inter, spec.top_k
+    touched = touched_experts(spec, T)
+    slots = T * k * spec.experts / spec.route_experts          # expected local slots
+    nb = spec.tokens_per_item
+    items = touched * ceil(slots / max(touched, 1e-9) / nb) if touched else 0.0
+    wbytes = touched * spec.weight_bytes_per_expert()
+    xbytes = T * W * (2 if spec.act.value == "bf16" else 1 + 4 / 128)
+    nbytes = wbytes + xbytes + slots * (2 * I * 2 + 2 * W * 4) + T * W * 2
+    flops = items * 2 * nb * (2 * I * W + W * I)
+    values = touched * 3 * W * I
+    mem_us, mma_us = nbytes / B300_TBPS * 1e6, flops / B300_F16_FLOPS * 1e6
+    dec_us = values * B300_DECODE_SLOTS / (B300_SMS * B300_ISSUE) * 1e6
+    bound = max((mem_us, "memory"), (mma_us, "MMA"), (dec_us, "decode"))
+    return {"bytes": nbytes, "weight_bytes": wbytes, "touched": touched, "items": items, "mem_us": mem_us,
+            "mma_us": mma_us, "decode_us": dec_us, "proj_us": bound[0], "bound": bound[1]}
+
+
+@case(device="cpu")
+def moe_experts_b300(quick: bool = False) -> list:
+    """Projected B300 times of the sm103 tcgen05 moe_experts at K3 TP8 / EP8, T = 1, 8, 64 (computed,
+    not measured)."""
+    from k3gen.ops.moe_experts.spec import MoeExpertsSpec, WeightFormat
+    from k3gen.targets import get_target
+    tgt = get_target("sm103")
+    rows = []
+    print(f"{'case':<24} {'experts':>7} {'MB':>8} {'mem us':>8} {'MMA us':>8} {'dec us':>8} {'proj us':>8}  bound"
+          "  (B300 projection, not measured)")
+    for shape, kw in SHAPES.items():
+        for fmt in ((WeightFormat.MXFP4,) if quick else tuple(WeightFormat)):
+            spec = MoeExpertsSpec(target=tgt, weights=fmt, **kw)
+            for T in (1, 8, 64):
+                p = b300_moe_projection(spec, T)
+                name = f"{shape} {fmt.value}-bf16 T{T}"
+                print(f"{name:<24} {p['touched']:7.1f} {p['bytes'] / 1e6:8.1f} {p['mem_us']:8.2f} {p['mma_us']:8.2f}"
+                      f" {p['decode_us']:8.2f} {p['proj_us']:8.2f}  {p['bound']}")
+                rows.append({"case": name, "seconds": p["proj_us"] * 1e-6,
+                             "detail": f"projected {p['proj_us']:.2f} us ({p['bound']}-bound; not measured)", **p})
+    return rows

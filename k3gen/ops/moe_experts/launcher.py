@@ -16,6 +16,10 @@
 
 Three launches on torch's stream (gate_up, down, combine; programmatic dependent launch between
 them), no host sync, no allocation once the workspace is there: graph-safe. Grids depend on T only.
+The variant decides the GEMM launches: "mma_swapab" (SM90) passes the ExpertArgs struct alone;
+"tcgen05" (sm103 / sm107) also a TMA map of w13 / w2 (encoded on the host, no device state: also
+inside a capture) and its plan's dynamic shared memory, and needs 16-byte aligned scale tensors
+(bulk copies). The combine launch is the same kernel on every target.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from k3gen.runtime import faults
 from k3gen.runtime.checks import check_one_device, check_tensor
 from k3gen.runtime.launcher import Launcher
 from k3gen.runtime.loader import I32, PTR, ArgPack, CudaKernel
+from k3gen.runtime.tma import MapCache
 
 ROUTE_KEYS = ("ids", "weights", "offsets", "perm")
 
@@ -42,17 +47,19 @@ class ExpertArgs(ctypes.Structure):
                 ("err", ctypes.c_void_p)]
 
 
-def _scale_bytes(name, t, shape):
+def _scale_bytes(name, t, shape, align=2):
     import torch
     if t.dtype not in (torch.uint8, torch.float8_e4m3fn):
         raise SpecError(f"{name}.dtype", str(t.dtype), ["uint8", "float8_e4m3fn"], "scale bytes")
-    check_tensor(name, t if t.dtype == torch.uint8 else t.view(torch.uint8), torch.uint8, shape, align=2)
+    check_tensor(name, t if t.dtype == torch.uint8 else t.view(torch.uint8), torch.uint8, shape, align=align)
 
 
 class MoeExperts(Launcher):
     def __init__(self, spec):
         super().__init__(spec)
         self._ws: dict = {}
+        self._maps = MapCache(512)      # tcgen05: the codes' maps, per weight tensor (a model's layers)
+        self._smem_set: set[int] = set()
 
     def load(self):
         if self._kernel is None:
@@ -63,8 +70,32 @@ class MoeExperts(Launcher):
             self._combine = self._kernel.sibling("k3gen_moe_experts_combine")
             self._probe = self._kernel.sibling("k3gen_moe_experts_dequant")
             self.sm_count  # noqa: B018  (grid.y of the persistent GEMMs; queried outside any capture)
+            self._allow_smem(self.device_index)
             faults.buffer()   # allocated outside any capture (graphs keep its address)
         return self
+
+    def _allow_smem(self, device: int) -> None:
+        """tcgen05: the GEMMs' dynamic shared memory (over 48 KB) opted in, once per device."""
+        if not self._tc or device in self._smem_set:
+            return
+        for k, p in ((self._kernel, self._plans[0]), (self._down, self._plans[1])):
+            k.set_max_dynamic_smem(p.smem_bytes, device)
+        self._smem_set.add(device)
+
+    @property
+    def _tc(self) -> bool:
+        return self.spec.impl.name == "tcgen05"
+
+    @property
+    def _plans(self):
+        """(gate_up, down) TcPlan of the tcgen05 variant."""
+        return self.spec.impl.plans(self.spec)
+
+    def _wmap(self, w, plan) -> bytes:
+        """TMA map of packed codes w [E, rows, K/2] as uint8 rows [E rows][K/2 bytes]: box [32 rows]
+        [kstage / 2 bytes], no swizzle (the decoders read the raw rows); past K reads as zeros."""
+        rows, kb = w.shape[0] * w.shape[1], w.shape[2]
+        return self._maps.get(w, (kb, rows), (kb,), (plan.kstage // 2, 32), swizzle=0)
 
     def workspace(self, max_tokens: int, device="cuda") -> dict:
         """The intermediate and partial buffers for up to max_tokens tokens (allocated once)."""
@@ -105,8 +136,9 @@ class MoeExperts(Launcher):
             check_tensor("x_scales", x_scales, sdt, (T, W // 128))
         check_tensor("w13", w13, torch.uint8, (E, 2 * I, W // 2), align=16)
         check_tensor("w2", w2, torch.uint8, (E, W, I // 2), align=16)
-        _scale_bytes("s13", s13, (E, 2 * I, W // g))
-        _scale_bytes("s2", s2, (E, W, I // g))
+        salign = 16 if self._tc else 2   # tcgen05: bulk copies of the scale rows
+        _scale_bytes("s13", s13, (E, 2 * I, W // g), salign)
+        _scale_bytes("s2", s2, (E, W, I // g), salign)
         if s.weights is WeightFormat.NVFP4:
             if gs13 is None or gs2 is None:
                 raise SpecError("gs13/gs2", None, ["FP32 tensors"], "NVFP4 experts need their global scales")
@@ -160,7 +192,7 @@ class MoeExperts(Launcher):
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         ws = self._own_workspace(T, out.device) if ws is None else ws
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        self.load()
+        self.load()._allow_smem(dev)
         pdl = settings().pdl if pdl is None else pdl
         ptr = lambda t: 0 if t is None else t.data_ptr()   # noqa: E731
         err = faults.word("moe_experts", out.device)
@@ -171,12 +203,23 @@ class MoeExperts(Launcher):
         a2 = ExpertArgs(w=ptr(w2), s=ptr(s2), gs=ptr(gs2), x=ptr(ws["h"]), xs=0, out=ptr(ws["y"]), **common)
         # The struct's bytes by value (cuLaunchKernel copies them at the call and at graph capture).
         p13, p2 = ArgPack().add(bytes(a13)), ArgPack().add(bytes(a2))
-        g13, g2 = s.gate_up_grid(T, self.sm_count), s.down_grid(T, self.sm_count)
-        if rows is not None:
-            g13 = (g13[0], min(g13[1], rows), 1) if s.gate_up.persistent else g13
-            g2 = (g2[0], min(g2[1], rows), 1) if s.down.persistent else g2
-        self.kernel.launch_ex(g13, (s.gate_up.threads, 1, 1), None, p13.address(), None, dev, stream, pdl=pdl)
-        self._down.launch_ex(g2, (s.down.threads, 1, 1), None, p2.address(), None, dev, stream, pdl=pdl)
+        if self._tc:
+            t13, t2 = self._plans
+            p13.add(self._wmap(w13, t13))
+            p2.add(self._wmap(w2, t2))
+            items = s.max_items(T)
+            g13, g2 = (t13.mtiles, t13.item_rows(items, self.sm_count), 1), (t2.mtiles, t2.item_rows(items, self.sm_count), 1)
+            launch = ((g13, t13.threads, t13.smem_bytes), (g2, t2.threads, t2.smem_bytes))
+        else:
+            g13, g2 = s.gate_up_grid(T, self.sm_count), s.down_grid(T, self.sm_count)
+            if rows is not None:
+                g13 = (g13[0], min(g13[1], rows), 1) if s.gate_up.persistent else g13
+                g2 = (g2[0], min(g2[1], rows), 1) if s.down.persistent else g2
+            launch = ((g13, s.gate_up.threads, 0), (g2, s.down.threads, 0))
+        if rows is not None and self._tc:   # every tcgen05 CTA walks items
+            launch = tuple(((g[0], min(g[1], rows), 1), n, m) for g, n, m in launch)
+        for kern, pack, (grid, threads, smem) in zip((self.kernel, self._down), (p13, p2), launch):
+            kern.launch_ex(grid, (threads, 1, 1), None, pack.address(), None, dev, stream, smem, pdl=pdl)
         self._combine.launch_ex(s.combine_grid(T), (COMBINE_THREADS, 1, 1), None,
                                 (ptr(ws["y"]), ptr(route["ids"]), ptr(route["weights"]), ptr(out), ptr(out_f32),
                                  expert_base, err), (PTR, PTR, PTR, PTR, PTR, I32, PTR), dev, stream, pdl=pdl)

@@ -16,9 +16,10 @@ def test_every_case_module_registers_the_benchmark_of_its_name():
     cases = registry()
     modules = sorted(p.stem for p in (ROOT / "bench" / "cases").glob("*.py") if not p.stem.startswith("_"))
     assert set(modules) <= set(cases), set(modules) - set(cases)
-    # CPU cases: the build timing and the B300 projections of the tcgen05 MLA decode, MLA prefill, FP8 GEMM
-    # and KDA prefill (computed from byte counts, nothing runs); every other case measures on the GPU.
-    cpu = {"build", "mla_decode_b300", "fp8_block_gemm_b300", "mla_prefill_b300", "kda_prefill_b300"}
+    # CPU cases: the build timing and the B300 projections of the tcgen05 MLA decode, MLA prefill, FP8 GEMM,
+    # KDA prefill and MoE experts (computed from byte counts, nothing runs); every other case measures on the GPU.
+    cpu = {"build", "mla_decode_b300", "fp8_block_gemm_b300", "mla_prefill_b300", "kda_prefill_b300",
+           "moe_experts_b300"}
     assert all(cases[n].bench_case.device == "cpu" for n in cpu)
     assert all(fn.bench_case.device == "gpu" for name, fn in cases.items() if name not in cpu)
 

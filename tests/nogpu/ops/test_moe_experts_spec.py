@@ -55,10 +55,14 @@ def test_bad_fields_raise(kw, field):
     assert e.value.field == field
 
 
-def test_blackwell_targets_are_declared_unavailable_with_a_reason():
+def test_blackwell_targets_get_the_tcgen05_kernel_or_a_reason():
+    """sm103 / sm107 get variant tcgen05 (test_moe_experts_tcgen05.py); what it cannot do is refused
+    with each variant's reason."""
+    assert MoeExpertsSpec(target=TARGETS["sm103-nvfp4"], weights=WeightFormat.NVFP4, **K3_TP8).impl.name == "tcgen05"
     with pytest.raises(SpecError) as e:
-        MoeExpertsSpec(target=TARGETS["sm103-nvfp4"], weights=WeightFormat.NVFP4, **K3_TP8)
-    assert "tcgen05" in str(e.value)
+        MoeExpertsSpec(target=TARGETS["sm103-nvfp4"], weights=WeightFormat.NVFP4, act=ActFormat.FP8,
+                       recipe=ScaleRecipe.FP32, **K3_TP8)
+    assert "tcgen05" in str(e.value) and "UE8M0" in str(e.value)
 
 
 @pytest.mark.parametrize("kw", [dict(K3_TP8), dict(K3_EP8, weights=WeightFormat.NVFP4, act=ActFormat.FP8),
