@@ -39,8 +39,8 @@ static_assert(k3gen::kda::c64tc::kSmem == 231488 && k3gen::kda::c64tc::kThreads 
               k3gen::kda::c64tc::kSmBar == 230400 &&
               k3gen::kda::c64tc::kSmTmem == 230448 &&
               k3gen::kda::c64tc::kColS == 0 && k3gen::kda::c64tc::kColV == 128 && k3gen::kda::c64tc::kColO == 256, "state_tc shared-memory / TMEM plan differs from variants.py");
-static_assert(k3gen::kda::tc5::desc_sw128(131168u) == 4611756662049546246ull, "tcgen05 descriptor differs from k3gen.arch.sm100.umma_desc");
-static_assert(k3gen::kda::tc5::idesc_bf16<128, 64>() == 135267472u && k3gen::kda::tc5::idesc_bf16<128, 128>() == 136316048u, "tcgen05 instruction descriptor differs from k3gen.arch.sm100.idesc_f16");
+static_assert(k3gen::sm100::desc<16, 1024>(131168u) == 4611756662049546246ull, "tcgen05 descriptor differs from k3gen.arch.sm100.umma_desc");
+static_assert(k3gen::sm100::idesc<true, false, 128, 64>() == 135267472u && k3gen::sm100::idesc<true, false, 128, 128>() == 136316048u, "tcgen05 instruction descriptor differs from k3gen.arch.sm100.idesc_f16");
 static_assert(k3gen::kda::c64tc::sw128(64, 37, 11) == 13024u && k3gen::kda::c64tc::sw128(128, 101, 5) == 12928u && k3gen::kda::c64tc::sw128(128, 7, 15) == 17280u && k3gen::kda::c64tc::sw128(64, 0, 0) == 0u, "SW128 offsets differ from variants.sw128");
 static_assert(k3gen::kda::c64tc::kstep(64, 1) == 32u && k3gen::kda::c64tc::kstep(64, 4) == 8192u && k3gen::kda::c64tc::kstep(64, 7) == 8288u && k3gen::kda::c64tc::kstep(128, 1) == 32u && k3gen::kda::c64tc::kstep(128, 4) == 16384u && k3gen::kda::c64tc::kstep(128, 7) == 16480u &&
               k3gen::kda::c64tc::ut_off(0, 0) == 57856u && k3gen::kda::c64tc::ut_off(37, 5) == 68688u && k3gen::kda::c64tc::ut_off(127, 15) == 90608u, "MMA k-step / U^T offsets differ from variants.kstep / ut_off");

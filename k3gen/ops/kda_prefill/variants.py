@@ -152,10 +152,10 @@ def tc_probes() -> list[tuple[str, str]]:
     a = tc_smem()["sb"] + 16384 + 96
     pts = ((64, 37, 11), (128, 101, 5), (128, 7, 15), (64, 0, 0))
     return [
-        (f"{ns}tc5::desc_sw128({a}u) == {umma_desc(a, SW128_KMAJOR)}ull", "tcgen05 descriptor differs from "
+        (f"k3gen::sm100::desc<16, 1024>({a}u) == {umma_desc(a, SW128_KMAJOR)}ull", "tcgen05 descriptor differs from "
          "k3gen.arch.sm100.umma_desc"),
-        (f"{ns}tc5::idesc_bf16<128, 64>() == {idesc_f16(bf16=True, m=128, n=64)}u && "
-         f"{ns}tc5::idesc_bf16<128, 128>() == {idesc_f16(bf16=True, m=128, n=128)}u",
+        (f"k3gen::sm100::idesc<true, false, 128, 64>() == {idesc_f16(bf16=True, m=128, n=64)}u && "
+         f"k3gen::sm100::idesc<true, false, 128, 128>() == {idesc_f16(bf16=True, m=128, n=128)}u",
          "tcgen05 instruction descriptor differs from k3gen.arch.sm100.idesc_f16"),
         (" && ".join(f"{ns}c64tc::sw128({r}, {w}, {c}) == {sw128(r, w, c)}u" for r, w, c in pts),
          "SW128 offsets differ from variants.sw128"),

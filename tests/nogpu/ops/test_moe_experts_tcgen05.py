@@ -99,12 +99,12 @@ def test_k3_plans():
 def test_instruction_descriptor_of_the_header():
     """kind::f16, BF16 A and B, both K-major, F32 D, M 64, N = 8 n_tiles (arch.sm100 field layout)."""
     text = HEADER.read_text()
-    assert "tc05::idesc_f16<true, kTileRows, kNB>()" in text and "kTileRows = 64" in text
+    assert "sm100::idesc<true, false, kTileRows, kNB>()" in text and "kTileRows = 64" in text
     for nb in (8, 16, 32):
         d = idesc_f16(bf16=True, m=64, n=nb)
         assert (d >> 7) & 7 == 1 and (d >> 10) & 7 == 1 and (d >> 15) & 3 == 0 and (d >> 17) & 63 == nb // 8
         assert (d >> 24) & 31 == 4 and (d >> 4) & 3 == 1
-    assert "desc_sw128<16, 1024>" in text and (SW128_KMAJOR.lbo, SW128_KMAJOR.sbo) == (16, 1024)
+    assert "sm100::desc<16, 1024>" in text and (SW128_KMAJOR.lbo, SW128_KMAJOR.sbo) == (16, 1024)
 
 
 # -- the item list: find_item (no CTA barrier) vs the SM90 kernel's ItemList::pick ----------------------

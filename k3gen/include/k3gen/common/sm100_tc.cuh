@@ -1,5 +1,6 @@
 // The tcgen05 layer of the SM100 family (sm_100a, sm_103a, sm_107a) shared by the NVRTC kernels that
-// use it (mla/decode_tc.cuh, mla/prefill_tc.cuh): shared-memory and instruction descriptors, the
+// use it (mla/decode_tc.cuh, mla/prefill_tc.cuh, kda/prefill_chunk64_tc.cuh, moe/experts_tc.cuh):
+// shared-memory and instruction descriptors, the
 // kind::f16 MMA with its commit, the thread-sync fences, TMEM allocation and the 32x32b TMEM loads
 // and stores. k3gen/arch/sm100.py holds the same encoders in Python; each kernel's template
 // static_asserts that both agree.
@@ -22,6 +23,8 @@ __host__ __device__ constexpr unsigned long long desc(unsigned addr) {
 // 1 BF16), B major (bit 16: 1 = MN-major), N >> 3 (bits 17-22), M >> 4 (bits 24-28).
 template <bool kBf16, bool kBMn, int M, int N>
 __host__ __device__ constexpr unsigned idesc() {
+  static_assert((M == 64 && N % 8 == 0) || (M == 128 && N % 16 == 0), "kind::f16 cta_group::1 N step");
+  static_assert(N >= 8 && N <= 256, "kind::f16 N range");
   return (1u << 4) | (kBf16 ? (1u << 7) | (1u << 10) : 0u) | (kBMn ? 1u << 16 : 0u) |
          (static_cast<unsigned>(N >> 3) << 17) | (static_cast<unsigned>(M >> 4) << 24);
 }
@@ -67,13 +70,23 @@ __device__ __forceinline__ void wait_ld() { asm volatile("tcgen05.wait::ld.sync.
 // A tcgen05.ld's destination registers are defined, for the compiler, at the load, but hold the data
 // only after tcgen05.wait::ld: pinning them after the wait keeps every use of them below it (NVVM
 // may otherwise hoist register-only arithmetic above an asm statement it does not depend on).
-__device__ __forceinline__ void pin(float (&v)[32]) {
+template <int N>
+__device__ __forceinline__ void pin(float (&v)[N]) {
 #pragma unroll
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(v[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(v[i])::"memory");
+}
+// 8 consecutive FP32 columns of this thread's TMEM lane, not waited for (wait_ld, then pin).
+__device__ __forceinline__ void ld8_async(unsigned taddr, float (&v)[8]) {
+  unsigned (&r)[8] = reinterpret_cast<unsigned (&)[8]>(v);
+  asm volatile("tcgen05.ld.sync.aligned.32x32b.x8.b32 {%0, %1, %2, %3, %4, %5, %6, %7}, [%8];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]), "=r"(r[4]), "=r"(r[5]), "=r"(r[6]), "=r"(r[7])
+               : "r"(taddr)
+               : "memory");
 }
 __device__ __forceinline__ void ld32(unsigned taddr, float (&v)[32]) {
   ld32_async(taddr, v);
   wait_ld();
+  pin(v);
 }
 __device__ __forceinline__ void st32(unsigned taddr, const float (&v)[32]) {
   const unsigned (&r)[32] = reinterpret_cast<const unsigned (&)[32]>(v);

@@ -33,7 +33,7 @@
 #include <cuda_bf16.h>
 
 #include "k3gen/kda/prefill_chunk64.cuh"
-#include "k3gen/kda/tcgen05.cuh"
+#include "k3gen/common/sm100_tc.cuh"
 
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM100_ALL) && !defined(__CUDA_ARCH_FEAT_SM103_ALL) && \
     !defined(__CUDA_ARCH_FEAT_SM107_ALL) && !defined(__CUDA_ARCH_FAMILY_SPECIFIC__)
@@ -132,7 +132,7 @@ __device__ __forceinline__ void put_ut(const unsigned char* eu, int v, unsigned 
       const float4 f = *reinterpret_cast<const float4*>(eu + ut_off(v, 8 * hf + q) - kTiles);
       u[4 * q] = f.x, u[4 * q + 1] = f.y, u[4 * q + 2] = f.z, u[4 * q + 3] = f.w;
     }
-    tc5::st32(lane_addr + kColV + 32 * hf, u);
+    sm100::st32(lane_addr + kColV + 32 * hf, u);
   }
 }
 
@@ -145,7 +145,7 @@ __device__ __forceinline__ void rescale(unsigned char* smem, const float* egl, i
     const float4 e = reinterpret_cast<const float4*>(egl)[8 * j + q];
     s[4 * q] *= e.x, s[4 * q + 1] *= e.y, s[4 * q + 2] *= e.z, s[4 * q + 3] *= e.w;
   }
-  tc5::st32(lane_addr + kColS + 32 * j, s);
+  sm100::st32(lane_addr + kColS + 32 * j, s);
 }
 
 // The MMA issuer (one thread): the two steps of every chunk, and the record copies.
@@ -153,30 +153,30 @@ template <class Issue>
 __device__ __forceinline__ void mma_loop(unsigned base, unsigned tmem, int nc, Issue&& issue) {
   const unsigned bar = base + kSmBar, full0 = bar, vo_full = bar + 16, vn_ready = bar + 24, s_full = bar + 32,
                  s_ready = bar + 40;
-  constexpr unsigned kN64 = tc5::idesc_bf16<128, 64>(), kN128 = tc5::idesc_bf16<128, 128>();
+  constexpr unsigned kN64 = sm100::idesc<true, false, 128, 64>(), kN128 = sm100::idesc<true, false, 128, 128>();
 #pragma unroll 1
   for (int c = 0; c < nc; ++c) {
     const int buf = c & 1;
     const unsigned tb = base + buf * kTiles, d_o = tmem + kColO + 64 * buf;
     sm90::mbar_wait(full0 + 8 * buf, (c >> 1) & 1);  // the record's tiles
     sm90::mbar_wait(s_ready, c & 1);                 // S_b, S^T scaled, U^T in D_V
-    tc5::fence_after();
+    sm100::fence_after();
 #pragma unroll
     for (int ks = 0; ks < kDim / 16; ++ks) {
-      const unsigned long long a = tc5::desc_sw128(base + kSmSb + kstep(kDim, ks));
-      tc5::mma(tmem + kColV, a, tc5::desc_sw128(tb + kOffW + kstep(kC, ks)), kN64, 1);
-      tc5::mma(d_o, a, tc5::desc_sw128(tb + kOffQg + kstep(kC, ks)), kN64, ks);
+      const unsigned long long a = sm100::desc<16, 1024>(base + kSmSb + kstep(kDim, ks));
+      sm100::mma(tmem + kColV, a, sm100::desc<16, 1024>(tb + kOffW + kstep(kC, ks)), kN64, 1);
+      sm100::mma(d_o, a, sm100::desc<16, 1024>(tb + kOffQg + kstep(kC, ks)), kN64, ks);
     }
-    tc5::commit(vo_full);
+    sm100::commit(vo_full);
     sm90::mbar_wait(vn_ready, c & 1);                // V_b
-    tc5::fence_after();
+    sm100::fence_after();
 #pragma unroll
     for (int ks = 0; ks < kC / 16; ++ks) {
-      const unsigned long long a = tc5::desc_sw128(base + kSmVb + kstep(kDim, ks));
-      tc5::mma(d_o, a, tc5::desc_sw128(tb + kOffAqk + kstep(kC, ks)), kN64, 1);
-      tc5::mma(tmem + kColS, a, tc5::desc_sw128(tb + kOffKgt + kstep(kDim, ks)), kN128, 1);
+      const unsigned long long a = sm100::desc<16, 1024>(base + kSmVb + kstep(kDim, ks));
+      sm100::mma(d_o, a, sm100::desc<16, 1024>(tb + kOffAqk + kstep(kC, ks)), kN64, 1);
+      sm100::mma(tmem + kColS, a, sm100::desc<16, 1024>(tb + kOffKgt + kstep(kDim, ks)), kN128, 1);
     }
-    tc5::commit(s_full);
+    sm100::commit(s_full);
     if (c + 2 < nc) {
       // The buffer is free once these MMAs are done and the warps have read its FP32 part (before
       // s_ready of this chunk): refill it with chunk c + 2.
@@ -220,10 +220,10 @@ __device__ __forceinline__ void state(const c64::Params& p, unsigned char* smem_
     sm90::fence_proxy_async();  // the initialised barriers, to the bulk copies (async proxy)
     for (int c = 0; c < 2 && c < nc; ++c) issue(c, c);
   }
-  if (warp == kMathWarps) tc5::tmem_alloc(base + kSmTmem, kTmemCols);
-  tc5::fence_before();
+  if (warp == kMathWarps) sm100::tmem_alloc(base + kSmTmem, kTmemCols);
+  sm100::fence_before();
   __syncthreads();
-  tc5::fence_after();
+  sm100::fence_after();
   const unsigned tmem = *reinterpret_cast<volatile unsigned*>(smem + kSmTmem);
   if (warp == kMathWarps) {
     if (tid == kMathThreads) mma_loop(base, tmem, nc, issue);
@@ -256,23 +256,23 @@ __device__ __forceinline__ void state(const c64::Params& p, unsigned char* smem_
     }
     put_ut(smem + kSmEu, v, lane_addr);
     sm90::fence_proxy_async();  // S_b (generic stores) is read by the MMA (async proxy)
-    tc5::fence_before();
+    sm100::fence_before();
     sm90::mbar_arrive(s_ready);
 #pragma unroll 1
     for (int c = 0; c < nc; ++c) {
       sm90::mbar_wait(vo_full, c & 1);
-      tc5::fence_after();
+      sm100::fence_after();
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         float x[32];
-        tc5::ld32(lane_addr + kColV + 32 * hf, x);
+        sm100::ld32(lane_addr + kColV + 32 * hf, x);
         put_row_bf16(smem + kSmVb, v, hf, x);
       }
       sm90::fence_proxy_async();
-      tc5::fence_before();
+      sm100::fence_before();
       sm90::mbar_arrive(vn_ready);
       sm90::mbar_wait(s_full, c & 1);
-      tc5::fence_after();
+      sm100::fence_after();
       if (c + 1 < nc) {
         const int nb = (c + 1) & 1;
         sm90::mbar_wait(full0 + 8 * nb, ((c + 1) >> 1) & 1);
@@ -280,19 +280,19 @@ __device__ __forceinline__ void state(const c64::Params& p, unsigned char* smem_
 #pragma unroll 1
         for (int j = 0; j < 4; ++j) {
           float s[32];
-          tc5::ld32(lane_addr + kColS + 32 * j, s);
+          sm100::ld32(lane_addr + kColS + 32 * j, s);
           rescale(smem, egl, v, j, s, lane_addr);
         }
         put_ut(smem + kSmEu + nb * kEuBytes, v, lane_addr);
         sm90::fence_proxy_async();
-        tc5::fence_before();
+        sm100::fence_before();
         sm90::mbar_arrive(s_ready);
       } else {
         // The final state, row v: FP32, or BF16 rounded to nearest even (chunk64's store_state).
 #pragma unroll 1
         for (int j = 0; j < 4; ++j) {
           float s[32];
-          tc5::ld32(lane_addr + kColS + 32 * j, s);
+          sm100::ld32(lane_addr + kColS + 32 * j, s);
 #pragma unroll
           for (int q = 0; q < 8; ++q) {
             if constexpr (C::kBf16State)
@@ -311,18 +311,18 @@ __device__ __forceinline__ void state(const c64::Params& p, unsigned char* smem_
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         float x[32];
-        tc5::ld32(lane_addr + kColO + 64 * (c & 1) + 32 * hf, x);
+        sm100::ld32(lane_addr + kColO + 64 * (c & 1) + 32 * hf, x);
 #pragma unroll
         for (int i = 0; i < 32; ++i)
           if (32 * hf + i < n) o[static_cast<long long>(32 * hf + i) * H * kDim] = x[i];
       }
     }
-    tc5::fence_before();
+    sm100::fence_before();
   }
   __syncthreads();
   if (warp == kMathWarps) {
-    tc5::fence_after();
-    tc5::tmem_dealloc(tmem, kTmemCols);
+    sm100::fence_after();
+    sm100::tmem_dealloc(tmem, kTmemCols);
   }
   c64::conv_tail<D, kThreads>(p, slot, tok0, len, resume, h);
 }

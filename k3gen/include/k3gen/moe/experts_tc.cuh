@@ -33,7 +33,7 @@
 
 #include <cuda_bf16.h>
 
-#include "k3gen/common/tcgen05.cuh"
+#include "k3gen/common/sm100_tc.cuh"
 #include "k3gen/moe/experts.cuh"
 
 namespace k3gen {
@@ -239,7 +239,7 @@ __device__ __forceinline__ void expert_gemm_tc(const ExpertArgs& a, const sm90::
   using Y = Geo<C, G>;
   using List = ItemList<C::kExperts, kThreads, Y::kNB>;
   constexpr int kNB = Y::kNB;
-  constexpr unsigned kId = tc05::idesc_f16<true, kTileRows, kNB>();
+  constexpr unsigned kId = sm100::idesc<true, false, kTileRows, kNB>();
   // gate_up: offsets, perm and x come from the kernels before it. down: only h does (and y's last
   // reader, the previous combine, completed before gate_up started); the producer and the MMA
   // issuer read weights only, so they run ahead of the dependency wait (as the SM90 kernel's loads).
@@ -264,12 +264,12 @@ __device__ __forceinline__ void expert_gemm_tc(const ExpertArgs& a, const sm90::
   }
   if (warp == kProdWarp) {
     if (lane == 0) sm90::tma_prefetch_map(wmap);
-    tc05::alloc(base + Y::kTmemOff, Y::kTmemCols);
+    sm100::tmem_alloc(base + Y::kTmemOff, Y::kTmemCols);
   }
   list.scan(a.offsets, a.expert_base, a.nslots, a.err);   // its barriers also publish the inits
-  tc05::fence_before();
+  sm100::fence_before();
   __syncthreads();
-  tc05::fence_after();
+  sm100::fence_after();
   const unsigned tmem = *reinterpret_cast<volatile unsigned*>(smem + Y::kTmemOff);
 
   if (warp == kProdWarp) {
@@ -301,23 +301,23 @@ __device__ __forceinline__ void expert_gemm_tc(const ExpertArgs& a, const sm90::
       for (int it = blockIdx.y; it < list.total; it += gridDim.y, ++li) {
         const int ab = li & 1;
         if (li >= 2) sm90::mbar_wait_asm(acc_empty + 8 * ab, ((li >> 1) & 1) ^ 1);
-        tc05::fence_after();
+        sm100::fence_after();
         for (int s = 0; s < G::kStages; ++s, ++g) {
           const int os = g % G::kOS;
           sm90::mbar_wait_asm(op_full + 8 * os, (g / G::kOS) & 1);
-          tc05::fence_after();
+          sm100::fence_after();
           const unsigned aA = base + Y::kOpOff + os * Y::kOpBytes, aB = aA + Y::kABytes;
           const int ksteps = min(G::kKS, G::kK - s * G::kKS) / 16;
 #pragma unroll
           for (int ks = 0; ks < G::kKS / 16; ++ks) {
             if (ks >= ksteps) break;
-            tc05::mma_f16(tmem + ab * kNB, tc05::desc_sw128<16, 1024>(aA + (ks >> 2) * kAtom + (ks & 3) * 32),
-                          tc05::desc_sw128<16, 1024>(aB + (ks >> 2) * Y::kBAtom + (ks & 3) * 32), kId,
+            sm100::mma(tmem + ab * kNB, sm100::desc<16, 1024>(aA + (ks >> 2) * kAtom + (ks & 3) * 32),
+                          sm100::desc<16, 1024>(aB + (ks >> 2) * Y::kBAtom + (ks & 3) * 32), kId,
                           s > 0 || ks > 0);
           }
-          tc05::commit(op_empty + 8 * os);   // the stage's operands are free once these MMAs are done
+          sm100::commit(op_empty + 8 * os);   // the stage's operands are free once these MMAs are done
         }
-        tc05::commit(acc_full + 8 * ab);
+        sm100::commit(acc_full + 8 * ab);
       }
     }
   } else if (warp < kDecWarps) {
@@ -363,12 +363,13 @@ __device__ __forceinline__ void expert_gemm_tc(const ExpertArgs& a, const sm90::
       const Item item = warp_item<List, kNB>(list, a, it);
       const int ab = li & 1;
       sm90::mbar_wait_asm(acc_full + 8 * ab, (li >> 1) & 1);
-      tc05::fence_after();
+      sm100::fence_after();
       float v[kNB];
 #pragma unroll
-      for (int c = 0; c < kNB / 8; ++c) tc05::ld8(lane_addr + ab * kNB + 8 * c, *reinterpret_cast<float(*)[8]>(&v[8 * c]));
-      tc05::wait_ld();
-      tc05::fence_before();
+      for (int c = 0; c < kNB / 8; ++c) sm100::ld8_async(lane_addr + ab * kNB + 8 * c, *reinterpret_cast<float(*)[8]>(&v[8 * c]));
+      sm100::wait_ld();
+      sm100::pin(v);   // no use of v may be scheduled above the wait (the registers fill only there)
+      sm100::fence_before();
       __syncwarp();
       if (lane == 0) sm90::mbar_arrive(acc_empty + 8 * ab);   // the next-but-one item may overwrite it
       if constexpr (G::kGateUp) {
@@ -408,11 +409,11 @@ __device__ __forceinline__ void expert_gemm_tc(const ExpertArgs& a, const sm90::
       }
     }
   }
-  tc05::fence_before();
+  sm100::fence_before();
   __syncthreads();
   if (warp == kProdWarp) {
-    tc05::fence_after();
-    tc05::dealloc(tmem, Y::kTmemCols);
+    sm100::fence_after();
+    sm100::tmem_dealloc(tmem, Y::kTmemCols);
   }
 }
 
