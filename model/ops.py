@@ -70,8 +70,9 @@ class Ops:
         """Bottom-right causal attention of a prefill's new rows over their keys (a continued
         sequence's cached prefix, then the new rows: pf.cu_k): q [Nq, H, 192] BF16, k_nope / v
         [Nk, H, 128], k_pe [Nk, 64] -> o [Nq, H, 128] FP32. k3gen's mla_prefill reference (FP64,
-        rounded once to FP32: a row's result does not depend on the batch or on where a prompt was
-        split); KernelOps runs the generated mla_prefill where its target has one."""
+        rounded once to FP32: where a prompt was split or which rows share the batch moves a row only
+        by FP64 reassociation, below FP32's rounding); KernelOps runs the generated mla_prefill where
+        its target has one."""
         self._mark("mla_prefill_attention", "torch" if self.kind == "kernel" else "ref")
         return ref_mla_prefill(q, k_nope, k_pe, v, pf.cu_host, pf.cu_k_host)
 
