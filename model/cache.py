@@ -6,8 +6,9 @@ of KV pages (the same page ids index the pool of every MLA layer). Slot `num_slo
 `num_pages` are reserved for CUDA-graph padding rows: they are never handed to a sequence, so a
 padded row may write there without touching anyone's data.
 
-Operations: `admit` (slot + pages for the prompt), `extend` (tokens written: pages when a
-sequence crosses a page boundary), `rewind` (rejected drafts: the length goes back, whole pages
+Operations: `admit` (slot + pages for the prompt), `reserve` / `unreserve` (pages ahead of the
+length: a continued prefill's, given back when its batch is refused), `extend` (tokens written:
+pages when a sequence crosses a page boundary), `rewind` (rejected drafts: the length goes back, whole pages
 past the new end are freed; no partial page reuse), `free`. Capacity comes from a memory budget
 through the IR's byte expressions (k3gen/ir/layouts.py); a request that cannot fit raises
 `CacheCapacityError` naming what is short.
@@ -118,6 +119,15 @@ class CacheManager:
         if need > self.free_pages:
             raise CacheCapacityError(f"sequence {seq_id}: needs {need} more KV pages, {self.free_pages} free")
         e.pages += [self._free_pages.pop() for _ in range(need)]
+
+    def unreserve(self, seq_id: int, pages: int) -> None:
+        """Undo `reserve`: give back the pages past the first `pages` (never below what the length
+        needs), in the order `reserve` took them, so the free list is as it was before."""
+        e = self.entry(seq_id)
+        if not self.pages_for(e.length) <= pages <= len(e.pages):
+            raise CacheStateError(f"sequence {seq_id}: keep {pages} of {len(e.pages)} pages at length {e.length}")
+        while len(e.pages) > pages:
+            self._free_pages.append(e.pages.pop())
 
     def extend(self, seq_id: int, n: int) -> SeqEntry:
         """`n` more tokens are written: pages for them, then the length moves on."""
@@ -259,6 +269,13 @@ class HybridCache:
         e = self.mgr.entry(seq_id)
         if len(e.pages) != before:
             self._sync_row(e)
+
+    def unreserve(self, seq_id: int, pages: int) -> None:
+        """Give back the pages a `reserve` took (never written: they hold zeros, as free pages do)."""
+        before = len(self.mgr.entry(seq_id).pages)
+        self.mgr.unreserve(seq_id, pages)
+        if pages != before:
+            self._sync_row(self.mgr.entry(seq_id))
 
     def rewind(self, seq_id: int, n: int) -> SeqEntry:
         before = list(self.mgr.entry(seq_id).pages)

@@ -91,6 +91,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    "auto: kernel when a GPU is found")
     p.add_argument("--graphs", action="store_true",
                    help="CUDA graphs per decode batch size (kernel path on a GPU; default: off)")
+    p.add_argument("--prefill-chunk", type=int_in(1, None, "the piece length is >= 1 token"), default=None,
+                   metavar="N", help="prefill the prompts in pieces of at most N tokens, each piece continuing "
+                   "from the cached state (chunked prefill; not with --kv nvfp4); default: the whole prompt at once")
     p.add_argument("--max-seq-len", type=int_in(1, None, "the sequence length is >= 1"), default=512,
                    metavar="N", help="longest sequence the cache holds; must hold the prompt + --max-new")
     p.add_argument("--tp", type=int_in(1, None, "the tensor-parallel degree is >= 1"), default=1, metavar="N",

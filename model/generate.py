@@ -90,8 +90,14 @@ class DecodeGraphs:
 
 
 class Generator:
-    def __init__(self, model: K3Model, graphs: bool = False):
+    """`prefill_chunk`: prefill the prompts in pieces of at most that many tokens
+    (K3Model.prefill_pieces); None: each prompt in one piece."""
+
+    def __init__(self, model: K3Model, graphs: bool = False, prefill_chunk: int | None = None):
         self.m = model
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise SpecError("prefill_chunk", prefill_chunk, ">= 1 token, or None")
+        self.prefill_chunk = prefill_chunk
         self.graphs: dict[int, DecodeGraphs] = {}
         if graphs:
             if model.device.type != "cuda" or model.ops.kind != "kernel":
@@ -101,6 +107,11 @@ class Generator:
                 self.graphs[T].capture()
         self._next_id = 0
         self.accepted: list[int] = []   # drafts accepted per verify row (statistics, tests)
+
+    def _prefill(self, ids: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        if self.prefill_chunk is None:
+            return self.m.prefill(ids, prompts)
+        return self.m.prefill_pieces(ids, prompts, self.prefill_chunk)
 
     def _core(self, ids: list[int], tokens: list[int], T: int) -> torch.Tensor:
         slots, start = self.m.prepare(ids, T)
@@ -118,7 +129,7 @@ class Generator:
         ids = list(range(self._next_id, self._next_id + len(reqs)))
         self._next_id += len(reqs)
         gens = [torch.Generator().manual_seed(r.seed) for r in reqs]
-        logits = self.m.prefill(ids, [r.prompt for r in reqs])
+        logits = self._prefill(ids, [r.prompt for r in reqs])
         try:
             for r, g, lg in zip(reqs, gens, logits):
                 r.out.append(sample(lg, r, g))
@@ -171,7 +182,7 @@ class Generator:
         target tokens (the decode path, graphs included, is what gets scored)."""
         ids = list(range(self._next_id, self._next_id + len(prompts)))
         self._next_id += len(prompts)
-        out = [[lg] for lg in self.m.prefill(ids, prompts)]
+        out = [[lg] for lg in self._prefill(ids, prompts)]
         try:
             for step in range(max(len(t) for t in targets) - 1):
                 live = [i for i, t in enumerate(targets) if step + 1 < len(t)]
@@ -274,6 +285,9 @@ def check_arguments(a) -> str:
     if a.spec > 0 and a.temperature > 0:
         raise SpecError("--spec", a.spec, [0],
                         f"speculative decoding is greedy: not with --temperature {a.temperature:g}")
+    if getattr(a, "prefill_chunk", None) and a.kv == "nvfp4":
+        raise SpecError("--prefill-chunk", a.prefill_chunk, "no chunked prefill with --kv nvfp4",
+                        "SPEC.md section 5: NVFP4 KV prefills each prompt in one piece")
     if a.graphs and a.path == "reference":
         raise SpecError("--graphs", True, [False], "CUDA graphs need the kernel path (--path kernel or auto on a GPU)")
     cuda = a.path != "reference" and torch.cuda.is_available()
@@ -347,7 +361,7 @@ def _run(a, cfg, path: str, par) -> int:
         con.print(f"random checkpoint of {cfg.name} (seed {a.seed}) {'written to' if written else 'reused from'} "
                   f"{ckpt}: {folder_bytes(Path(ckpt)) / 1e6:.1f} MB (`k3gen cache clear` removes it)")
     m = build_model(cfg, a.arch, a.kv, a.ssm, a.spec, path, ckpt, a.seed, device, a.max_seq_len, a.batch, par=par)
-    gen = Generator(m, graphs=a.graphs)
+    gen = Generator(m, graphs=a.graphs, prefill_chunk=getattr(a, "prefill_chunk", None))
     where = "" if par is None else f", {par.layout} on {par.world} ranks"
     con.print(f"{a.config} on {path} path ({device}{where}), kv={a.kv} ssm={a.ssm}, "
               f"setup {time.perf_counter() - t0:.1f}s")

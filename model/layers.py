@@ -16,6 +16,7 @@ import torch
 from k3gen.ops.mla_q_absorb.reference import rms_norm_bf16
 
 from model import arch
+from model.mla_attention import cached_prefix as mla_cached_prefix
 from model.config import ModelConfig
 from model.moe_torch import _mm  # noqa: F401  (FP64 products rounded to FP32: tests' row-invariant LM head)
 from model.ffn_ops import QAct, bf16, rows as n_rows
@@ -51,12 +52,19 @@ class Step:
 
 @dataclass
 class Prefill:
+    """A varlen batch of prompt pieces. Sequence b's new tokens are rows cu_host[b] .. cu_host[b+1]
+    - 1, at positions start_host[b] .. (a continued sequence, start > 0, has that many positions
+    cached: its KDA state and conv window in the pools, its MLA latent rows in the KV pages)."""
     slots: torch.Tensor        # [B] int32
-    cu_seqlens: torch.Tensor   # [B + 1] int32 (device)
+    cu_seqlens: torch.Tensor   # [B + 1] int32 (device): query rows (the new tokens)
     cu_host: list[int]
     block_table: torch.Tensor  # [B, pages] int32
-    resume: torch.Tensor       # [B] int32 zeros
-    max_len: int
+    resume: torch.Tensor       # [B] int32: 1 where start > 0 (kda_prefill continues the slot's state)
+    max_len: int               # the longest piece
+    start: torch.Tensor        # [B] int32 (device): position of each sequence's first new token
+    start_host: list[int]
+    cu_k: torch.Tensor         # [B + 1] int32 (device): attention keys (cached prefix + new rows)
+    cu_k_host: list[int]
 
 
 # -- KDA -------------------------------------------------------------------------------------------
@@ -129,21 +137,38 @@ def mla_step(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float, s
 
 def mla_prefill(ops: Ops, w: MlaLayerWeights, xn, kv: dict, layout, scale: float, pf: Prefill, eps: float):
     """Unabsorbed: c_kv expanded with kv_b into per-head k_nope / v; the cache rows written are
-    exactly the decode path's."""
+    exactly the decode path's, at positions pf.start.. . Keys: a continued sequence's cached prefix
+    (positions < start, read from the pages as decode reads them: mla_attention.cached_prefix) and
+    the new rows as computed (BF16); the queries are the new rows, bottom-right causal. With BF16
+    KV the cached rows are the computed ones bit for bit; FP8 KV gives the prefix its quantization.
+    The kv_b expansion is FP64 products rounded to FP32, then BF16 (row-invariant: a key's k_nope and
+    v do not depend on how many rows share the call, so a prompt in pieces sees one piece's keys)."""
     H = w.w_uk.shape[0]
     N = n_rows(xn)
     a = ops.linear(xn, w.a_proj)
     rows = _mla_rows(w, a, eps)
-    start = torch.zeros_like(pf.slots)
-    ops.kv_write(layout, kv, rows, pf.cu_seqlens, start, pf.block_table, pf.slots, scale, pf.max_len)
+    prefix = any(pf.start_host)
+    if prefix:   # read before this step writes (its positions are >= start: the prefix is untouched)
+        pre = mla_cached_prefix(layout, kv, pf.block_table, pf.start_host, scale)
+    ops.kv_write(layout, kv, rows, pf.cu_seqlens, pf.start, pf.block_table, pf.slots, scale, pf.max_len)
     if w.q_proj is None:
         q = ops.linear(rms_norm(a[:, :Q_LORA], w.q_a_norm, eps), w.q_b).view(N, H, QK_HEAD)
     else:
         q = ops.linear(xn, w.q_proj).view(N, H, QK_HEAD)
-    c = rows[:, :KV_LORA].float()
-    k_nope = torch.einsum("nc,hdc->nhd", c, w.w_uk.float()).to(BF16)
-    v = torch.einsum("nc,hdc->nhd", c, w.w_uv.float()).to(BF16)
-    o = ops.prefill_attention(q, k_nope, rows[:, KV_LORA:], v, pf)               # [N, H, 128] FP32
+    if prefix:
+        cq, ck = pf.cu_host, pf.cu_k_host
+        parts = []
+        for b in range(len(cq) - 1):
+            p0 = ck[b] - cq[b]        # the prefix rows of sequences before b
+            parts += [pre[p0:p0 + pf.start_host[b]], rows[cq[b]:cq[b + 1]].float()]
+        keys = torch.cat(parts)
+        c, k_pe = keys[:, :KV_LORA], keys[:, KV_LORA:].to(BF16)
+    else:
+        c, k_pe = rows[:, :KV_LORA].float(), rows[:, KV_LORA:]
+    c = c.double()
+    k_nope = torch.einsum("nc,hdc->nhd", c, w.w_uk.double()).float().to(BF16)
+    v = torch.einsum("nc,hdc->nhd", c, w.w_uv.double()).float().to(BF16)
+    o = ops.prefill_attention(q, k_nope, k_pe, v, pf)                             # [N, H, 128] FP32
     g_off = _mla_offsets(w)[1]
     g = a[:, g_off:g_off + H * 128].float().view(N, H, 128)
     y = (o * torch.sigmoid(g)).to(BF16)

@@ -8,6 +8,9 @@ Multi-token queries (verify: 1 + M tokens per sequence) are bottom-right causal:
 sequence whose step starts at position p sees positions < p + t + 1. With NVFP4 KV each query reads
 the cache as it stood at its own length: rows of complete 16-token tiles from the FP4 pages, the
 rows of its incomplete tile exact from the BF16 HP tail ring (which keeps 16 + M rows for this).
+
+A continued prefill (model/layers.py mla_prefill) reads its sequences' cached prefix through the
+same dequantization (`cached_prefix`); its attention is k3gen's mla_prefill (reference or kernel).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import math
 
 import torch
 
+from k3gen.errors import SpecError
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ir.layouts import MLA_LATENT, MLA_ROW, NVFP4_BLOCK, NVFP4_TILE_TOKENS, KvLayout, swizzle_128x4_offset
 from k3gen import numerics as Q
@@ -85,17 +89,14 @@ def paged_mla_attention(layout: KvLayout, q: torch.Tensor, cache: dict, block_ta
     return torch.einsum("bthl,btlc->bthc", p.double(), rows[..., :MLA_LATENT].double()).float()
 
 
-def prefill_attention(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens: list[int]) -> torch.Tensor:
-    """Unabsorbed causal attention per sequence: q_nope/k_nope/v [N, H, 128], q_pe [N, H, 64],
-    k_pe [N, 64] (one rope key shared by the heads). Returns [N, H, 128] FP32."""
-    out = torch.zeros(q_nope.shape[0], q_nope.shape[1], v.shape[-1], dtype=torch.float32, device=q_nope.device)
-    for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        if hi <= lo:
-            continue
-        qn, qp, kn, kp, vv = (t[lo:hi].float() for t in (q_nope, q_pe, k_nope, k_pe, v))
-        s = (torch.einsum("qhd,khd->hqk", qn, kn) + torch.einsum("qhd,kd->hqk", qp, kp)) * SOFTMAX_SCALE
-        n = hi - lo
-        causal = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~causal, float("-inf"))
-        out[lo:hi] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv)
-    return out
+def cached_prefix(layout: KvLayout, cache: dict, block_table: torch.Tensor, lengths: list[int],
+                  scale: float) -> torch.Tensor:
+    """FP32 rows [sum(lengths), 576] of positions 0 .. lengths[b] - 1 of each sequence b (block_table
+    [B, P]), dequantized as decode reads them (`dequant_pages`): what a continued prefill's keys
+    expand. BF16 and FP8 KV only (NVFP4 KV has no chunked prefill: SPEC.md section 5)."""
+    if layout.kv is KvDtype.NVFP4:
+        raise SpecError("kv", layout.kv.value, ["bf16", "fp8"], "chunked prefill is disabled with NVFP4 KV "
+                        "(SPEC.md section 5)")
+    P = max(1, max(-(-n // layout.page) for n in lengths))
+    rows = dequant_pages(layout, cache, block_table[:, :P], scale)               # [B, P * page, 576]
+    return torch.cat([rows[b, :n] for b, n in enumerate(lengths)])

@@ -15,11 +15,12 @@ from typing import Callable
 import torch
 
 from k3gen.errors import SpecError
+from k3gen.ir.dtypes import KvDtype
 from k3gen.ops.kda_verify.reference import commit as kda_commit
 from k3gen.targets import model_gemm_shapes
 
 from model import layers as L
-from model.cache import HybridCache
+from model.cache import CacheStateError, HybridCache
 from model.config import TargetConfig
 from model.ffn_ops import QAct, ResStream
 from model.ops import make_ops
@@ -199,28 +200,78 @@ class K3Model:
     def _i32(self, xs) -> torch.Tensor:
         return torch.tensor(list(xs), dtype=torch.int32, device=self.device)
 
-    def prefill(self, seq_ids: list[int], prompts: list[list[int]], all_logits: bool = False) -> torch.Tensor:
-        """Admit and prefill the prompts (each >= 1 token). Returns the logits of each prompt's last
-        token [B, vocab], or of every token [N, vocab] with all_logits."""
+    def prefill(self, seq_ids: list[int], prompts: list[list[int]], all_logits: bool = False,
+                resume: bool | list[bool] = False) -> torch.Tensor:
+        """Prefill prompt tokens (each piece >= 1 token) as one varlen batch. Returns the logits of
+        each piece's last token [B, vocab], or of every token [N, vocab] with all_logits.
+
+        `resume` (one bool, or one per sequence) chooses what each sequence is: False admits a new
+        sequence (a state slot and pages for its piece + max_drafts + 1 positions) whose piece starts
+        at position 0; True continues one already in the cache: its piece is appended at its length
+        (chunked prefill: a long prompt in pieces, or more prompt after decode steps), its
+        reservation extended to length + piece + max_drafts + 1. New and continued sequences may
+        share a batch. A continued piece starts from the cached KDA state and conv window
+        (kda_prefill's `resume`; a state left by verify + commit is folded first, as decode folds
+        it) and its MLA queries attend to the cached prefix + themselves (bottom-right causal).
+
+        Exactness (the reference path; tests/nogpu/modeling/test_model_chunked_prefill.py): with
+        FP32 SSM and BF16 KV, a prompt prefilled in any pieces gives the logits, state, conv window
+        and KV rows of one piece bit for bit (every op is row-invariant; the FP32 LM head aside,
+        which the tests make row-invariant). BF16 SSM rounds the KDA state to BF16 at each piece
+        boundary (it is stored between calls, as decode stores it); FP8 KV gives the prefix's keys
+        their FP8 quantization (one piece attends to the computed rows). Both stay within bounds
+        measured there. NVFP4 KV has no chunked prefill (SPEC.md section 5: a partial 16-token tile's
+        scale is not final): `resume` raises SpecError.
+
+        All or nothing: bad input (empty piece, repeated id, an id new where `resume` says
+        continued or the reverse: CacheStateError) or a batch that does not fit (CacheCapacityError)
+        raises before anything is written, leaving the cache as it was."""
+        c = self.cache
+        B = len(seq_ids)
+        res = [bool(resume)] * B if isinstance(resume, bool) else [bool(r) for r in resume]
+        if len(prompts) != B or len(res) != B:
+            raise SpecError("prompts/resume", (len(prompts), len(res)), [B], "one per sequence id")
         if any(len(p) == 0 for p in prompts):
             raise SpecError("prompt", [], "at least one token per prompt")
-        c = self.cache
-        admitted = []
+        if len(set(seq_ids)) != B:
+            raise SpecError("seq_ids", list(seq_ids), "distinct ids", "one piece per sequence and batch")
+        if any(res):
+            self._check_chunked("resume", True)
+        for s, r in zip(seq_ids, res):
+            if r != (s in c.mgr.seqs):
+                raise CacheStateError(f"sequence {s} is {'not ' if r else 'already '}in the cache "
+                                      f"(resume={r})")
+        extra = self.tcfg.max_drafts + 1
+        done: list[tuple[int, int | None]] = []      # (id, pages before) of a continued one, (id, None) admitted
         try:  # all or nothing: a request that does not fit leaves the cache as it was
-            for s, p in zip(seq_ids, prompts):
-                c.admit(s, len(p) + self.tcfg.max_drafts + 1)
-                admitted.append(s)
-                c.extend(s, len(p))
+            for s, p, r in zip(seq_ids, prompts, res):
+                if r:
+                    e = c.mgr.entry(s)
+                    done.append((s, len(e.pages)))
+                    c.reserve(s, e.length + len(p) + extra)
+                else:
+                    c.admit(s, len(p) + extra)
+                    done.append((s, None))
         except Exception:
-            for s in admitted:
-                c.free(s)
+            for s, pages in reversed(done):
+                if pages is None:
+                    c.free(s)
+                else:
+                    c.unreserve(s, pages)
             raise
+        starts = [c.mgr.entry(s).length for s in seq_ids]
+        c.sync_kda([s for s, r in zip(seq_ids, res) if r], 1)     # the state decode would read next
+        for s, p in zip(seq_ids, prompts):
+            c.extend(s, len(p))
+            c.mgr.entry(s).kda_mode = None                        # prefill writes both KDA views
         slots = self._i32(c.mgr.entry(s).slot for s in seq_ids)
-        cu = [0]
-        for p in prompts:
+        cu, ck = [0], [0]
+        for p, st in zip(prompts, starts):
             cu.append(cu[-1] + len(p))
+            ck.append(ck[-1] + st + len(p))
         pf = L.Prefill(slots=slots, cu_seqlens=self._i32(cu), cu_host=cu, block_table=c.block_table[slots.long()],
-                       resume=torch.zeros_like(slots), max_len=max(len(p) for p in prompts))
+                       resume=self._i32(int(st > 0) for st in starts), max_len=max(len(p) for p in prompts),
+                       start=self._i32(starts), start_host=starts, cu_k=self._i32(ck), cu_k_host=ck)
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
 
         def attn(i, lw, xn):
@@ -229,6 +280,42 @@ class K3Model:
             return L.mla_prefill(self.ops, lw.attn, xn, c.kv[i], self.layout, c.kv_scale[i], pf, self.cfg.eps)
         logits = self._run(tokens, attn)
         return logits if all_logits else logits[torch.tensor(cu[1:], device=self.device) - 1]
+
+    def _check_chunked(self, what: str, value) -> None:
+        if self.tcfg.kv is KvDtype.NVFP4:
+            raise SpecError(what, value, "no chunked prefill with NVFP4 KV", "SPEC.md section 5: a 16-token tile's "
+                            "scale is final only once the tile is complete; prefill such prompts in one piece")
+
+    def prefill_pieces(self, seq_ids: list[int], prompts: list[list[int]], chunk: int) -> torch.Tensor:
+        """Admit the prompts and prefill them in pieces of at most `chunk` tokens (`prefill`, then
+        `prefill(resume=True)` for the prompts with tokens left, in one batch per round). Returns
+        each prompt's last-token logits [B, vocab]. Refused before anything runs: NVFP4 KV with a
+        prompt longer than `chunk`. A later piece that does not fit releases every sequence of this
+        call and raises (slots, pages and block table as before the call; a freed slot's KDA pools
+        keep the released sequence's state, as after any release: an admission never reads them)."""
+        if chunk < 1:
+            raise SpecError("chunk", chunk, ">= 1")
+        if len(prompts) != len(seq_ids):
+            raise SpecError("prompts", len(prompts), [len(seq_ids)], "one per sequence id")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise SpecError("prompts", [len(p) for p in prompts], "at least one prompt, each >= 1 token")
+        if any(len(p) > chunk for p in prompts):
+            self._check_chunked("chunk", chunk)
+        out: list[torch.Tensor] = [None] * len(seq_ids)
+        admitted = False
+        try:
+            for off in range(0, max(len(p) for p in prompts), chunk):
+                live = [b for b, p in enumerate(prompts) if len(p) > off]
+                lg = self.prefill([seq_ids[b] for b in live], [prompts[b][off:off + chunk] for b in live],
+                                  resume=off > 0)
+                admitted = True
+                for b, row in zip(live, lg):
+                    out[b] = row
+        except Exception:
+            if admitted:
+                self.release(seq_ids)
+            raise
+        return torch.stack(out)
 
     def prepare(self, seq_ids: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host bookkeeping of a step of T tokens per sequence: pages, lengths. Returns (slots, start)."""

@@ -29,6 +29,7 @@ from k3gen.ops.kda_decode.reference import kda_decode as ref_kda_decode
 from k3gen.ops.kda_prefill.reference import kda_prefill as ref_kda_prefill
 from k3gen.ops.kda_verify.reference import kda_verify as ref_kda_verify
 from k3gen.ops.kv_cache_write.reference import kv_cache_write as ref_kv_write
+from k3gen.ops.mla_prefill.reference import mla_prefill as ref_mla_prefill
 from k3gen.ops.mla_q_absorb.reference import NOPE, Q_LORA, rms_norm_bf16
 from k3gen.ops.mla_vb_gate.reference import mla_vb_gate as ref_vb_gate
 from k3gen.targets import (ServingOptions, SpecMenu, attention_tokens, has_prefill_kernel, mla_decode_spec, model_specs,
@@ -66,11 +67,14 @@ class Ops:
 
 
     def prefill_attention(self, q, k_nope, k_pe, v, pf):
-        """Causal attention of a prefill's rows (no cached prefix: keys are the rows themselves):
-        q [N, H, 192] BF16, k_nope / v [N, H, 128], k_pe [N, 64] -> o [N, H, 128] FP32 (the PyTorch
-        loop; KernelOps runs the generated mla_prefill where its target has one)."""
+        """Bottom-right causal attention of a prefill's new rows over their keys (a continued
+        sequence's cached prefix, then the new rows: pf.cu_k): q [Nq, H, 192] BF16, k_nope / v
+        [Nk, H, 128], k_pe [Nk, 64] -> o [Nq, H, 128] FP32. k3gen's mla_prefill reference (FP64,
+        rounded once to FP32: where a prompt was split or which rows share the batch moves a row only
+        by FP64 reassociation, below FP32's rounding); KernelOps runs the generated mla_prefill where
+        its target has one."""
         self._mark("mla_prefill_attention", "torch" if self.kind == "kernel" else "ref")
-        return attn.prefill_attention(q[..., :NOPE], q[..., NOPE:], k_nope, k_pe, v, pf.cu_host)
+        return ref_mla_prefill(q, k_nope, k_pe, v, pf.cu_host, pf.cu_k_host)
 
 
 class RefOps(RefFfnOps, Ops):
@@ -348,14 +352,15 @@ class KernelOps(KernelFfnOps, Ops):
         return attention_tokens(self.kv_layout.kv, self.max_drafts)
 
     def prefill_attention(self, q, k_nope, k_pe, v, pf):
-        """The generated mla_prefill (FP32 out) over the prompt rows, one launch for the varlen batch;
-        targets without the kernel (targets.has_prefill_kernel) keep the PyTorch attention."""
+        """The generated mla_prefill (FP32 out) over the prompt rows and each continued sequence's
+        cached prefix (cu_seqlens_k = pf.cu_k), one launch for the varlen batch; targets without
+        the kernel (targets.has_prefill_kernel) keep the PyTorch attention."""
         if not has_prefill_kernel(self.target):
             return super().prefill_attention(q, k_nope, k_pe, v, pf)
         self._mark("mla_prefill")
         H = q.shape[1]
         h = self._handle(("mla_prefill", H), heads=H)
-        return api.mla_prefill(h, q, k_nope, k_pe, v, pf.cu_seqlens, pf.cu_seqlens, pf.max_len)
+        return api.mla_prefill(h, q, k_nope, k_pe, v, pf.cu_seqlens, pf.cu_k, pf.max_len)
 
     def kv_write(self, layout, cache, rows, cu_rows, start_pos, block_table, ring_slot, scale, max_rows):
         self._mark("kv_cache_write")

@@ -58,6 +58,9 @@ GENERATE_CASES = [
     (("--max-seq-len", "9", "--max-new", "2"), "--max-seq-len=9 is not allowed; allowed: >= 10"),
     (("--max-seq-len", "0"), "argument --max-seq-len: 0 is out of range"),
     (("--graphs",), "--graphs=True is not allowed"),
+    (("--prefill-chunk", "0"), "argument --prefill-chunk: 0 is out of range: the piece length is >= 1 token"),
+    (("--kv", "nvfp4", "--prefill-chunk", "4"), "--prefill-chunk=4 is not allowed; allowed: no chunked prefill "
+     "with --kv nvfp4 (SPEC.md section 5"),
     (("--arch", "sm89"), "invalid choice: 'sm89'"),
     (("--kv", "int4"), "invalid choice: 'int4'"),
     (("--arch", "sm100", "--kv", "nvfp4"), "kv='nvfp4' is not allowed"),
@@ -115,7 +118,8 @@ def test_plan_memory_bad_input(cache, args, needle):
 def test_help_names_choices_and_defaults(cache):
     g = run(cache, "generate", "--help").stdout
     for text in ("--prompt-ids", "(default: 1,2,3,4,5,6,7,8", "0..7", "(default: 16)", "(default: 512)",
-                 "{auto,reference,kernel}", "{bf16,fp8,nvfp4}", "sm90", "k3gen cache clear"):
+                 "{auto,reference,kernel}", "{bf16,fp8,nvfp4}", "sm90", "k3gen cache clear",
+                 "--prefill-chunk N", "pieces of at most N tokens"):
         assert text in " ".join(g.split()), text
     pm = run(cache, "plan-memory", "--help").stdout
     for text in ("(default: 8)", "(default: 0.9)", "(default: 141.0)", "(0, 1]", "{mxfp4,nvfp4,bf16}"):

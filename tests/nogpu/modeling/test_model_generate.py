@@ -118,3 +118,36 @@ def test_cli_generate_reference_path(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "[0] [" in out
+
+
+def test_cli_prefill_chunk_gives_the_same_tokens(capsys, monkeypatch):
+    """--prefill-chunk 3: an 11-token prompt prefilled in 4 pieces (K3Model.prefill_pieces) generates
+    the tokens of the one-piece prefill (BF16 KV + FP32 SSM: the pieces' logits are one piece's up to
+    the FP32 LM head's row-count rounding, test_model_chunked_prefill.py)."""
+    args = ["--config", "tiny", "--prompt-ids", "5,1,4,1,5,9,2,6,5,3,5", "--max-new", "4", "--path", "reference",
+            "--max-seq-len", "64"]
+    chunks = []
+    real = K3Model.prefill_pieces
+
+    def spy(self, ids, prompts, chunk):
+        chunks.append(chunk)
+        return real(self, ids, prompts, chunk)
+    monkeypatch.setattr(K3Model, "prefill_pieces", spy)
+    outs = []
+    for extra in ([], ["--prefill-chunk", "3"]):
+        assert main(args + extra) == 0
+        outs.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("[0] [")])
+    assert len(outs[0]) == 1 and outs[0] == outs[1] and chunks == [3]
+
+
+def test_generator_prefill_chunk(tiny_weights):
+    """Generator(prefill_chunk=N) prefills in pieces: the same greedy tokens, kda_prefill run once per
+    piece and KDA layer (a 9-token prompt in pieces of 4: 3 rounds), the cache empty afterwards."""
+    m = _model(tiny_weights)
+    want = Generator(m).generate([Request([3, 1, 4, 1, 5, 9, 2, 6, 5], 5)])[0].out
+    before = m.ops.ran["ref:kda_prefill"]
+    got = Generator(m, prefill_chunk=4).generate([Request([3, 1, 4, 1, 5, 9, 2, 6, 5], 5)])[0].out
+    assert got == want and m.ops.ran["ref:kda_prefill"] - before == 3 * len(m.cfg.kda_layer_ids)
+    assert not m.cache.mgr.seqs
+    with pytest.raises(SpecError, match="prefill_chunk"):
+        Generator(m, prefill_chunk=0)

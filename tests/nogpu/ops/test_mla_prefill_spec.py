@@ -1,5 +1,5 @@
 """mla_prefill on the CPU: spec fields and refusals, the launch plan, the reference against a naive
-FP64 loop (varlen, prefixes) and against the model's reference attention, the sm_90a compile (HGMMA,
+FP64 loop (varlen, prefixes) and as the model's prefill attention, the sm_90a compile (HGMMA,
 no spills, the register split) and the launcher's typed argument errors."""
 from __future__ import annotations
 
@@ -89,13 +89,20 @@ def test_rows_without_keys_are_zero():
     assert torch.count_nonzero(got[:2]) == 0 and torch.allclose(got[2, 0], v[0, 0].float())
 
 
-def test_reference_equals_the_model_attention_without_prefix():
-    from model.mla_attention import prefill_attention
-    cu = [0, 5, 17, 18]
-    q, kn, kp, v = _inputs(3, cu, cu, seed=3)
-    got = mla_prefill(q, kn, kp, v, cu, cu)
-    want = prefill_attention(q[..., :128], q[..., 128:], kn, kp, v, cu)
-    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+def test_model_prefill_attention_is_the_reference_with_prefix():
+    """The model's prefill attention (RefOps: a continued sequence's cached prefix in the keys,
+    pf.cu_k) is this reference, and matches the naive loop."""
+    from model.layers import Prefill
+    from model.ops import RefOps
+    cq, ck = [0, 5, 17, 18], [0, 9, 21, 30]            # prefixes 4, 0, 8
+    q, kn, kp, v = _inputs(3, cq, ck, seed=3)
+    z = torch.zeros(3, dtype=torch.int32)
+    pf = Prefill(slots=z, cu_seqlens=torch.tensor(cq, dtype=torch.int32), cu_host=cq, block_table=z[:, None],
+                 resume=z, max_len=12, start=torch.tensor([4, 0, 8], dtype=torch.int32), start_host=[4, 0, 8],
+                 cu_k=torch.tensor(ck, dtype=torch.int32), cu_k_host=ck)
+    got = RefOps(None).prefill_attention(q, kn, kp, v, pf)
+    assert torch.equal(got, mla_prefill(q, kn, kp, v, cq, ck))
+    assert torch.allclose(got, naive(q, kn, kp, v, cq, ck), rtol=1e-5, atol=1e-6)
 
 
 def test_continuation_pieces_equal_one_piece():
