@@ -214,7 +214,7 @@ class K3Model:
         (kda_prefill's `resume`; a state left by verify + commit is folded first, as decode folds
         it) and its MLA queries attend to the cached prefix + themselves (bottom-right causal).
 
-        Exactness (the reference path; tests/nogpu/modeling/test_model_chunked_prefill.py): with
+        Exactness (the reference path; tests/nogpu/modeling/test_model_chunked_prefill_cpu.py): with
         FP32 SSM and BF16 KV, a prompt prefilled in any pieces gives the logits, state, conv window
         and KV rows of one piece bit for bit (every op is row-invariant; the FP32 LM head aside,
         which the tests make row-invariant). BF16 SSM rounds the KDA state to BF16 at each piece

@@ -1,7 +1,7 @@
 """Chunked prefill on the H200 (kernel path: kda_prefill with `resume`, mla_prefill with a cached prefix
 in cu_seqlens_k, kv_cache_write at the pieces' start positions), small config. NOT RUN YET: written
 on a machine without a GPU (the CPU tests of the same contract: tests/nogpu/modeling/
-test_model_chunked_prefill.py, where the reference path is bit for bit with BF16 KV + FP32 SSM).
+test_model_chunked_prefill_cpu.py, where the reference path is bit for bit with BF16 KV + FP32 SSM).
 
 On the kernels a prompt in pieces is not one piece bit for bit (kda_prefill's 64-token chunks start at
 each piece, the FP8 GEMMs' sums may follow the row count above 128 rows), so the checks follow

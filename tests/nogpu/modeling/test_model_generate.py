@@ -123,7 +123,7 @@ def test_cli_generate_reference_path(capsys):
 def test_cli_prefill_chunk_gives_the_same_tokens(capsys, monkeypatch):
     """--prefill-chunk 3: an 11-token prompt prefilled in 4 pieces (K3Model.prefill_pieces) generates
     the tokens of the one-piece prefill (BF16 KV + FP32 SSM: the pieces' logits are one piece's up to
-    the FP32 LM head's row-count rounding, test_model_chunked_prefill.py)."""
+    the FP32 LM head's row-count rounding, test_model_chunked_prefill_cpu.py)."""
     args = ["--config", "tiny", "--prompt-ids", "5,1,4,1,5,9,2,6,5,3,5", "--max-new", "4", "--path", "reference",
             "--max-seq-len", "64"]
     chunks = []
