@@ -273,3 +273,29 @@ def test_sass(target, kv, h, t):
     else:
         assert "UBLKCP" in ops                                       # bulk copies of codes and scales
     assert (kv is KvDtype.NVFP4) == any(o.startswith("F2FP.F16.E2M1") for o in ops), "hardware E2M1 -> f16"
+
+
+# -- the two tcgen05 hazards of 7c32c26 (tests/tc_hazards.py) -------------------------------------------
+def test_tmem_loads_pinned_in_the_source():
+    from pathlib import Path
+    from tc_hazards import unpinned_async_loads
+    inc = Path(__file__).resolve().parents[3] / "k3gen" / "include" / "k3gen"
+    for hdr in ("mla/decode_tc.cuh", "common/sm100_tc.cuh"):
+        assert unpinned_async_loads((inc / hdr).read_text()) == [], hdr
+
+
+@pytest.mark.parametrize("kv", [KvDtype.BF16, KvDtype.FP8, KvDtype.NVFP4])
+def test_tmem_hazards_in_ptx_and_sass(kv):
+    """(a) no tcgen05.ld destination named before its tcgen05.wait::ld (PTX); (b) the closing
+    barrier after the lane-0 producer / MMA roles is reached converged: bar.warp.sync in its block
+    (PTX) and WARPSYNC right before the BAR.SYNC with no branch landing past it (SASS)."""
+    from k3gen.pipeline.inspect import sass_text
+    from k3gen.pipeline.nvrtc import compile_program
+    from k3gen.pipeline.render import render
+    import tc_hazards as hz
+    spec = tc("sm103-nvfp4", 12, 1, kv)
+    c = compile_program(render(spec), spec.file_stem, spec.target, want_ptx=True)
+    lines = hz.ptx_entry(c.ptx, "k3gen_mla_decode")
+    assert hz.ld_count(lines) >= 3 and hz.ld_uses_before_wait(lines) == []
+    assert hz.closing_barrier_converged_ptx(lines)
+    assert hz.closing_barrier_converged_sass(hz.sass_function(sass_text(c.cubin), "k3gen_mla_decode"))

@@ -412,9 +412,14 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
       const int pos0 = (t_begin + it) * kTok;
       sm90::mbar_wait_asm(s_full0 + 8 * (it & 1), (it >> 1) & 1);
       fence_after();
+      // tcgen05.ld is .sync.aligned: the lanes that stored P (mine) last tile rejoin the others first.
+      __syncwarp();
       float s[2][32];
-      ld32(lane_addr + kSCol + 64 * (it & 1), s[0]);
-      ld32(lane_addr + kSCol + 64 * (it & 1) + 32, s[1]);
+      sm100::ld32_async(lane_addr + kSCol + 64 * (it & 1), s[0]);
+      sm100::ld32_async(lane_addr + kSCol + 64 * (it & 1) + 32, s[1]);
+      sm100::wait_ld();
+      sm100::pin(s[0]);   // every use of the scores stays below the wait (sm100::pin)
+      sm100::pin(s[1]);
       float mx = K3GEN_MLA_NEG_INF;
 #pragma unroll
       for (int j = 0; j < 64; ++j) {
@@ -472,7 +477,8 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
 #pragma unroll 1
     for (int c = 0; c < kHalf / 32; ++c) {
       float o[32];
-      if (n > 0) ld32(lane_addr + kOCol + 32 * c, o);
+      __syncwarp();   // the lanes that skipped the last chunk's store rejoin before the aligned load
+      if (n > 0) ld32(lane_addr + kOCol + 32 * c, o);   // waited and pinned (sm100::ld32)
       const int col = kHalf * half + 32 * c;
       if (!mine || rr >= HT) continue;
 #pragma unroll
@@ -493,6 +499,9 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
       p.part_lse[prow_g] = l > 0.f ? m + log2f(l) : K3GEN_MLA_NEG_INF;
     fence_before();
   }
+  // Lane 0 of the producer / MMA warps ran its loop alone: every lane rejoins its warp before the
+  // aligned barrier (and before warp 4's aligned dealloc).
+  __syncwarp();
   __syncthreads();
   if (warp == 4) {
     fence_after();
