@@ -142,7 +142,7 @@ class MlaKernel(Variant):
     def template_inputs(self, spec) -> dict:
         plan = self.plan(spec)
         return {"plan": plan, "header": self.header, "geo": self.geo, "call": self.call, "params": self.params,
-                "note": self.note, "doc": self.doc, "asserts": self.checks_of(spec, plan)}
+                "note": self.note, "doc": self.doc, "asserts": self.checks_of(spec, plan), "config": ""}
 
 
 def _offsets(plan: Plan, names: dict[str, str]) -> str:
