@@ -87,8 +87,9 @@ def sass_function(sass: str, name: str) -> list[tuple[int, str, str]]:
 
 
 def closing_barrier_converged_sass(instrs: list[tuple[int, str, str]]) -> bool:
-    """Hazard (b) in the SASS: WARPSYNC right before the last BAR.SYNC, no branch to the BAR.SYNC."""
-    idx = max(i for i, (_, op, _) in enumerate(instrs) if op.startswith("BAR.SYNC"))
+    """Hazard (b) in the SASS: WARPSYNC right before the last BAR.SYNC of barrier 0 (__syncthreads;
+    named barriers of a subset of warps are not it), no branch to the BAR.SYNC."""
+    idx = max(i for i, (_, op, arg) in enumerate(instrs) if op.startswith("BAR.SYNC") and arg == "0x0")
     addr = instrs[idx][0]
     if not instrs[idx - 1][1].startswith("WARPSYNC"):
         return False

@@ -23,25 +23,25 @@ from k3gen.ops.kv_cache_write.reference import alloc_cache, gather_rows
 from k3gen.ops.mla_decode.spec import MlaDecodeSpec
 from k3gen.ops.mla_decode.variants import SMEM_LIMIT, tc_raw_bytes
 from k3gen.targets import TARGETS, build_specs
-from k3gen import numerics as Q
+from mla_tc_emul import BLK, decode_tile_tc, sw_off, swz_scale
 
 TC = ("sm103-nvfp4", "sm107-nvfp4")
-BLK = 64 * 128
 TILE = 9 * BLK
 
 
 def tc(target="sm103-nvfp4", heads=12, tokens=1, kv=KvDtype.BF16, **kw):
     if kv is KvDtype.NVFP4:
         kw.setdefault("max_drafts", 3)
+    kw.setdefault("schedule", "tcgen05")
     return MlaDecodeSpec(target=TARGETS[target], heads=heads, tokens=tokens, kv=kv, **kw)
 
 
 # -- selection ----------------------------------------------------------------------------------------
-def test_auto_picks_tcgen05_on_blackwell_only():
+def test_selectable_on_blackwell_only():
+    # `auto` takes tcgen05_tm there (test_mla_decode_tcgen05_tm.py); this schedule stays selectable.
     for name in TC:
-        mla = [s for s in build_specs(TARGETS[name]) if s.op == "mla_decode"]
-        assert {s.kv for s in mla} == {KvDtype.BF16, KvDtype.FP8, KvDtype.NVFP4}
-        assert all(s.schedule == "tcgen05" for s in mla)
+        for kv in (KvDtype.BF16, KvDtype.FP8, KvDtype.NVFP4):
+            assert tc(name, 12, 1, kv, schedule="tcgen05").schedule == "tcgen05"
     assert not [s for s in build_specs(TARGETS["sm90"]) if s.op == "mla_decode" and s.schedule == "tcgen05"]
     with pytest.raises(SpecError, match="needs tcgen05"):
         MlaDecodeSpec(target=TARGETS["sm90"], heads=12, schedule="tcgen05")
@@ -66,11 +66,6 @@ def test_plan(kv, fp8, stages, threads):
 
 
 # -- tile -> address, swizzle --------------------------------------------------------------------------
-def sw_off(row: int, c: int) -> int:
-    """decode_tc.cuh tc::sw_off (the header's formula)."""
-    return (c >> 3) * BLK + (row >> 3) * 1024 + (row & 7) * 128 + (((c & 7) ^ (row & 7)) << 4)
-
-
 def strip(d: int) -> int:
     assert d & DESC_VERSION
     return d & ~DESC_VERSION
@@ -141,11 +136,6 @@ def test_tmem_rows_of_the_softmax_threads():
 
 
 # -- page walk and KV decode vs the SM90 kernels on the same inputs -------------------------------------
-def swz_scale(pr: int, c: int) -> int:
-    """decode_tc.cuh tc::swz_scale: the byte of (page row, 16-dim group) in the page's scale matrix."""
-    return (c & 3) + (c >> 2) * 512 + (pr & 31) * 16 + ((pr & 127) >> 5) * 4
-
-
 def test_nvfp4_scale_bytes_match_the_mma_kernels_half_page_copy():
     """SM90/mma (decode.cuh) copies 8 of every 16 bytes of the half page (slot0 / 64) and indexes
     ((c >> 2) * 32 + (t & 31)) * 8 + (t >> 5) * 4 + (c & 3); tcgen05 copies the whole page. Same byte."""
@@ -155,43 +145,6 @@ def test_nvfp4_scale_bytes_match_the_mma_kernels_half_page_copy():
                 i = ((c >> 2) * 32 + (t & 31)) * 8 + (t >> 5) * 4 + (c & 3)
                 global_byte = (i // 8) * 16 + (slot0 // 64) * 8 + i % 8
                 assert swz_scale(slot0 + t, c) == global_byte == swizzle_128x4_offset(slot0 + t, c, 36)
-
-
-def tile_page(bt, num_pages, page, tile):
-    j = tile * 64 // page
-    if j >= len(bt):
-        return -1
-    pg = bt[j]
-    return pg if 0 <= pg < num_pages else -1
-
-
-def f16(x):
-    return x.to(torch.float16).float()
-
-
-def decode_tile_tc(layout, cache, bt, num_pages, tile, length, G, ring_slot):
-    """decode_tc.cuh decode_tile on the CPU: the f16 operand rows of one tile (logical [64][576])."""
-    page = layout.page
-    pg = tile_page(bt, num_pages, page, tile)
-    slot0 = tile * 64 % page
-    live = length // 16 * 16 if layout.kv is KvDtype.NVFP4 else length
-    out = torch.zeros(64, 576)
-    for t in range(64):
-        pos = tile * 64 + t
-        if pg >= 0 and pos < live:
-            if layout.kv is KvDtype.NVFP4:
-                codes = cache["kv_codes"][pg].reshape(-1)[(slot0 + t) * 288:(slot0 + t + 1) * 288]
-                vals = Q.e2m1_decode(Q.unpack_e2m1(codes))
-                sc = cache["scales"][pg]
-                s = Q.e4m3_decode(torch.stack([sc[swz_scale(slot0 + t, g)] for g in range(36)]))
-                out[t] = f16(vals * s.repeat_interleave(16))            # exact in f16
-            else:
-                codes = cache["kv_codes"][pg, slot0 + t]
-                s = cache["kv_scales"][pg, slot0 + t]
-                out[t] = f16(Q.e4m3_decode(codes) * s[torch.arange(576) // 128])
-        elif layout.kv is KvDtype.NVFP4 and pos < length:
-            out[t] = f16(cache["hp_tail"][ring_slot, pos % layout.ring].float() * G)
-    return out
 
 
 @pytest.mark.parametrize("kv", [KvDtype.NVFP4, KvDtype.FP8])
