@@ -114,6 +114,28 @@ def test_pv_descriptors_read_v_and_p(half):
                 assert wgmma_read_addr(strip(dp), r, k, 2) == aP + stored
 
 
+@pytest.mark.parametrize("half", [0, 1])
+def test_bf16_rows_past_the_end_zeroed_where_pv_reads_them(half):
+    """BF16, the sequence's last tile with `valid` rows: the softmax threads zero chunks
+    sw_off(valid + i / 32, 32 half + i % 32), i < (64 - valid) 32: exactly the bytes this half's PV
+    descriptors read for the tokens past the end (the TMA box copies those page rows as stored)."""
+    for valid in (1, 17, 63):
+        zeroed = set()
+        for tid in range(128):
+            for i in range(tid, (64 - valid) * 32, 128):
+                a = sw_off(valid + i // 32, 32 * half + i % 32)
+                zeroed |= set(range(a, a + 16))
+        read = set()
+        for ks in range(4):
+            dv = umma_desc(4 * half * BLK + ks * 2048, sw128_mnmajor(BLK))
+            for n in range(256):
+                for k in range(16):
+                    if 16 * ks + k >= valid:
+                        a = wgmma_read_addr_mn(strip(dv), n, k)
+                        read |= {a, a + 1}
+        assert read == zeroed
+
+
 def test_instruction_descriptors():
     # Field positions of the kind::f16 descriptor (PTX ISA, tcgen05 instruction descriptor table).
     d = idesc_f16(bf16=True, m=64, n=256, b_mn=True)

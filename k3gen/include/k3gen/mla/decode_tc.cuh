@@ -471,7 +471,19 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
           *reinterpret_cast<uint4*>(prow + ((ch ^ (row & 7)) << 4)) =
               make_uint4(pk[4 * ch], pk[4 * ch + 1], pk[4 * ch + 2], pk[4 * ch + 3]);
       }
-      sm90::fence_proxy_async();   // P (generic stores) is read by the MMA
+      if constexpr (kBf16) {
+        // The sequence's last tile: the TMA box copied the page's rows past the end as stored (stale,
+        // maybe NaN, and 0 * NaN would poison O): zero this half's V of those rows before PV reads
+        // them (QK of this tile has completed; the decoders write zeros for FP8 / NVFP4).
+        const int valid = len - pos0;
+        if (valid < kTok) {
+          unsigned char* op = smem + (it % RS) * kTileBytes;
+          for (int i = tid; i < (kTok - valid) * (kHalf / 8); i += kSoftmaxThreads)
+            *reinterpret_cast<uint4*>(op + sw_off(valid + i / (kHalf / 8), kHalf / 8 * half + i % (kHalf / 8))) =
+                make_uint4(0, 0, 0, 0);
+        }
+      }
+      sm90::fence_proxy_async();   // P and zeroed rows (generic stores) are read by the MMA
       fence_before();
       sm90::mbar_arrive(p_full);
     }
