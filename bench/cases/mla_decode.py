@@ -192,44 +192,6 @@ def mla_decode(ceiling: float, quick: bool = False, *, specs=None, batches=None,
     return rows
 
 
-# -- Blackwell (B300) projection: no Blackwell GPU exists here, so these are computed, never measured ----
+# -- Blackwell (B300) projection: bench/cases/mla_decode_b300.py (these constants are shared) ---------
 B300_TBPS = 8e12          # HBM3e bandwidth the projection assumes
 B300_F16_FLOPS = 2.25e15  # dense f16/bf16 tcgen05 peak assumed for the MMA floor (kind::f16)
-
-
-def b300_projection(spec, B: int, L: int) -> dict:
-    """Projected B300 time of the tcgen05 kernel: the larger of the KV bytes at 8 TB/s and the MMA work
-    it issues at the assumed f16 peak (M = 64 rows padded from H * T, QK done by both halves of a row
-    group, PV over 512 dims). Bytes: MlaDecodeSpec.kv_bytes (the twin half's reads are L2 hits)."""
-    nbytes = evaluate(spec.kv_bytes(), B=B, L=L)
-    plan = spec.impl.plan(spec)
-    groups, tiles = plan.groups // 2, -(-L // 64)
-    flops = B * groups * tiles * (2 * 2 * 64 * 64 * 576 + 2 * 64 * 512 * 64)
-    mem_us, mma_us = nbytes / B300_TBPS * 1e6, flops / B300_F16_FLOPS * 1e6
-    return {"bytes": nbytes, "mem_us": mem_us, "mma_us": mma_us, "proj_us": max(mem_us, mma_us),
-            "bound": "memory" if mem_us >= mma_us else "MMA"}
-
-
-def b300_specs() -> list:
-    from k3gen.ops.mla_decode.spec import MlaDecodeSpec
-    from k3gen.targets import get_target
-    tgt = get_target("sm103")
-    return [MlaDecodeSpec(target=tgt, heads=h, tokens=t, kv=kv, **({"max_drafts": 3} if kv.value == "nvfp4" else {}))
-            for kv, _ in _kv_formats() for h in (12, 96) for t in (1, 4)]
-
-
-@case(device="cpu")
-def mla_decode_b300(quick: bool = False) -> list:
-    """Projected B300 times of the sm103 tcgen05 MLA decode (every KV dtype; computed, not measured)."""
-    rows = []
-    print(f"{'case':<44} {'MB':>9} {'mem us':>9} {'MMA us':>9} {'proj us':>9}  bound   (B300 projection, not measured)")
-    for spec in b300_specs():
-        for B in ((32,) if quick else (1, 32, 128)):
-            for L in ((8192,) if quick else (8192, 32768)):
-                p = b300_projection(spec, B, L)
-                name = f"{spec.kv.value}-{spec.schedule} H{spec.heads} T{spec.tokens} B{B} L{L}"
-                print(f"{name:<44} {p['bytes'] / 1e6:9.1f} {p['mem_us']:9.1f} {p['mma_us']:9.1f} {p['proj_us']:9.1f}"
-                      f"  {p['bound']}")
-                rows.append({"case": name, "seconds": p["proj_us"] * 1e-6,
-                             "detail": f"projected {p['proj_us']:.1f} us ({p['bound']}-bound; not measured)", **p})
-    return rows

@@ -28,9 +28,9 @@ outputs + log-sum-exp into a workspace and a second entry (`k3gen_mla_decode_com
 The split count is chosen on the host (`plan_splits`) from the batch shape only, so a captured graph
 stays valid when lengths change; each CTA derives its token range from the device lengths.
 
-`schedule` names the kernel (the variants of variants.py: "tcgen05", "wgmma_qm", "wgmma", "mma"); "auto", the
-default, is resolved when the spec is built to the first variant that can implement it, so the
-canonical spec and the file name name the kernel it gets. Each variant's geometry (query rows per
+`schedule` names the kernel (the variants of variants.py: "tcgen05_tm", "tcgen05", "wgmma_qm",
+"wgmma", "mma"); "auto", the default, is resolved when the spec is built to the first variant that
+can implement it, so the canonical spec and the file name name the kernel it gets. Each variant's geometry (query rows per
 CTA, threads, shared-memory plan) is `spec.impl.plan(spec)`.
 """
 from __future__ import annotations

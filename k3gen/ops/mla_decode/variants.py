@@ -1,11 +1,13 @@
 """The kernels that implement mla_decode, in the order `auto` tries them, and each one's geometry.
 
-Declared order = what `auto` picks: on a tcgen05 target `tcgen05` (NVFP4 with the 128x4 scale
+Declared order = what `auto` picks: on a tcgen05 target `tcgen05_tm` (NVFP4 with the 128x4 scale
 swizzle); on a wgmma target BF16 KV gets `wgmma_qm`, FP8 KV and NVFP4 KV
 with linear tile scales get `wgmma`, everything else (NVFP4 with the other target's scale layout)
-gets `mma`. The H200 measured each of those fastest at every H * T it was tried on
-(bench/NOTES.md, "mla_decode variant choice"), so no choice depends on the shape and there is no
-band table here.
+gets `mma`. The H200 measured each of its choices fastest at every H * T it was tried on
+(bench/NOTES.md, "mla_decode variant choice"); on the tcgen05 targets, where nothing can be
+measured here, the B300 projection (bench/cases/mla_decode_b300.py) prices `tcgen05_tm` ahead of
+`tcgen05` by 1.3-3x at every K3 H * T (12 .. 1024 rows) and KV dtype, so no choice depends on the
+shape and there is no band table here (`tcgen05` stays selectable by name).
 
 - `wgmma_qm` (sm_90a, BF16 KV; include/k3gen/mla/decode_wg_qm.cuh) puts 64 query rows on the wgmma
   M side: S = Q K^T as m64n64k16 and O += P V as m64n128k16, both operands from shared memory, V read
@@ -27,6 +29,13 @@ band table here.
   change every 16 dims and 16 tokens, so each consumer decodes a tile once (e2m1 x E4M3 x 2^-8 is
   exact in f16) into QK's register-A operand and its own f16 V tile; the live 16-token tile's BF16
   ring rows are folded into one consumer's softmax state in FP32 on CUDA cores.
+- `tcgen05_tm` (the SM100 family: sm103/sm107; decode_tm.cuh): the KV tokens on the MMA M side.
+  One CTA owns R = 16 m_tiles query rows (H * T in the fewest balanced groups of <= 64, padded to
+  16) and all 512 output dims: S^T = K Q^T as kind::f16 M = 64 (tokens) x N = R, O^T += V^T P^T as
+  4 blocks of M = 128 dims x N = R (V read MN-major from the same tile), S^T ping-pong, O^T and
+  the softmax denominators in TMEM; the softmax reduces along M across TMEM lanes (a butterfly
+  over 16 lanes, then 4 warps). Copies, decoders, Q staging and the tcgen05 layer are
+  `tcgen05`'s. Proven by compile, SASS and CPU replay / emulation only (no Blackwell GPU here).
 - `tcgen05` (the SM100 family: sm103/sm107; decode_tc.cuh): tcgen05 kind::f16 MMAs with S and O in
   TMEM, 64 query rows on M, each CTA of a pair writing 256 of the 512 output dims; BF16 tiles by TMA
   (the wgmma_qm boxes), FP8/NVFP4 by bulk copies decoded to f16 in shared memory (NVFP4 by the
@@ -142,7 +151,7 @@ class MlaKernel(Variant):
     def template_inputs(self, spec) -> dict:
         plan = self.plan(spec)
         return {"plan": plan, "header": self.header, "geo": self.geo, "call": self.call, "params": self.params,
-                "note": self.note, "doc": self.doc, "asserts": self.checks_of(spec, plan)}
+                "note": self.note, "doc": self.doc, "asserts": self.checks_of(spec, plan), "config": ""}
 
 
 def _offsets(plan: Plan, names: dict[str, str]) -> str:
@@ -403,13 +412,126 @@ def tc_probes(bf16: bool) -> list[tuple[str, str]]:
     ]
 
 
+# tcgen05_tm (decode_tm.cuh): tokens on M; R = 16 m_tiles query rows x all 512 output dims per CTA.
+TM_MAX_ROWS = 64
+
+
+def tm_default_rows(ht: int) -> int:
+    """H * T in the fewest groups of <= 64 rows, balanced, each padded to 16 (the PV's N step)."""
+    groups = -(-ht // TM_MAX_ROWS)
+    return 16 * -(-(-(-ht // groups)) // 16)
+
+
+def tm_tmem_cols(rows: int) -> int:
+    """TMEM columns allocated: S^T ping-pong (2 R), O^T (4 R), the denominator partials (R), rounded up
+    to a power of two >= 32."""
+    return max(32, 1 << (7 * rows - 1).bit_length())
+
+
+def tm_smem(spec, rows: int, op_stages: int, raw_stages: int) -> dict:
+    """TmGeo: operand tiles (BF16: the TMA stages), Q ([R][576] as 9 SW128 blocks), P^T ([R][64 tok]
+    SW128), the raw ring (FP8/NVFP4), mbarriers (ring full/empty, operand full/empty when decoded,
+    S full x 2, P full, O done), the TMEM address slot, the column reduction [4][R], the per-column
+    m and alpha (the epilogue's 1 / l)."""
+    dec = spec.kv is not KvDtype.BF16
+    ring = raw_stages if dec else op_stages
+    return _stacked((("op", op_stages * TC_TILE_BYTES), ("q", rows * MLA_ROW * 2), ("p", rows * TILE_TOKENS * 2),
+                     ("raw", (raw_stages if dec else 0) * tc_raw_bytes(spec)),
+                     ("bars", 8 * (2 * ring + (2 * op_stages if dec else 0) + 4)), ("tmem", 16), ("red", 4 * rows * 4),
+                     ("col", 2 * rows * 4)))
+
+
+class TmKernel(MlaKernel):
+    def m_tiles_allowed(self, spec):
+        return (1, 2, 3, 4)
+
+    def default_m_tiles(self, spec):
+        return tm_default_rows(spec.heads * spec.tokens) // 16
+
+    def stages(self, spec, rows: int) -> tuple[int, int]:
+        """(operand tiles, raw stages). BF16: the deepest TMA ring that fits. FP8/NVFP4: two decoded
+        operand tiles (the decode of the next tile runs under this one's softmax and PV) when a
+        2-deep raw ring still fits, else one and the deepest raw ring."""
+        fits = lambda o, r: tm_smem(spec, rows, o, r)["total"] <= SMEM_LIMIT   # noqa: E731
+        if spec.kv is KvDtype.BF16:
+            return next((o for o in (4, 3, 2) if fits(o, 0)), 1), 0
+        for o in (2, 1):
+            r = next((r for r in (4, 3, 2, 1) if fits(o, r)), 0)
+            if r >= (2 if o == 2 else 1):
+                return o, r
+        return 1, 1
+
+    def geometry(self, spec):
+        rows = 16 * spec.m_tiles
+        op, raw = self.stages(spec, rows)
+        smem = tm_smem(spec, rows, op, raw)
+        dec = spec.kv is not KvDtype.BF16
+        return Plan(rows=rows, groups=_groups(spec, rows), threads=320 if dec else 192, max_registers=255,
+                    ctas_per_sm=1, stages=raw if dec else op, stage_bytes=tc_raw_bytes(spec) if dec else TC_TILE_BYTES,
+                    smem_bytes=smem["total"], smem_limit=SMEM_LIMIT, smem=smem, kv_map=not dec,
+                    desc_probe=(op, tm_tmem_cols(rows)))
+
+    def template_inputs(self, spec) -> dict:
+        d = super().template_inputs(spec)
+        # The operand tiles are a second stage count: rendered into this variant's Config only.
+        d["config"] = f"\n  static constexpr int kOpStages = {self.plan(spec).desc_probe[0]};"
+        if spec.kv is KvDtype.BF16:
+            d.update(call="k3gen::mla::tm::decode<Config>(p, &kv_map)",
+                     params=",\n    const __grid_constant__ k3gen::sm90::TmaMap kv_map",
+                     note="\n//                             (+ kv_map: TMA map of c0 as uint8 [pages * 64 rows][1152], "
+                          "box [64][128], 128B swizzle)")
+        else:
+            d.update(call="k3gen::mla::tm::decode<Config>(p, nullptr)")
+        return d
+
+    def checks_of(self, spec, plan):
+        op, cols = plan.desc_probe
+        return [
+            (f"Geo::kSmem == {plan.smem_bytes}", "shared memory plan differs from the tcgen05_tm variant's plan"),
+            (_offsets(plan, {"Q": "q", "P": "p", "Raw": "raw", "Bar": "bars", "Tmem": "tmem", "Red": "red",
+                             "Col": "col"}), "shared memory offsets differ from the tcgen05_tm variant's plan"),
+            (f"Geo::kThreads == {plan.threads} && Geo::Raw::kRawBytes == {tc_raw_bytes(spec)} && "
+             f"Geo::kOpStages == {op} && Geo::kTmemCols == {cols}",
+             "threads / raw stage / operand tiles / TMEM columns differ from the tcgen05_tm variant's plan"),
+            (f"Geo::kR == {plan.rows} && Config::kPage % k3gen::mla::kTok == 0",
+             "query rows per CTA; tiles never straddle pages"),
+            ("Config::kKv != k3gen::mla::Kv::kNvfp4 || (Config::kSwizzle && Config::kNumTensors == 3)",
+             "NVFP4: 128x4-swizzled scales, hp_tail"),
+        ] + tm_probes(spec.kv is KvDtype.BF16, plan.rows)
+
+
+def tm_probes(bf16: bool, rows: int) -> list[tuple[str, str]]:
+    """decode_tm.cuh's descriptors against k3gen.arch.sm100: QK's B (Q, [R][576] K-major: the rope
+    block, last k16), PV's A (V^T MN-major over two 64-dim blocks, LBO the block stride) and P^T's
+    B, both instruction descriptors (QK M = 64 N = R; PV M = 128 N = R, A MN-major)."""
+    a_q = 8 * rows * 128 + 3 * 32
+    a_v = TC_TILE_BYTES + 6 * BLK_TC + 3 * 2048
+    a_p = 3 * 32
+    b = "true" if bf16 else "false"
+    return [
+        (f"k3gen::sm100::desc<16, 1024>({a_q}u) == {umma_desc(a_q, SW128_KMAJOR)}ull &&\n              "
+         f"k3gen::sm100::desc<{BLK_TC}, 1024>({a_v}u) == {umma_desc(a_v, sw128_mnmajor(BLK_TC))}ull &&\n              "
+         f"k3gen::sm100::desc<16, 1024>({a_p}u) == {umma_desc(a_p, SW128_KMAJOR)}ull",
+         "tcgen05 shared-memory descriptor differs from k3gen.arch.sm100.umma_desc"),
+        (f"k3gen::sm100::idesc<{b}, false, 64, {rows}>() == {idesc_f16(bf16=bf16, m=64, n=rows)}u &&\n              "
+         f"k3gen::sm100::idesc<{b}, false, 128, {rows}, true>() == "
+         f"{idesc_f16(bf16=bf16, m=128, n=rows, a_mn=True)}u",
+         "tcgen05 instruction descriptor differs from k3gen.arch.sm100.idesc_f16"),
+    ]
+
+
 _WGMMA = (lambda s: s.target.mma == "wgmma", "needs wgmma (sm_90a); this target has none")
 _TCGEN05 = (lambda s: s.target.mma == "tcgen05", "needs tcgen05 (sm_100a family); this target has none")
 
+_SWZ = (lambda s: s.kv is not KvDtype.NVFP4 or s.scale_layout is ScaleLayout.SWIZZLE_128X4,
+        "reads NVFP4 scales in the 128x4 swizzle only (the SM100 family's layout)")
+
 VARIANTS = VariantTable("mla_decode", (
+    TmKernel("tcgen05_tm", doc="tcgen05, KV tokens on M, query rows on N, all 512 dims per CTA",
+             checks=(_TCGEN05, _SWZ), header="k3gen/mla/decode_tm.cuh", geo="k3gen::mla::tm::TmGeo<Config>",
+             m_tiles_why="tcgen05_tm: 16 m_tiles query rows per CTA = the MMAs' N (16..64)"),
     TcKernel("tcgen05", doc="tcgen05 MMA, TMEM accumulators, TMA / bulk-copy producer",
-             checks=(_TCGEN05, (lambda s: s.kv is not KvDtype.NVFP4 or s.scale_layout is ScaleLayout.SWIZZLE_128X4,
-                                "reads NVFP4 scales in the 128x4 swizzle only (the SM100 family's layout)")),
+             checks=(_TCGEN05, _SWZ),
              header="k3gen/mla/decode_tc.cuh", geo="k3gen::mla::tc::TcGeo<Config>",
              m_tiles_why="tcgen05: 64 query rows per CTA (M = 64)"),
     QmKernel("wgmma_qm", doc="query rows on the wgmma M side, TMA producer",

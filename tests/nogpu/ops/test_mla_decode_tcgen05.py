@@ -23,25 +23,25 @@ from k3gen.ops.kv_cache_write.reference import alloc_cache, gather_rows
 from k3gen.ops.mla_decode.spec import MlaDecodeSpec
 from k3gen.ops.mla_decode.variants import SMEM_LIMIT, tc_raw_bytes
 from k3gen.targets import TARGETS, build_specs
-from k3gen import numerics as Q
+from mla_tc_emul import BLK, decode_tile_tc, sw_off, swz_scale
 
 TC = ("sm103-nvfp4", "sm107-nvfp4")
-BLK = 64 * 128
 TILE = 9 * BLK
 
 
 def tc(target="sm103-nvfp4", heads=12, tokens=1, kv=KvDtype.BF16, **kw):
     if kv is KvDtype.NVFP4:
         kw.setdefault("max_drafts", 3)
+    kw.setdefault("schedule", "tcgen05")
     return MlaDecodeSpec(target=TARGETS[target], heads=heads, tokens=tokens, kv=kv, **kw)
 
 
 # -- selection ----------------------------------------------------------------------------------------
-def test_auto_picks_tcgen05_on_blackwell_only():
+def test_selectable_on_blackwell_only():
+    # `auto` takes tcgen05_tm there (test_mla_decode_tcgen05_tm.py); this schedule stays selectable.
     for name in TC:
-        mla = [s for s in build_specs(TARGETS[name]) if s.op == "mla_decode"]
-        assert {s.kv for s in mla} == {KvDtype.BF16, KvDtype.FP8, KvDtype.NVFP4}
-        assert all(s.schedule == "tcgen05" for s in mla)
+        for kv in (KvDtype.BF16, KvDtype.FP8, KvDtype.NVFP4):
+            assert tc(name, 12, 1, kv, schedule="tcgen05").schedule == "tcgen05"
     assert not [s for s in build_specs(TARGETS["sm90"]) if s.op == "mla_decode" and s.schedule == "tcgen05"]
     with pytest.raises(SpecError, match="needs tcgen05"):
         MlaDecodeSpec(target=TARGETS["sm90"], heads=12, schedule="tcgen05")
@@ -66,11 +66,6 @@ def test_plan(kv, fp8, stages, threads):
 
 
 # -- tile -> address, swizzle --------------------------------------------------------------------------
-def sw_off(row: int, c: int) -> int:
-    """decode_tc.cuh tc::sw_off (the header's formula)."""
-    return (c >> 3) * BLK + (row >> 3) * 1024 + (row & 7) * 128 + (((c & 7) ^ (row & 7)) << 4)
-
-
 def strip(d: int) -> int:
     assert d & DESC_VERSION
     return d & ~DESC_VERSION
@@ -119,6 +114,28 @@ def test_pv_descriptors_read_v_and_p(half):
                 assert wgmma_read_addr(strip(dp), r, k, 2) == aP + stored
 
 
+@pytest.mark.parametrize("half", [0, 1])
+def test_bf16_rows_past_the_end_zeroed_where_pv_reads_them(half):
+    """BF16, the sequence's last tile with `valid` rows: the softmax threads zero chunks
+    sw_off(valid + i / 32, 32 half + i % 32), i < (64 - valid) 32: exactly the bytes this half's PV
+    descriptors read for the tokens past the end (the TMA box copies those page rows as stored)."""
+    for valid in (1, 17, 63):
+        zeroed = set()
+        for tid in range(128):
+            for i in range(tid, (64 - valid) * 32, 128):
+                a = sw_off(valid + i // 32, 32 * half + i % 32)
+                zeroed |= set(range(a, a + 16))
+        read = set()
+        for ks in range(4):
+            dv = umma_desc(4 * half * BLK + ks * 2048, sw128_mnmajor(BLK))
+            for n in range(256):
+                for k in range(16):
+                    if 16 * ks + k >= valid:
+                        a = wgmma_read_addr_mn(strip(dv), n, k)
+                        read |= {a, a + 1}
+        assert read == zeroed
+
+
 def test_instruction_descriptors():
     # Field positions of the kind::f16 descriptor (PTX ISA, tcgen05 instruction descriptor table).
     d = idesc_f16(bf16=True, m=64, n=256, b_mn=True)
@@ -141,11 +158,6 @@ def test_tmem_rows_of_the_softmax_threads():
 
 
 # -- page walk and KV decode vs the SM90 kernels on the same inputs -------------------------------------
-def swz_scale(pr: int, c: int) -> int:
-    """decode_tc.cuh tc::swz_scale: the byte of (page row, 16-dim group) in the page's scale matrix."""
-    return (c & 3) + (c >> 2) * 512 + (pr & 31) * 16 + ((pr & 127) >> 5) * 4
-
-
 def test_nvfp4_scale_bytes_match_the_mma_kernels_half_page_copy():
     """SM90/mma (decode.cuh) copies 8 of every 16 bytes of the half page (slot0 / 64) and indexes
     ((c >> 2) * 32 + (t & 31)) * 8 + (t >> 5) * 4 + (c & 3); tcgen05 copies the whole page. Same byte."""
@@ -155,43 +167,6 @@ def test_nvfp4_scale_bytes_match_the_mma_kernels_half_page_copy():
                 i = ((c >> 2) * 32 + (t & 31)) * 8 + (t >> 5) * 4 + (c & 3)
                 global_byte = (i // 8) * 16 + (slot0 // 64) * 8 + i % 8
                 assert swz_scale(slot0 + t, c) == global_byte == swizzle_128x4_offset(slot0 + t, c, 36)
-
-
-def tile_page(bt, num_pages, page, tile):
-    j = tile * 64 // page
-    if j >= len(bt):
-        return -1
-    pg = bt[j]
-    return pg if 0 <= pg < num_pages else -1
-
-
-def f16(x):
-    return x.to(torch.float16).float()
-
-
-def decode_tile_tc(layout, cache, bt, num_pages, tile, length, G, ring_slot):
-    """decode_tc.cuh decode_tile on the CPU: the f16 operand rows of one tile (logical [64][576])."""
-    page = layout.page
-    pg = tile_page(bt, num_pages, page, tile)
-    slot0 = tile * 64 % page
-    live = length // 16 * 16 if layout.kv is KvDtype.NVFP4 else length
-    out = torch.zeros(64, 576)
-    for t in range(64):
-        pos = tile * 64 + t
-        if pg >= 0 and pos < live:
-            if layout.kv is KvDtype.NVFP4:
-                codes = cache["kv_codes"][pg].reshape(-1)[(slot0 + t) * 288:(slot0 + t + 1) * 288]
-                vals = Q.e2m1_decode(Q.unpack_e2m1(codes))
-                sc = cache["scales"][pg]
-                s = Q.e4m3_decode(torch.stack([sc[swz_scale(slot0 + t, g)] for g in range(36)]))
-                out[t] = f16(vals * s.repeat_interleave(16))            # exact in f16
-            else:
-                codes = cache["kv_codes"][pg, slot0 + t]
-                s = cache["kv_scales"][pg, slot0 + t]
-                out[t] = f16(Q.e4m3_decode(codes) * s[torch.arange(576) // 128])
-        elif layout.kv is KvDtype.NVFP4 and pos < length:
-            out[t] = f16(cache["hp_tail"][ring_slot, pos % layout.ring].float() * G)
-    return out
 
 
 @pytest.mark.parametrize("kv", [KvDtype.NVFP4, KvDtype.FP8])
@@ -273,3 +248,29 @@ def test_sass(target, kv, h, t):
     else:
         assert "UBLKCP" in ops                                       # bulk copies of codes and scales
     assert (kv is KvDtype.NVFP4) == any(o.startswith("F2FP.F16.E2M1") for o in ops), "hardware E2M1 -> f16"
+
+
+# -- the two tcgen05 hazards of 7c32c26 (tests/tc_hazards.py) -------------------------------------------
+def test_tmem_loads_pinned_in_the_source():
+    from pathlib import Path
+    from tc_hazards import unpinned_async_loads
+    inc = Path(__file__).resolve().parents[3] / "k3gen" / "include" / "k3gen"
+    for hdr in ("mla/decode_tc.cuh", "common/sm100_tc.cuh"):
+        assert unpinned_async_loads((inc / hdr).read_text()) == [], hdr
+
+
+@pytest.mark.parametrize("kv", [KvDtype.BF16, KvDtype.FP8, KvDtype.NVFP4])
+def test_tmem_hazards_in_ptx_and_sass(kv):
+    """(a) no tcgen05.ld destination named before its tcgen05.wait::ld (PTX); (b) the closing
+    barrier after the lane-0 producer / MMA roles is reached converged: bar.warp.sync in its block
+    (PTX) and WARPSYNC right before the BAR.SYNC with no branch landing past it (SASS)."""
+    from k3gen.pipeline.inspect import sass_text
+    from k3gen.pipeline.nvrtc import compile_program
+    from k3gen.pipeline.render import render
+    import tc_hazards as hz
+    spec = tc("sm103-nvfp4", 12, 1, kv)
+    c = compile_program(render(spec), spec.file_stem, spec.target, want_ptx=True)
+    lines = hz.ptx_entry(c.ptx, "k3gen_mla_decode")
+    assert hz.ld_count(lines) >= 3 and hz.ld_uses_before_wait(lines) == []
+    assert hz.closing_barrier_converged_ptx(lines)
+    assert hz.closing_barrier_converged_sass(hz.sass_function(sass_text(c.cubin), "k3gen_mla_decode"))

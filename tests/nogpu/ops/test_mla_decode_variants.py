@@ -14,7 +14,7 @@ from k3gen.errors import SpecError
 from k3gen.ir.dtypes import Fp8ScaleGranularity, KvDtype, ScaleLayout
 from k3gen.ops import spec_from_canonical
 from k3gen.ops.mla_decode.spec import MlaDecodeSpec
-from k3gen.ops.mla_decode.variants import VARIANTS
+from k3gen.ops.mla_decode.variants import VARIANTS, tm_default_rows
 from k3gen.pipeline.build import lower
 from k3gen.targets import TARGETS
 
@@ -41,14 +41,15 @@ def old_auto(target, kv, scale_layout):
     layout = scale_layout or target.nvfp4_scale_layout
     wg = target.mma == "wgmma" and (kv is KvDtype.FP8 or (kv is KvDtype.NVFP4 and layout is ScaleLayout.LINEAR))
     qm = target.mma == "wgmma" and kv is KvDtype.BF16
-    # issue 26: the tcgen05 targets get the tcgen05 kernel (NVFP4: with their 128x4 scale swizzle)
+    # issue 26: the tcgen05 targets get a tcgen05 kernel (NVFP4: with their 128x4 scale swizzle); since
+    # the B300 projection priced it (bench/cases/mla_decode_b300.py), tokens on M at every H * T
     if target.mma == "tcgen05" and (kv is not KvDtype.NVFP4 or layout is ScaleLayout.SWIZZLE_128X4):
-        return "tcgen05"
+        return "tcgen05_tm"
     return "wgmma_qm" if qm else "wgmma" if wg else "mma"
 
 
 def test_declared_order():
-    assert VARIANTS.names() == ("tcgen05", "wgmma_qm", "wgmma", "mma")
+    assert VARIANTS.names() == ("tcgen05_tm", "tcgen05", "wgmma_qm", "wgmma", "mma")
     assert MlaDecodeSpec.variant_field == "schedule" and MlaDecodeSpec.variants is VARIANTS
 
 
@@ -77,12 +78,15 @@ def test_auto_matches_the_old_rule(target):
             assert s.schedule == old_auto(target, kv, kw.get("scale_layout")), (kv, kw, h, t)
             # The m_tiles default of the kernel it got (as before: 64 rows for wgmma_qm, 16 for the
             # FP8/NVFP4 wgmma, 16 or 32 for mma.sync by H * T).
-            want = {"tcgen05": 4, "wgmma_qm": 4, "wgmma": 1, "mma": 1 if h * t <= 16 else 2}[s.schedule]
+            want = {"tcgen05_tm": tm_default_rows(h * t) // 16, "tcgen05": 4, "wgmma_qm": 4, "wgmma": 1,
+                    "mma": 1 if h * t <= 16 else 2}[s.schedule]
             assert s.m_tiles == want and "-mt" not in s.slug()
             assert s == MlaDecodeSpec(target=target, heads=h, tokens=t, kv=kv, schedule=s.schedule, **kw)
 
 
 CANNOT = {   # variant -> specs (as fields) it cannot implement
+    "tcgen05_tm": [dict(target=SM90, heads=12),
+                   dict(target=SM107, heads=12, kv=KvDtype.NVFP4, max_drafts=3, scale_layout=ScaleLayout.LINEAR)],
     "tcgen05": [dict(target=SM90, heads=12),
                 dict(target=SM103, heads=12, kv=KvDtype.NVFP4, max_drafts=3, scale_layout=ScaleLayout.LINEAR)],
     "wgmma_qm": [dict(target=SM103, heads=12), dict(target=SM90, heads=12, kv=KvDtype.FP8),

@@ -1,5 +1,5 @@
 // The tcgen05 layer of the SM100 family (sm_100a, sm_103a, sm_107a) shared by the NVRTC kernels that
-// use it (mla/decode_tc.cuh, mla/prefill_tc.cuh, kda/prefill_chunk64_tc.cuh, moe/experts_tc.cuh):
+// use it (mla/decode_tc.cuh, mla/decode_tm.cuh, mla/prefill_tc.cuh, kda/prefill_chunk64_tc.cuh, moe/experts_tc.cuh):
 // shared-memory and instruction descriptors, the
 // kind::f16 MMA with its commit, the thread-sync fences, TMEM allocation and the 32x32b TMEM loads
 // and stores. k3gen/arch/sm100.py holds the same encoders in Python; each kernel's template
@@ -20,12 +20,12 @@ __host__ __device__ constexpr unsigned long long desc(unsigned addr) {
   return sm90::wgmma_desc<kLbo, kSbo, 1>(addr) | (1ull << 46);
 }
 // Instruction descriptor of kind::f16: D F32 (bits 4-5 = 1), A/B format (bits 7-9 / 10-12: 0 F16,
-// 1 BF16), B major (bit 16: 1 = MN-major), N >> 3 (bits 17-22), M >> 4 (bits 24-28).
-template <bool kBf16, bool kBMn, int M, int N>
+// 1 BF16), A / B major (bits 15 / 16: 1 = MN-major), N >> 3 (bits 17-22), M >> 4 (bits 24-28).
+template <bool kBf16, bool kBMn, int M, int N, bool kAMn = false>
 __host__ __device__ constexpr unsigned idesc() {
   static_assert((M == 64 && N % 8 == 0) || (M == 128 && N % 16 == 0), "kind::f16 cta_group::1 N step");
   static_assert(N >= 8 && N <= 256, "kind::f16 N range");
-  return (1u << 4) | (kBf16 ? (1u << 7) | (1u << 10) : 0u) | (kBMn ? 1u << 16 : 0u) |
+  return (1u << 4) | (kBf16 ? (1u << 7) | (1u << 10) : 0u) | (kAMn ? 1u << 15 : 0u) | (kBMn ? 1u << 16 : 0u) |
          (static_cast<unsigned>(N >> 3) << 17) | (static_cast<unsigned>(M >> 4) << 24);
 }
 // D (TMEM) (+)= A B, A and B from shared memory through descriptors; acc = 0 overwrites D.
@@ -82,6 +82,28 @@ __device__ __forceinline__ void ld8_async(unsigned taddr, float (&v)[8]) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]), "=r"(r[4]), "=r"(r[5]), "=r"(r[6]), "=r"(r[7])
                : "r"(taddr)
                : "memory");
+}
+// 16 consecutive FP32 columns of this thread's TMEM lane, not waited for (wait_ld, then pin).
+__device__ __forceinline__ void ld16_async(unsigned taddr, float* v) {
+  unsigned* r = reinterpret_cast<unsigned*>(v);
+  asm volatile(
+      "tcgen05.ld.sync.aligned.32x32b.x16.b32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, "
+      "%15}, [%16];\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]), "=r"(r[4]), "=r"(r[5]), "=r"(r[6]), "=r"(r[7]),
+        "=r"(r[8]), "=r"(r[9]), "=r"(r[10]), "=r"(r[11]), "=r"(r[12]), "=r"(r[13]), "=r"(r[14]), "=r"(r[15])
+      : "r"(taddr)
+      : "memory");
+}
+// 16 FP32 columns of this thread's TMEM lane from registers, waited for.
+__device__ __forceinline__ void st16(unsigned taddr, const float* v) {
+  const unsigned* r = reinterpret_cast<const unsigned*>(v);
+  asm volatile(
+      "tcgen05.st.sync.aligned.32x32b.x16.b32 [%0], {%1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, "
+      "%15, %16};\n" ::"r"(taddr),
+      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]), "r"(r[4]), "r"(r[5]), "r"(r[6]), "r"(r[7]), "r"(r[8]), "r"(r[9]),
+      "r"(r[10]), "r"(r[11]), "r"(r[12]), "r"(r[13]), "r"(r[14]), "r"(r[15])
+      : "memory");
+  asm volatile("tcgen05.wait::st.sync.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void ld32(unsigned taddr, float (&v)[32]) {
   ld32_async(taddr, v);

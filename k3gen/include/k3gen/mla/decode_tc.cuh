@@ -64,16 +64,23 @@ constexpr int kTmemCols = 512;
 constexpr int kSCol = 0, kOCol = 128;        // S ping-pong at 0 / 64, O at 128
 constexpr int kSoftmaxThreads = 128, kDecThreads = 128;
 
+// One FP8 / NVFP4 raw stage as the bulk copies land it (shared with decode_tm.cuh).
 template <class C>
-struct TcGeo {
+struct RawGeo {
   static constexpr bool kDecode = C::kKv != Kv::kBf16;
-  static constexpr int kThreads = kDecode ? 320 : 192;
-  static constexpr int kOpStages = kDecode ? 1 : C::kStages;   // operand tiles the MMA reads
-  static constexpr int kRawStages = kDecode ? C::kStages : 0;  // FP8/NVFP4 raw ring
   static constexpr int kScaleBytes = C::kKv == Kv::kFp8 ? (C::kFp8PerTensor ? 0 : kTok * 5 * 4)
                                                         : (C::kKv == Kv::kNvfp4 ? 128 * 36 : 0);
   static constexpr int kCodeBytes = C::kKv == Kv::kFp8 ? kTok * kRow : kTok * kRow / 2;
   static constexpr int kRawBytes = kDecode ? kCodeBytes + kScaleBytes : 0;
+};
+
+template <class C>
+struct TcGeo : RawGeo<C> {
+  using RawGeo<C>::kDecode;
+  using RawGeo<C>::kRawBytes;
+  static constexpr int kThreads = kDecode ? 320 : 192;
+  static constexpr int kOpStages = kDecode ? 1 : C::kStages;   // operand tiles the MMA reads
+  static constexpr int kRawStages = kDecode ? C::kStages : 0;  // FP8/NVFP4 raw ring
   static constexpr int kQOff = kOpStages * kTileBytes;
   static constexpr int kPOff = kQOff + kRows * kRow * 2;
   static constexpr int kRawOff = kPOff + kRows * kTok * 2;
@@ -100,10 +107,13 @@ using sm100::tmem_alloc;
 using sm100::tmem_dealloc;
 
 // ---- operand layout (the SM90 kernels' SW128 K-major rows) ------------------------------------------
-// Byte offset of 16-byte chunk c (of 72) of row `row` in a [64][576] 16-bit operand (9 SW128 blocks).
-__host__ __device__ constexpr int sw_off(int row, int c) {
-  return (c >> 3) * kBlk + (row >> 3) * 1024 + (row & 7) * 128 + (((c & 7) ^ (row & 7)) << 4);
+// Byte offset of 16-byte chunk c (of 72) of row `row` in a [kR][576] 16-bit operand (9 SW128 blocks
+// of [kR][64], kR a multiple of 8); sw_off: the [64][576] tiles.
+template <int kR>
+__host__ __device__ constexpr int sw_rows(int row, int c) {
+  return (c >> 3) * kR * 128 + (row >> 3) * 1024 + (row & 7) * 128 + (((c & 7) ^ (row & 7)) << 4);
 }
+__host__ __device__ constexpr int sw_off(int row, int c) { return sw_rows<kTok>(row, c); }
 
 // S[64 rows x 64 tok] = Q K^T over the 576 dims (K-major A and B, k16 = 32 bytes inside a block).
 template <bool kBf16>
@@ -140,7 +150,7 @@ __device__ __forceinline__ void issue_bf16(const Params& p, int b, int tile, uns
 // (the decoders write zeros).
 template <class C>
 __device__ __forceinline__ void issue_raw(const Params& p, int b, int tile, unsigned dst, unsigned full) {
-  using G = TcGeo<C>;
+  using G = RawGeo<C>;
   const int pg = tile_page<C>(p, b, tile);
   if (pg < 0) {
     sm90::mbar_arrive(full);
@@ -196,7 +206,7 @@ __host__ __device__ constexpr int swz_scale(int pr, int c) {
 template <class C>
 __device__ __forceinline__ void decode_tile(const Params& p, int b, int tile, int len, const unsigned char* raw,
                                             unsigned char* op, int dt) {
-  using G = TcGeo<C>;
+  using G = RawGeo<C>;
   const bool bad = tile_page<C>(p, b, tile) < 0;
   const int slot0 = (tile * kTok) % C::kPage;
   const int live = C::kKv == Kv::kNvfp4 ? len / 16 * 16 : len;
@@ -259,9 +269,10 @@ __device__ __forceinline__ void decode_tile(const Params& p, int b, int tile, in
   }
 }
 
-// Q rows r0 .. r0 + 63 of sequence b into the K-major SW128 operand (zero past ht): BF16 as is, or
-// f16 times 2^E (E from the rows' max, stage_q's rule: the max lands in [2^14, 2^15)). Returns 2^-E.
-template <class C, int kThreads>
+// Q rows r0 .. r0 + kR - 1 of sequence b into the K-major SW128 operand [kR][576] (zero past ht):
+// BF16 as is, or f16 times 2^E (E from the rows' max, stage_q's rule: the max lands in
+// [2^14, 2^15)). Returns 2^-E.
+template <class C, int kThreads, int kR = kRows>
 __device__ __forceinline__ float stage_q(const Params& p, int b, int r0, unsigned char* sq, float* scratch) {
   constexpr int HT = C::kHeads * C::kTokens;
   const uint4* qg = reinterpret_cast<const uint4*>(p.q) + (static_cast<long long>(b) * HT + r0) * kChunks;
@@ -269,7 +280,7 @@ __device__ __forceinline__ float stage_q(const Params& p, int b, int r0, unsigne
   float f = 1.f, inv = 1.f;
   if constexpr (C::kKv != Kv::kBf16) {
     float mx = 0.f;
-    for (int i = tid; i < kRows * kChunks; i += kThreads) {
+    for (int i = tid; i < kR * kChunks; i += kThreads) {
       if (r0 + i / kChunks >= HT) break;
       mx = fmaxf(mx, bf16x8_amax(qg[i]));
     }
@@ -279,7 +290,7 @@ __device__ __forceinline__ float stage_q(const Params& p, int b, int r0, unsigne
     f = f8::pow2(e);
     inv = f8::pow2(-e);
   }
-  for (int i = tid; i < kRows * kChunks; i += kThreads) {
+  for (int i = tid; i < kR * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i - r * kChunks;
     uint4 v = r0 + r < HT ? qg[i] : make_uint4(0, 0, 0, 0);
     if constexpr (C::kKv != Kv::kBf16) {
@@ -288,7 +299,7 @@ __device__ __forceinline__ float stage_q(const Params& p, int b, int r0, unsigne
       v = make_uint4(h2_of_f32(x[0] * f, x[1] * f), h2_of_f32(x[2] * f, x[3] * f), h2_of_f32(x[4] * f, x[5] * f),
                      h2_of_f32(x[6] * f, x[7] * f));
     }
-    *reinterpret_cast<uint4*>(sq + sw_off(r, c)) = v;
+    *reinterpret_cast<uint4*>(sq + sw_rows<kR>(r, c)) = v;
   }
   return inv;
 }
@@ -412,9 +423,14 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
       const int pos0 = (t_begin + it) * kTok;
       sm90::mbar_wait_asm(s_full0 + 8 * (it & 1), (it >> 1) & 1);
       fence_after();
+      // tcgen05.ld is .sync.aligned: the lanes that stored P (mine) last tile rejoin the others first.
+      __syncwarp();
       float s[2][32];
-      ld32(lane_addr + kSCol + 64 * (it & 1), s[0]);
-      ld32(lane_addr + kSCol + 64 * (it & 1) + 32, s[1]);
+      sm100::ld32_async(lane_addr + kSCol + 64 * (it & 1), s[0]);
+      sm100::ld32_async(lane_addr + kSCol + 64 * (it & 1) + 32, s[1]);
+      sm100::wait_ld();
+      sm100::pin(s[0]);   // every use of the scores stays below the wait (sm100::pin)
+      sm100::pin(s[1]);
       float mx = K3GEN_MLA_NEG_INF;
 #pragma unroll
       for (int j = 0; j < 64; ++j) {
@@ -455,7 +471,19 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
           *reinterpret_cast<uint4*>(prow + ((ch ^ (row & 7)) << 4)) =
               make_uint4(pk[4 * ch], pk[4 * ch + 1], pk[4 * ch + 2], pk[4 * ch + 3]);
       }
-      sm90::fence_proxy_async();   // P (generic stores) is read by the MMA
+      if constexpr (kBf16) {
+        // The sequence's last tile: the TMA box copied the page's rows past the end as stored (stale,
+        // maybe NaN, and 0 * NaN would poison O): zero this half's V of those rows before PV reads
+        // them (QK of this tile has completed; the decoders write zeros for FP8 / NVFP4).
+        const int valid = len - pos0;
+        if (valid < kTok) {
+          unsigned char* op = smem + (it % RS) * kTileBytes;
+          for (int i = tid; i < (kTok - valid) * (kHalf / 8); i += kSoftmaxThreads)
+            *reinterpret_cast<uint4*>(op + sw_off(valid + i / (kHalf / 8), kHalf / 8 * half + i % (kHalf / 8))) =
+                make_uint4(0, 0, 0, 0);
+        }
+      }
+      sm90::fence_proxy_async();   // P and zeroed rows (generic stores) are read by the MMA
       fence_before();
       sm90::mbar_arrive(p_full);
     }
@@ -472,7 +500,8 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
 #pragma unroll 1
     for (int c = 0; c < kHalf / 32; ++c) {
       float o[32];
-      if (n > 0) ld32(lane_addr + kOCol + 32 * c, o);
+      __syncwarp();   // the lanes that skipped the last chunk's store rejoin before the aligned load
+      if (n > 0) ld32(lane_addr + kOCol + 32 * c, o);   // waited and pinned (sm100::ld32)
       const int col = kHalf * half + 32 * c;
       if (!mine || rr >= HT) continue;
 #pragma unroll
@@ -493,6 +522,9 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
       p.part_lse[prow_g] = l > 0.f ? m + log2f(l) : K3GEN_MLA_NEG_INF;
     fence_before();
   }
+  // Lane 0 of the producer / MMA warps ran its loop alone: every lane rejoins its warp before the
+  // aligned barrier (and before warp 4's aligned dealloc).
+  __syncwarp();
   __syncthreads();
   if (warp == 4) {
     fence_after();
