@@ -3,7 +3,7 @@ and a grid of serving settings, one table of exact match with 95% intervals, res
 
 Rows: "fp32 reference" (teacher forcing on the checkpoint's stored values, model/eval/fp32.py), with
 --fp32-weights also the FP32 master weights (what quantizing the checkpoint cost), then every
-combination of --kv x --ssm x --batch x --graphs x --spec on K3Model (--path: the kernels on a GPU,
+combination of --kv x --ssm x --batch (with or without CUDA graphs) x --spec on K3Model (--path: the kernels on a GPU,
 or the reference ops; model/eval/serve.py). Results are written after every cell, so a run cut short
 keeps what it finished; --max-seconds skips the cells that would start after that many seconds.
 `--merge DIR..` joins earlier runs' results into one table.
@@ -11,8 +11,8 @@ keeps what it finished; --max-seconds skips the cells that would start after tha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -38,6 +38,24 @@ def _list(kind, allowed=None, what=""):
     return parse
 
 
+def _batches(text: str) -> list[tuple[int, bool]]:
+    out = []
+    for x in text.split(","):
+        x = x.strip()
+        g = x.endswith("g")
+        try:
+            b = int(x[:-1] if g else x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{x!r} in {text!r} is not a batch size (1, 2, 4, 8, or 8g)") from None
+        if b not in (1, 2, 4, 8):
+            raise argparse.ArgumentTypeError(f"{x!r}: batch sizes are 1, 2, 4, 8 (the captured decode graphs)")
+        out.append((b, g))
+    return out
+
+
+_batches.__name__ = "batch sizes"
+
+
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     from model.argtypes import int_in
     from k3gen.cli import ARCH_CHOICES
@@ -52,10 +70,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache dtypes, comma-separated: bf16,fp8,nvfp4")
     p.add_argument("--ssm", type=_list(str, ("fp32", "bf16"), "SSM dtypes"), default=["fp32"], metavar="L",
                    help="recurrent-state dtypes, comma-separated: fp32,bf16")
-    p.add_argument("--batch", type=_list(int, (1, 2, 4, 8), "batch sizes"), default=[1], metavar="L",
-                   help="decode batch sizes, comma-separated, of 1,2,4,8")
-    p.add_argument("--graphs", default="off", choices=("off", "on", "both"),
-                   help="CUDA graphs for decoding (kernel path): off, on, or both as separate rows")
+    p.add_argument("--batch", type=_batches, default=[(1, False)], metavar="L",
+                   help="decode batch sizes of 1,2,4,8, comma-separated; a trailing g (e.g. 8g) decodes that batch "
+                   "size through CUDA graphs (kernel path)")
     p.add_argument("--spec", type=_list(int, range(0, 8), "draft counts"), default=[0], metavar="L",
                    help="n-gram speculative decoding draft counts, comma-separated (0: plain decoding), e.g. 0,3")
     p.add_argument("--questions", type=int_in(1, None, "at least one question"), default=200, metavar="N",
@@ -81,15 +98,14 @@ def _cells(a, path: str) -> list[Cell]:
             cells.append(Cell("fp32", weights="master"))
     if path == "none":
         return cells
-    graphs = {"off": [False], "on": [True], "both": [False, True]}[a.graphs]
-    if any(graphs) and path != "kernel":
-        raise SpecError("--graphs", a.graphs, ["off"], "CUDA graphs need the kernel path on a GPU")
+    if any(g for _, g in a.batch) and path != "kernel":
+        raise SpecError("--batch", ",".join(f"{b}g" for b, g in a.batch if g), "batch sizes without g",
+                        "CUDA graphs need the kernel path on a GPU")
     for kv in a.kv:
         for ssm in a.ssm:
-            for spec in sorted(a.spec):
-                for b in sorted(a.batch):
-                    for g in graphs:
-                        cells.append(Cell(path, kv, ssm, b, g, spec))
+            for spec in sorted(set(a.spec)):
+                for b, g in sorted(set(a.batch)):
+                    cells.append(Cell(path, kv, ssm, b, g, spec))
     # each group's first cell is its baseline: plain decoding, smallest batch, eager
     return sorted(cells, key=lambda c: (c.path != "fp32", a.kv.index(c.kv) if c.path != "fp32" else 0,
                                         a.ssm.index(c.ssm) if c.path != "fp32" else 0, c.spec, c.batch, c.graphs))
@@ -100,16 +116,15 @@ def task_spec(checkpoint, cfg):
     f = Path(checkpoint) / "tasks.json"
     if f.is_file():
         d = json.loads(f.read_text())
-        return TaskSpec(vocab=d["vocab"], digits=d["digits"], ops=tuple(d["ops"]))
+        return TaskSpec(**{**d, "ops": tuple(d["ops"])})
     return TaskSpec(vocab=cfg.vocab)
 
 
 def run(a) -> int:
     import torch
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from model.eval import report as R
-    con = Console(highlight=False, width=None if sys.stdout.isatty() else 220)
+    from model.eval.ui import console, progress
+    con = console()
     if a.merge:
         return _merge(a, con)
     if not a.checkpoint or not Path(a.checkpoint).is_dir():
@@ -121,18 +136,17 @@ def run(a) -> int:
     device = "cuda" if (a.device == "cuda" or (a.device == "auto" and cuda)) else "cpu"
     from model.config import config_from_json
     from model.train.tasks import question_set
+    cells = _cells(a, path)
     cfg = config_from_json(a.checkpoint)
     spec = task_spec(a.checkpoint, cfg)
     questions = question_set(a.questions, spec, tuple(a.lengths))
-    cells = _cells(a, path)
     meta = {"checkpoint": str(a.checkpoint), "questions": a.questions, "lengths": a.lengths,
-            "task": {"vocab": spec.vocab, "digits": spec.digits, "ops": list(spec.ops)}, "arch": a.arch,
+            "task": {**dataclasses.asdict(spec), "ops": list(spec.ops)}, "arch": a.arch,
             "device": torch.cuda.get_device_name() if cuda else "cpu", "fp32_impl": a.fp32,
-            "title": f"{cfg.name}: {a.questions} held-out questions"}
+            "title": f"{cfg.name}: {a.questions} held-out questions", "checkpoint_sha256": _digest(a.checkpoint)}
     done: list[dict] = []
     t_run = time.perf_counter()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=False) as prog:
+    with progress() as prog:
         for cell in cells:
             if a.max_seconds is not None and time.perf_counter() - t_run > a.max_seconds:
                 con.print(f"skipped (--max-seconds {a.max_seconds:g}): {cell.name}")
@@ -150,8 +164,21 @@ def run(a) -> int:
             R.compare(done)
             R.write(done, a.out, meta)
     con.print(R.table(done, meta["title"]))
-    con.print(f"results: {Path(a.out) / 'results.json'}, results.md, results.png")
+    con.print(f"results: {Path(a.out) / 'results.json'}, results.md" + (", results.png" if (Path(a.out) / "results.png")
+                                                                       .exists() else " (no matplotlib: no PNG)"))
     return 0
+
+
+def _digest(folder) -> str:
+    """sha256 over the checkpoint's safetensors files (names and bytes, in name order)."""
+    import hashlib
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
 
 
 def _run(cell: Cell, a, cfg, questions, device: str, tick) -> dict:
@@ -178,12 +205,13 @@ def _run(cell: Cell, a, cfg, questions, device: str, tick) -> dict:
 
 
 def _merge(a, con) -> int:
+    """Earlier runs' cells in one table (also redraws the PNG of a run made where matplotlib was missing)."""
     from model.eval import report as R
     from model.train.tasks import TaskSpec, question_set
     cells, metas = R.load(a.merge)
     m = metas[0]
     n = max(x["questions"] for x in metas)
-    spec = TaskSpec(vocab=m["task"]["vocab"], digits=m["task"]["digits"], ops=tuple(m["task"]["ops"]))
+    spec = TaskSpec(**{**m["task"], "ops": tuple(m["task"]["ops"])})
     questions = question_set(n, spec, tuple(m["lengths"]))
     for c in cells:
         for k in ("delta_vs_reference", "differs_from", "answers_differ", "differing_ids"):

@@ -20,7 +20,7 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     d = 1 + z * z / n
     c = (p + z * z / (2 * n)) / d
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, c - h), min(1.0, c + h)
+    return (0.0 if k == 0 else max(0.0, min(p, c - h))), (1.0 if k == n else min(1.0, max(p, c + h)))
 
 
 def _stat(oks: list[bool]) -> dict:
@@ -77,7 +77,11 @@ def _pct(s: dict) -> str:
 
 
 def table(cells: list[dict], title: str = "exact match (%)"):
-    from rich.table import Table
+    """A rich Table (the Markdown text where rich is not installed)."""
+    try:
+        from rich.table import Table
+    except ImportError:
+        return f"{title}\n{markdown(cells)}"
     lengths = sorted({L for c in cells for L in c["by_length"]}, key=int)
     t = Table(title=title)
     for col in ["cell", "N", "EM", "95% CI", "arith", "retrieval"] + [f"{int(L) // 1024}K" if int(L) % 1024 == 0
@@ -126,7 +130,10 @@ def write(cells: list[dict], out, meta: dict) -> dict:
     doc = {"meta": meta, "cells": [{k: v for k, v in c.items() if k != "correct_ids"} for c in cells]}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     (out / "results.md").write_text(markdown(cells) + "\n")
-    plot(cells, out / "results.png", meta.get("title", "K3 accuracy"))
+    try:
+        plot(cells, out / "results.png", meta.get("title", "K3 accuracy"))
+    except ImportError:       # no matplotlib (the device machine): `eval --merge DIR --out DIR` redraws it
+        pass
     return doc
 
 
@@ -138,8 +145,8 @@ def plot(cells: list[dict], path, title: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, max(3.0, 0.35 * n + 1.5)), gridspec_kw={"width_ratios": [3, 2]})
     y = list(range(n))[::-1]
     em = [100 * c["em"] for c in cells]
-    lo = [100 * (c["em"] - c["ci"][0]) for c in cells]
-    hi = [100 * (c["ci"][1] - c["em"]) for c in cells]
+    lo = [max(0.0, 100 * (c["em"] - c["ci"][0])) for c in cells]
+    hi = [max(0.0, 100 * (c["ci"][1] - c["em"])) for c in cells]
     a.barh(y, em, xerr=[lo, hi], color=["#888" if c["group"][0] == "fp32" else "#4878a8" for c in cells],
            capsize=3)
     a.set_yticks(y, [c["cell"] for c in cells], fontsize=7)

@@ -5,7 +5,8 @@ optimization settings, as named presets.
 (k3gen/presets.py: 4 layers, KDA at 1 and 3 and MLA at 2 and 4 (1-based) as the config lists them,
 AttnRes blocks of 2 layers, a dense first layer, then the latent MoE with 8 routed experts top-2 by the
 noaux_tc sigmoid router, one shared expert, SiTU, gated MLA without RoPE, 2 KDA and 2 MLA heads,
-hidden 256, vocab 512), so the kernels it needs are tiny's (`k3gen build --model tiny`).
+hidden 256) with a vocabulary of 2048 (one-symbol keys); the vocabulary is no kernel's shape (the
+embedding and LM head run in PyTorch), so the kernels it needs are tiny's (`k3gen build --model tiny`).
 `toy` is the CPU demonstration: two layers (KDA then MLA), hidden 128, one head each, 2-digit sums.
 """
 from __future__ import annotations
@@ -18,10 +19,11 @@ from k3gen.presets import preset_dict
 
 from model.train.tasks import TaskSpec
 
+ACC_VOCAB = 2048      # 2016 one-symbol keys: the 1637 pairs of an 8K-token context are distinct
 
 def acc_config() -> dict:
     d = preset_dict("tiny")
-    d["text_config"]["_name_or_path"] = "k3-acc"
+    d["text_config"].update(_name_or_path="k3-acc", vocab_size=ACC_VOCAB)
     return d
 
 
@@ -80,8 +82,9 @@ class TrainConfig:
 
 
 PRESETS: dict[str, TrainConfig] = {
-    "acc": TrainConfig(name="acc", model=acc_config()),
-    "toy": TrainConfig(name="toy", model=toy_config(), task=TaskSpec(vocab=128, digits=2, ops=("+",)), lr=3e-3,
+    "acc": TrainConfig(name="acc", model=acc_config(), task=TaskSpec(vocab=ACC_VOCAB, digits=4, key_len=1)),
+    "toy": TrainConfig(name="toy", model=toy_config(), task=TaskSpec(vocab=128, digits=2, ops=("+",), key_len=1),
+                       lr=3e-3,
                        warmup=30, arith_seqs=16, arith_per_seq=8, ret_tokens=0, len_min=64, len_start=64,
                        len_max=64, qat_frac=0.0, chunk=16, sub=16, log_every=10, probe_every_s=1e9,
                        probe_questions=0, save_every_s=1e9),

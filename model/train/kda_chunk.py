@@ -87,11 +87,13 @@ def kda_chunked(q, k, v, g, beta, chunk: int = 64, sub: int = 16):
     kd = (k * torch.exp(last - G)).transpose(-1, -2)                          # [B, H, N, K, C]
     S = q.new_zeros(B, H, K, V)
     states, vnew = [], []
-    for n in range(N):
-        vn = U[:, :, n] - W[:, :, n] @ S
+    # unbind once: indexing chunk n inside the loop would make autograd write a whole zero tensor
+    # per chunk (select_backward), O(N^2) traffic; unbind's backward is one stack
+    for u, w, d, kn in zip(U.unbind(2), W.unbind(2), decay.unbind(2), kd.unbind(2)):
+        vn = u - w @ S
         states.append(S)
         vnew.append(vn)
-        S = decay[:, :, n] * S + kd[:, :, n] @ vn
+        S = d * S + kn @ vn
     S_in = torch.stack(states, dim=2)                                         # [B, H, N, K, V]
     Vn = torch.stack(vnew, dim=2)                                             # [B, H, N, C, V]
     o = (q * torch.exp(G)) @ S_in + P @ Vn

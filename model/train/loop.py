@@ -119,6 +119,27 @@ class Trainer:
         self.net.balance(tc.balance_rate)
         return rec
 
+    def preflight(self, T: int = 96) -> float:
+        """On a GPU, before training: the forward on this device (FP32, no TF32) against
+        model/reference.py's Fp32Reference on the CPU, same weights, one sequence; the relative RMS
+        difference of the logits (the CPU tests bound it at 2e-5). Raises if it exceeds 1e-4."""
+        from model.reference import Fp32Reference
+        toks = torch.randint(0, self.cfg.vocab, (1, T), generator=torch.Generator().manual_seed(1))
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            with torch.no_grad():
+                got = self.net(toks.to(self.device))[0].double().cpu()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        want = Fp32Reference(self.cfg, self.net.tensors()).prefill(toks[0]).double()
+        err = float((got - want).norm() / want.norm())
+        if not err <= 1e-4:
+            from k3gen.errors import K3genError
+            raise K3genError(f"preflight: the training forward on {self.device} differs from the FP32 reference "
+                             f"by {err:.2e} (relative RMS of the logits; the CPU tests see ~3e-6)")
+        return err
+
     def probe(self) -> dict:
         """Teacher-forced exact match on held-out questions of a separate probe stream."""
         from model.eval.fp32 import teacher_forced_chunked
@@ -130,12 +151,15 @@ class Trainer:
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self, minutes: float | None = None, steps: int | None = None, stop_after: float | None = None,
-            echo=print) -> dict:
+            echo=print, stop_at_step: int | None = None) -> dict:
         tc = self.tc
         if (minutes is None) == (steps is None):
             from k3gen.errors import SpecError
             raise SpecError("--minutes/--steps", (minutes, steps), "exactly one of them")
         if self.device.type == "cuda":
+            err = self.preflight()
+            echo(f"preflight: logits on {torch.cuda.get_device_name()} vs the FP32 reference on the CPU: {err:.2e}")
+            self.log({"step": self.step, "preflight_rel_rms": err})
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
@@ -146,7 +170,8 @@ class Trainer:
         last_save = last_probe = self.seconds
         stopped = "done"
         while progress() < 1.0:
-            if stop_after is not None and time.perf_counter() - call_start > stop_after:
+            if (stop_after is not None and time.perf_counter() - call_start > stop_after) or \
+                    (stop_at_step is not None and self.step >= stop_at_step):
                 stopped = "stop-after"
                 break
             t0 = time.perf_counter()
@@ -156,7 +181,10 @@ class Trainer:
             dt = time.perf_counter() - t0
             self.seconds += dt
             self.step += 1
-            rec.update(seconds=round(self.seconds, 3), step_s=round(dt, 4), progress=round(progress(), 5))
+            rec.update(step=self.step, seconds=round(self.seconds, 3), step_s=round(dt, 4),
+                       progress=round(progress(), 5))
+            if self.device.type == "cuda":
+                rec["max_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             if self.step % tc.log_every == 0 or self.step == 1:
                 self.log(rec)
                 echo(_line(rec))

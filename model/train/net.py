@@ -227,7 +227,8 @@ class K3Train(torch.nn.Module):
         xf = x.reshape(-1, shape[-1])
         ids, wts = route(self._lin(xf, m + "gate.weight"), self.w(m + "gate.e_score_correction_bias"), cfg)
         E = cfg.experts
-        self.loads.append(torch.bincount(ids.reshape(-1), minlength=E).detach())
+        flat = ids.reshape(-1)      # tokens per expert (scatter_add: no host sync, shapes known ahead)
+        self.loads.append(torch.zeros(E, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32)))
         dense = torch.zeros(xf.shape[0], E, device=x.device, dtype=wts.dtype).scatter(1, ids, wts)
         lat = xf if cfg.moe_latent is None else self._lin(xf, m + "routed_expert_down_proj.weight")
         w1 = torch.stack([self.w(f"{m}experts.{e}.w1.weight") for e in range(E)])     # [E, I, W] gate

@@ -10,9 +10,9 @@ answer's i-th digit depends on the operands' i-th digits and the carry, in the o
 Operands draw a digit count uniformly in 1..digits, then a value with that many digits. A problem is
 held out (never trained on) iff `held_out(a, op, b)`: a fixed hash picks 1 in 32.
 
-Retrieval: `BOS (k1 k2 COLON v1 v2 SEP)^n QUERY k1 k2 COLON` -> `v1 v2 EOS`: n pairs of two-symbol
-keys (distinct) and values, then one key asked for. A prompt of context length L holds
-n = (L - 5) // 6 pairs. Training sequences ask `queries` keys in a row (each answered and closed by
+Retrieval: `BOS (key COLON v1 v2 SEP)^n QUERY key COLON` -> `v1 v2 EOS`: n pairs of distinct keys of
+`key_len` symbols and two-symbol values, then one key asked for. A prompt of context length L holds
+as many pairs as fit (`pairs_for`). Training sequences ask `queries` keys in a row (each answered and closed by
 EOS); held-out contexts come from a random stream disjoint from the training one (different seeds).
 
 The held-out set: question i comes from its own generator (seed, i), so the first N questions are the
@@ -32,8 +32,6 @@ SYM = 32
 LENGTHS = (1024, 2048, 4096, 8192)
 HELD_OUT_MOD = 32
 EVAL_SEED = 0x5EED_E7A1        # the held-out stream; training streams use (train seed, step)
-PAIR = 6                       # k1 k2 COLON v1 v2 SEP
-QUERY_LEN = 7                  # QUERY k1 k2 COLON v1 v2 EOS
 
 
 @dataclass(frozen=True)
@@ -41,6 +39,7 @@ class TaskSpec:
     vocab: int = 512
     digits: int = 4               # operand width (the answer has digits + 1)
     ops: tuple[str, ...] = ("+", "-")
+    key_len: int = 2              # symbols per retrieval key
 
     def __post_init__(self):
         if self.vocab < SYM + 16:
@@ -49,6 +48,22 @@ class TaskSpec:
             raise SpecError("digits", self.digits, "1..9")
         if not self.ops or any(o not in "+-" for o in self.ops):
             raise SpecError("ops", self.ops, "a non-empty subset of ('+', '-')")
+        if self.key_len not in (1, 2):
+            raise SpecError("key_len", self.key_len, [1, 2])
+
+    @property
+    def pair_len(self) -> int:
+        """Tokens of one context pair: key COLON v1 v2 SEP."""
+        return self.key_len + 4
+
+    @property
+    def query_len(self) -> int:
+        """Tokens of one asked and answered key: QUERY key COLON v1 v2 EOS."""
+        return self.key_len + 5
+
+    @property
+    def keys(self) -> int:
+        return self.symbols ** self.key_len
 
     @property
     def symbols(self) -> int:
@@ -137,15 +152,23 @@ def _shift(toks: np.ndarray, mask: np.ndarray):
 
 
 # -- retrieval -------------------------------------------------------------------------------------
-def pairs_for(length: int) -> int:
-    return max(1, (length - 5) // PAIR)
+def pairs_for(length: int, spec: TaskSpec) -> int:
+    """Pairs in a prompt of at most `length` tokens (BOS, the pairs, QUERY key COLON)."""
+    n = (length - 3 - spec.key_len) // spec.pair_len
+    if not 1 <= n <= spec.keys:
+        raise SpecError("retrieval length", length, f"{spec.pair_len + 3 + spec.key_len}.."
+                        f"{spec.keys * spec.pair_len + 3 + spec.key_len} tokens", f"{spec.keys} distinct keys")
+    return n
 
 
 def _keys_values(rng: np.random.Generator, n: int, spec: TaskSpec):
     S = spec.symbols
-    keys = rng.choice(S * S, size=n, replace=False)
+    if n > spec.keys:
+        raise SpecError("pairs", n, f"<= {spec.keys}", f"distinct keys of {spec.key_len} of {S} symbols")
+    keys = rng.choice(spec.keys, size=n, replace=False)
     vals = rng.integers(0, S * S, size=n)
-    return (SYM + np.stack([keys // S, keys % S], 1), SYM + np.stack([vals // S, vals % S], 1))
+    kcols = [keys // S, keys % S] if spec.key_len == 2 else [keys]
+    return SYM + np.stack(kcols, 1), SYM + np.stack([vals // S, vals % S], 1)
 
 
 def retrieval_sequence(rng: np.random.Generator, n_pairs: int, queries: int, spec: TaskSpec):
@@ -156,15 +179,15 @@ def retrieval_sequence(rng: np.random.Generator, n_pairs: int, queries: int, spe
     qs = np.concatenate([np.full((len(ask), 1), QUERY), k[ask], np.full((len(ask), 1), COLON), v[ask],
                          np.full((len(ask), 1), EOS)], axis=1)
     toks = np.concatenate([[BOS], ctx, qs.reshape(-1)])
-    qm = np.zeros(QUERY_LEN, bool)
-    qm[4:] = True
+    qm = np.zeros(spec.query_len, bool)
+    qm[-3:] = True
     mask = np.concatenate([np.zeros(1 + ctx.size, bool), np.tile(qm, len(ask))])
     return toks, mask
 
 
 def retrieval_batch(rng: np.random.Generator, batch: int, length: int, queries: int, spec: TaskSpec):
     """Sequences of `length` tokens: as many pairs as fit before `queries` questions."""
-    n = max(queries, (length - 1 - queries * QUERY_LEN) // PAIR)
+    n = min(spec.keys, max(queries, (length - 1 - queries * spec.query_len) // spec.pair_len))
     rows = [retrieval_sequence(rng, n, queries, spec) for _ in range(batch)]
     return _shift(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]))
 
@@ -177,7 +200,7 @@ def question(i: int, spec: TaskSpec, lengths=LENGTHS, seed: int = EVAL_SEED) -> 
         cut = 2 * spec.digits + 2
         return Question(i, "arith", 0, [BOS] + p[:cut], p[cut:])
     L = lengths[(i // 2) % len(lengths)]
-    toks, _ = retrieval_sequence(rng, pairs_for(L), 1, spec)
+    toks, _ = retrieval_sequence(rng, pairs_for(L, spec), 1, spec)
     toks = toks.tolist()
     return Question(i, "retrieval", L, toks[:-3], toks[-3:])
 
