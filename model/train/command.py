@@ -16,7 +16,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     from model.train.config import PRESETS
     p.add_argument("--config", default="acc", choices=sorted(PRESETS),
                    help="acc: the accuracy model (tiny's K3 shapes, 4-digit sums and differences, retrieval up "
-                   "to 8K tokens); toy: the CPU demonstration (2 layers, 2-digit sums)")
+                   "to 8K tokens); toy: the CPU demonstration (2 layers, 2-digit sums, retrieval up to 192 tokens)")
     p.add_argument("--out", required=True, metavar="DIR", help="state.pt, train_log.jsonl, fp32.safetensors, checkpoint/")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--minutes", type=float_in(0.0, None, "minutes > 0", lo_open=True), metavar="M",

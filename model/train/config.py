@@ -5,9 +5,10 @@ optimization settings, as named presets.
 (k3gen/presets.py: 4 layers, KDA at 1 and 3 and MLA at 2 and 4 (1-based) as the config lists them,
 AttnRes blocks of 2 layers, a dense first layer, then the latent MoE with 8 routed experts top-2 by the
 noaux_tc sigmoid router, one shared expert, SiTU, gated MLA without RoPE, 2 KDA and 2 MLA heads,
-hidden 256) with a vocabulary of 2048 (one-symbol keys); the vocabulary is no kernel's shape (the
+hidden 256) with a vocabulary of 3136 (one-symbol keys and values); the vocabulary is no kernel's shape (the
 embedding and LM head run in PyTorch), so the kernels it needs are tiny's (`k3gen build --model tiny`).
-`toy` is the CPU demonstration: two layers (KDA then MLA), hidden 128, one head each, 2-digit sums.
+`toy` is the CPU demonstration: two layers (KDA then MLA), hidden 128, one head each, 2-digit sums and
+retrieval over 32-192 tokens.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from k3gen.presets import preset_dict
 
 from model.train.tasks import TaskSpec
 
-ACC_VOCAB = 2048      # 2016 one-symbol keys: the 1637 pairs of an 8K-token context are distinct
+ACC_VOCAB = 3136      # 2848 one-symbol keys (an 8K-token context holds 2729 pairs) + 256 value symbols
 
 def acc_config() -> dict:
     d = preset_dict("tiny")
@@ -57,8 +58,8 @@ class TrainConfig:
     # first `len_ramp` of training
     ret_tokens: int = 65536
     ret_queries: int = 32
-    len_min: int = 128
-    len_start: int = 512
+    len_min: int = 64
+    len_start: int = 256
     len_max: int = 8192
     len_ramp: float = 0.4
     # the last `qat_frac` of training reads the weights as the checkpoint stores them (net.py)
@@ -81,12 +82,13 @@ class TrainConfig:
             raise SpecError("ret_tokens", self.ret_tokens, f">= len_max ({self.len_max})", "one sequence per step")
 
 
+ACC_TASK = TaskSpec(vocab=ACC_VOCAB, digits=4, key_len=1, val_len=1, val_symbols=256)
+TOY_TASK = TaskSpec(vocab=128, digits=2, ops=("+",), key_len=1, val_len=1, val_symbols=32)
 PRESETS: dict[str, TrainConfig] = {
-    "acc": TrainConfig(name="acc", model=acc_config(), task=TaskSpec(vocab=ACC_VOCAB, digits=4, key_len=1)),
-    "toy": TrainConfig(name="toy", model=toy_config(), task=TaskSpec(vocab=128, digits=2, ops=("+",), key_len=1),
-                       lr=3e-3,
-                       warmup=30, arith_seqs=16, arith_per_seq=8, ret_tokens=0, len_min=64, len_start=64,
-                       len_max=64, qat_frac=0.0, chunk=16, sub=16, log_every=10, probe_every_s=1e9,
+    "acc": TrainConfig(name="acc", model=acc_config(), task=ACC_TASK),
+    "toy": TrainConfig(name="toy", model=toy_config(), task=TOY_TASK, lr=3e-3, warmup=30, arith_seqs=16,
+                       arith_per_seq=8, ret_tokens=1024, ret_queries=8, len_min=32, len_start=48, len_max=192,
+                       len_ramp=0.5, qat_frac=0.1, chunk=16, sub=16, log_every=25, probe_every_s=1e9,
                        probe_questions=0, save_every_s=1e9),
 }
 

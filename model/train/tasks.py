@@ -2,7 +2,7 @@
 long contexts. One vocabulary, a training stream and a fixed held-out question set.
 
 Vocabulary (ids below `SYM` are special or digits; `SYM..vocab-1` are symbols for keys and values):
-PAD 0, BOS 1, EOS 2, SEP 3, PLUS 4, MINUS 5, EQ 6, COLON 7, QUERY 8, digits 0-9 at 16-25.
+PAD 0, BOS 1, EOS 2, SEP 3, PLUS 4, MINUS 5, EQ 6, (7 unused), QUERY 8, digits 0-9 at 16-25.
 
 Arithmetic: `BOS a op b EQ` -> `c EOS`, op + or - (a >= b for -). Every number is written least
 significant digit first, zero-padded to a fixed width (`digits` for a and b, digits + 1 for c): the
@@ -10,8 +10,11 @@ answer's i-th digit depends on the operands' i-th digits and the carry, in the o
 Operands draw a digit count uniformly in 1..digits, then a value with that many digits. A problem is
 held out (never trained on) iff `held_out(a, op, b)`: a fixed hash picks 1 in 32.
 
-Retrieval: `BOS (key COLON v1 v2 SEP)^n QUERY key COLON` -> `v1 v2 EOS`: n pairs of distinct keys of
-`key_len` symbols and two-symbol values, then one key asked for. A prompt of context length L holds
+Retrieval: `BOS (key value SEP)^n QUERY key` -> `value EOS`: n pairs of distinct keys of `key_len`
+symbols and values of `val_len` symbols (drawn from their own symbols with `val_symbols`, so a value
+never reads as a key), then one key asked for. The value follows its key directly in the
+context and the answer follows the asked key: the lookup an induction head makes (attend from the
+current token to the position whose previous token it is, copy that position's token). A prompt of context length L holds
 as many pairs as fit (`pairs_for`). Training sequences ask `queries` keys in a row (each answered and closed by
 EOS); held-out contexts come from a random stream disjoint from the training one (different seeds).
 
@@ -40,6 +43,8 @@ class TaskSpec:
     digits: int = 4               # operand width (the answer has digits + 1)
     ops: tuple[str, ...] = ("+", "-")
     key_len: int = 2              # symbols per retrieval key
+    val_len: int = 2              # symbols per retrieval value
+    val_symbols: int = 0          # values from the last val_symbols symbols, keys from the others; 0: shared
 
     def __post_init__(self):
         if self.vocab < SYM + 16:
@@ -48,22 +53,32 @@ class TaskSpec:
             raise SpecError("digits", self.digits, "1..9")
         if not self.ops or any(o not in "+-" for o in self.ops):
             raise SpecError("ops", self.ops, "a non-empty subset of ('+', '-')")
-        if self.key_len not in (1, 2):
-            raise SpecError("key_len", self.key_len, [1, 2])
+        if self.key_len not in (1, 2) or self.val_len not in (1, 2):
+            raise SpecError("key_len/val_len", (self.key_len, self.val_len), "1 or 2 each")
+        if not 0 <= self.val_symbols < self.symbols:
+            raise SpecError("val_symbols", self.val_symbols, f"0..{self.symbols - 1}")
 
     @property
     def pair_len(self) -> int:
-        """Tokens of one context pair: key COLON v1 v2 SEP."""
-        return self.key_len + 4
+        """Tokens of one context pair: key value SEP."""
+        return self.key_len + self.val_len + 1
 
     @property
     def query_len(self) -> int:
-        """Tokens of one asked and answered key: QUERY key COLON v1 v2 EOS."""
-        return self.key_len + 5
+        """Tokens of one asked and answered key: QUERY key value EOS."""
+        return self.key_len + self.val_len + 2
+
+    @property
+    def key_symbols(self) -> int:
+        return self.symbols - self.val_symbols
 
     @property
     def keys(self) -> int:
-        return self.symbols ** self.key_len
+        return self.key_symbols ** self.key_len
+
+    @property
+    def retrieval_answer_len(self) -> int:
+        return self.val_len + 1
 
     @property
     def symbols(self) -> int:
@@ -153,34 +168,40 @@ def _shift(toks: np.ndarray, mask: np.ndarray):
 
 # -- retrieval -------------------------------------------------------------------------------------
 def pairs_for(length: int, spec: TaskSpec) -> int:
-    """Pairs in a prompt of at most `length` tokens (BOS, the pairs, QUERY key COLON)."""
-    n = (length - 3 - spec.key_len) // spec.pair_len
+    """Pairs in a prompt of at most `length` tokens (BOS, the pairs, QUERY key)."""
+    n = (length - 2 - spec.key_len) // spec.pair_len
     if not 1 <= n <= spec.keys:
-        raise SpecError("retrieval length", length, f"{spec.pair_len + 3 + spec.key_len}.."
-                        f"{spec.keys * spec.pair_len + 3 + spec.key_len} tokens", f"{spec.keys} distinct keys")
+        raise SpecError("retrieval length", length, f"{spec.pair_len + 2 + spec.key_len}.."
+                        f"{spec.keys * spec.pair_len + 2 + spec.key_len} tokens", f"{spec.keys} distinct keys")
     return n
 
 
+def _digits_of(x: np.ndarray, base: int, n: int) -> np.ndarray:
+    return np.stack([(x // base ** (n - 1 - j)) % base for j in range(n)], 1)
+
+
 def _keys_values(rng: np.random.Generator, n: int, spec: TaskSpec):
-    S = spec.symbols
+    """Distinct keys [n, key_len] and values [n, val_len], as tokens."""
+    Sk = spec.key_symbols
     if n > spec.keys:
-        raise SpecError("pairs", n, f"<= {spec.keys}", f"distinct keys of {spec.key_len} of {S} symbols")
+        raise SpecError("pairs", n, f"<= {spec.keys}", f"distinct keys of {spec.key_len} of {Sk} symbols")
     keys = rng.choice(spec.keys, size=n, replace=False)
-    vals = rng.integers(0, S * S, size=n)
-    kcols = [keys // S, keys % S] if spec.key_len == 2 else [keys]
-    return SYM + np.stack(kcols, 1), SYM + np.stack([vals // S, vals % S], 1)
+    Sv = spec.val_symbols or spec.symbols
+    v0 = SYM + (Sk if spec.val_symbols else 0)
+    vals = rng.integers(0, Sv ** spec.val_len, size=n)
+    return SYM + _digits_of(keys, Sk, spec.key_len), v0 + _digits_of(vals, Sv, spec.val_len)
 
 
 def retrieval_sequence(rng: np.random.Generator, n_pairs: int, queries: int, spec: TaskSpec):
     """(tokens, mask) of BOS, n_pairs pairs and `queries` distinct keys asked and answered."""
     k, v = _keys_values(rng, n_pairs, spec)
-    ctx = np.concatenate([k, np.full((n_pairs, 1), COLON), v, np.full((n_pairs, 1), SEP)], axis=1).reshape(-1)
+    ctx = np.concatenate([k, v, np.full((n_pairs, 1), SEP)], axis=1).reshape(-1)
     ask = rng.choice(n_pairs, size=min(queries, n_pairs), replace=False)
-    qs = np.concatenate([np.full((len(ask), 1), QUERY), k[ask], np.full((len(ask), 1), COLON), v[ask],
+    qs = np.concatenate([np.full((len(ask), 1), QUERY), k[ask], v[ask],
                          np.full((len(ask), 1), EOS)], axis=1)
     toks = np.concatenate([[BOS], ctx, qs.reshape(-1)])
     qm = np.zeros(spec.query_len, bool)
-    qm[-3:] = True
+    qm[-spec.retrieval_answer_len:] = True
     mask = np.concatenate([np.zeros(1 + ctx.size, bool), np.tile(qm, len(ask))])
     return toks, mask
 
@@ -202,7 +223,8 @@ def question(i: int, spec: TaskSpec, lengths=LENGTHS, seed: int = EVAL_SEED) -> 
     L = lengths[(i // 2) % len(lengths)]
     toks, _ = retrieval_sequence(rng, pairs_for(L, spec), 1, spec)
     toks = toks.tolist()
-    return Question(i, "retrieval", L, toks[:-3], toks[-3:])
+    a = spec.retrieval_answer_len
+    return Question(i, "retrieval", L, toks[:-a], toks[-a:])
 
 
 def question_set(n: int, spec: TaskSpec, lengths=LENGTHS, seed: int = EVAL_SEED) -> list[Question]:

@@ -16,13 +16,13 @@ from model.config import config_from_dict
 from model.eval import report as R
 from model.eval.fp32 import batches, teacher_forced_chunked, teacher_forced_loop
 from model.reference import Fp32Reference
-from model.train.config import toy_config
+from model.train.config import TOY_TASK, toy_config
 from model.train.export import export_checkpoint, read_canonical, save_fp32
 from model.train.net import K3Train
-from model.train.tasks import EOS, Question, TaskSpec, question_set
+from model.train.tasks import EOS, Question, question_set
 
 CFG = config_from_dict(toy_config())
-SPEC = TaskSpec(vocab=128, digits=2, ops=("+",), key_len=1)
+SPEC = TOY_TASK
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_wilson_interval():
 
 
 def test_batches_cover_every_question_once():
-    qs = question_set(9, SPEC, lengths=(64, 200))
+    qs = question_set(9, SPEC, lengths=(64, 160))
     got = batches(qs, max_tokens=400)
     assert sorted(i for b in got for i in b) == list(range(9))
     for b in got:

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from model.cli import main
-from model.train.config import get_train_config
+from model.train.config import TOY_TASK, get_train_config
 from model.train.loop import Trainer, lr_at, ret_length
-from model.train.tasks import TaskSpec
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -30,7 +29,7 @@ def _log(folder) -> list[dict]:
 
 def test_toy_loss_falls(tmp_path):
     torch.manual_seed(0)
-    tc = get_train_config("toy", log_every=5, arith_seqs=8)
+    tc = get_train_config("toy", log_every=5, arith_seqs=8, ret_tokens=0)
     tr = Trainer(tc, tmp_path, "cpu")
     s = tr.run(steps=30, echo=lambda _: None)
     assert s["stopped"] == "done" and s["steps"] == 30
@@ -79,11 +78,12 @@ def test_train_command_writes_what_eval_reads(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--config", "toy", "--steps", "2", "--out", str(out)]) == 0
     ck = out / "checkpoint"
-    assert json.loads((ck / "tasks.json").read_text()) == {"vocab": 128, "digits": 2, "ops": ["+"], "key_len": 1}
+    assert json.loads((ck / "tasks.json").read_text()) == {"vocab": 128, "digits": 2, "ops": ["+"], "key_len": 1, "val_len": 1,
+                                                           "val_symbols": 32}
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     from model.eval.command import task_spec
     from model.config import config_from_json
-    assert task_spec(ck, config_from_json(ck)) == TaskSpec(vocab=128, digits=2, ops=("+",), key_len=1)
+    assert task_spec(ck, config_from_json(ck)) == TOY_TASK
     assert main(["train", "--config", "toy", "--steps", "2", "--out", str(out)]) == 2        # state.pt is there
     assert "--resume" in capsys.readouterr().err
     assert main(["train", "--config", "toy", "--steps", "3", "--out", str(out), "--resume"]) == 0

@@ -53,28 +53,36 @@ def test_arith_batch_packs_problems_and_masks_answers():
         assert (tgt[mask].reshape(5, -1) == probs[:, -SPEC.answer_len:]).all()
 
 
-@pytest.mark.parametrize("key_len", [1, 2])
-def test_retrieval_sequences_answer_from_their_context(key_len):
-    spec = T.TaskSpec(key_len=key_len)
-    P, Q, k = spec.pair_len, spec.query_len, key_len
+RETRIEVAL_SPECS = [T.TaskSpec(key_len=1), T.TaskSpec(key_len=2), T.TaskSpec(vocab=3136, key_len=1, val_len=1,
+                                                                                val_symbols=256)]
+
+
+@pytest.mark.parametrize("spec", RETRIEVAL_SPECS)
+def test_retrieval_sequences_answer_from_their_context(spec):
+    P, Q, k, nv = spec.pair_len, spec.query_len, spec.key_len, spec.val_len
     toks, mask = T.retrieval_sequence(np.random.default_rng(3), 50, 7, spec)
     assert toks[0] == T.BOS and len(toks) == 1 + 50 * P + 7 * Q
     pairs = toks[1:1 + 50 * P].reshape(50, P)
-    assert (pairs[:, k] == T.COLON).all() and (pairs[:, -1] == T.SEP).all()
-    table = {tuple(p[:k]): tuple(p[k + 1:k + 3]) for p in pairs}
-    assert len(table) == 50 and (pairs[:, :k] >= T.SYM).all()     # distinct keys of symbols
+    assert (pairs[:, -1] == T.SEP).all()
+    table = {tuple(p[:k]): tuple(p[k:k + nv]) for p in pairs}
+    assert len(table) == 50                                          # distinct keys
+    keys, vals = pairs[:, :k], pairs[:, k:k + nv]
+    assert (keys >= T.SYM).all() and (keys < T.SYM + spec.key_symbols).all() and (vals < spec.vocab).all()
+    if spec.val_symbols:                                             # values never read as keys
+        assert (vals >= T.SYM + spec.key_symbols).all()
     qs = toks[1 + 50 * P:].reshape(7, Q)
     for q in qs:
-        assert q[0] == T.QUERY and q[k + 1] == T.COLON and q[-1] == T.EOS and table[tuple(q[1:k + 1])] == tuple(q[-3:-1])
+        assert q[0] == T.QUERY and q[-1] == T.EOS and table[tuple(q[1:k + 1])] == tuple(q[k + 1:k + 1 + nv])
     assert len({tuple(q[1:k + 1]) for q in qs}) == 7
-    assert (toks[mask].reshape(7, 3) == qs[:, -3:]).all()
+    a = spec.retrieval_answer_len
+    assert (toks[mask].reshape(7, a) == qs[:, -a:]).all()
     x, y, m = T.retrieval_batch(np.random.default_rng(4), 2, 1000, 8, spec)
-    assert x.shape[1] <= 1000 and m.sum(1).tolist() == [24, 24]
+    assert x.shape[1] <= 1000 and m.sum(1).tolist() == [8 * a, 8 * a]
     with pytest.raises(SpecError, match="distinct keys"):
         T.retrieval_sequence(np.random.default_rng(0), spec.keys + 1, 1, spec)
 
 
-@pytest.mark.parametrize("spec", [SPEC, T.TaskSpec(vocab=2048, key_len=1)])
+@pytest.mark.parametrize("spec", RETRIEVAL_SPECS[1:])      # vocabularies with keys for 8K-token contexts
 def test_question_set_is_fixed_and_held_out(spec):
     qs = T.question_set(12, spec)
     assert [q.text() for q in qs] == [q.text() for q in T.question_set(24, spec)[:12]]
@@ -86,10 +94,10 @@ def test_question_set_is_fixed_and_held_out(spec):
             a, op, b = _check_problem(q.prompt[1:] + q.answer)
             assert T.held_out(np.array([a]), np.array([op]), np.array([b]))[0]
         else:
-            assert q.length - spec.pair_len < len(q.prompt) <= q.length and q.prompt[-k - 2] == T.QUERY
-            ctx = np.array(q.prompt[1:-k - 2]).reshape(-1, spec.pair_len)
-            table = {tuple(p[:k]): list(p[k + 1:k + 3]) for p in ctx}
-            assert table[tuple(q.prompt[-k - 1:-1])] + [T.EOS] == q.answer
+            assert q.length - spec.pair_len < len(q.prompt) <= q.length and q.prompt[-k - 1] == T.QUERY
+            ctx = np.array(q.prompt[1:-k - 1]).reshape(-1, spec.pair_len)
+            table = {tuple(p[:k]): list(p[k:k + spec.val_len]) for p in ctx}
+            assert table[tuple(q.prompt[-k:])] + [T.EOS] == q.answer
     assert sorted({q.length for q in qs if q.task == "retrieval"}) == list(T.LENGTHS)
     assert T.decode_answer(qs[0].answer).endswith("<eos>")
     with pytest.raises(SpecError, match="retrieval length"):
@@ -97,6 +105,6 @@ def test_question_set_is_fixed_and_held_out(spec):
 
 
 def test_bad_task_specs_are_typed_errors():
-    for kw in ({"vocab": 40}, {"digits": 0}, {"ops": ("*",)}, {"key_len": 3}):
+    for kw in ({"vocab": 40}, {"digits": 0}, {"ops": ("*",)}, {"key_len": 3}, {"val_len": 0}, {"val_symbols": 480}):
         with pytest.raises(SpecError):
             T.TaskSpec(**kw)
