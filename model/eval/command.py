@@ -214,7 +214,7 @@ def _merge(a, con) -> int:
     spec = TaskSpec(**{**m["task"], "ops": tuple(m["task"]["ops"])})
     questions = question_set(n, spec, tuple(m["lengths"]))
     for c in cells:
-        for k in ("delta_vs_reference", "differs_from", "answers_differ", "differing_ids"):
+        for k in ("delta_vs_reference", "flips_vs_reference", "differs_from", "answers_differ", "differing_ids"):
             c.pop(k, None)
     R.finalize(cells, questions)
     R.compare(cells)

@@ -44,13 +44,16 @@ def score(cell_name: str, group, questions, answers: list, extra: dict | None = 
 
 def compare(cells: list[dict]) -> None:
     """Adds to each cell: `delta_vs_reference` (points vs the first fp32 reference cell on the checkpoint)
-    and `differs_from` / `answers_differ` (vs the first cell of its group, on the questions both ran)."""
+    with `flips_vs_reference` [questions it lost, questions it gained], and `differs_from` /
+    `answers_differ` (vs the first cell of its group), each on the questions both ran."""
     ref = next((c for c in cells if c["group"][0] == "fp32" and c["group"][3] == "checkpoint"), None)
     first: dict[tuple, dict] = {}
     for c in cells:
         if ref is not None:
             common = set(c["answers"]) & set(ref["answers"])
             c["delta_vs_reference"] = _em_on(c, common) - _em_on(ref, common) if common else None
+            mine, theirs = c["correct_ids"] & common, ref["correct_ids"] & common
+            c["flips_vs_reference"] = [len(theirs - mine), len(mine - theirs)]
         g = tuple(c["group"])
         base = first.setdefault(g, c)
         if base is not c:
@@ -84,10 +87,9 @@ def table(cells: list[dict], title: str = "exact match (%)"):
         return f"{title}\n{markdown(cells)}"
     lengths = sorted({L for c in cells for L in c["by_length"]}, key=int)
     t = Table(title=title)
-    for col in ["cell", "N", "EM", "95% CI", "arith", "retrieval"] + [f"{int(L) // 1024}K" if int(L) % 1024 == 0
-                                                                       else L for L in lengths]:
+    for col in ["cell", "N", "EM", "95% CI", "arith", "retrieval"] + [_len(L) for L in lengths]:
         t.add_column(col, justify="left" if col == "cell" else "right")
-    for col in ("vs ref (pts)", "answers differ", "s"):
+    for col in ("vs ref (pts)", "lost/gained", "answers differ", "s"):
         t.add_column(col, justify="right")
     for c in cells:
         bt = c["by_task"]
@@ -95,11 +97,16 @@ def table(cells: list[dict], title: str = "exact match (%)"):
                _pct(bt["arith"]) if "arith" in bt else "-", _pct(bt["retrieval"]) if "retrieval" in bt else "-"]
         row += [_pct(c["by_length"][L]) if L in c["by_length"] else "-" for L in lengths]
         d = c.get("delta_vs_reference")
-        row += ["" if d is None else f"{d:+.2f}",
+        fl = c.get("flips_vs_reference")
+        row += ["" if d is None else f"{d:+.2f}", "" if fl is None else f"-{fl[0]}/+{fl[1]}",
                 "" if "answers_differ" not in c else f"{c['answers_differ']} vs {_short(c['differs_from'])}",
                 f"{c.get('seconds', 0):.1f}"]
         t.add_row(*row)
     return t
+
+
+def _len(L) -> str:
+    return f"{int(L) // 1024}K" if int(L) % 1024 == 0 else str(L)
 
 
 def _short(name: str) -> str:
@@ -109,8 +116,8 @@ def _short(name: str) -> str:
 def markdown(cells: list[dict]) -> str:
     """The table as Markdown (for README / bench/NOTES.md)."""
     lengths = sorted({L for c in cells for L in c["by_length"]}, key=int)
-    head = ["cell", "N", "EM %", "95% CI", "arith", "retrieval"] + [f"{int(L) // 1024}K" for L in lengths] + \
-        ["vs ref (pts)", "answers differ"]
+    head = ["cell", "N", "EM %", "95% CI", "arith", "retrieval"] + [_len(L) for L in lengths] + \
+        ["vs ref (pts)", "lost/gained", "answers differ"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
         bt = c["by_task"]
@@ -118,7 +125,9 @@ def markdown(cells: list[dict]) -> str:
         row = [c["cell"], str(c["n"]), _pct(c), f"{100 * c['ci'][0]:.1f}-{100 * c['ci'][1]:.1f}",
                _pct(bt["arith"]) if "arith" in bt else "-", _pct(bt["retrieval"]) if "retrieval" in bt else "-"]
         row += [_pct(c["by_length"][L]) if L in c["by_length"] else "-" for L in lengths]
-        row += ["" if d is None else f"{d:+.2f}", str(c.get("answers_differ", ""))]
+        fl = c.get("flips_vs_reference")
+        row += ["" if d is None else f"{d:+.2f}", "" if fl is None else f"-{fl[0]}/+{fl[1]}",
+                str(c.get("answers_differ", ""))]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -159,7 +168,8 @@ def plot(cells: list[dict], path, title: str) -> None:
             b.plot([int(L) for L in Ls], [100 * c["by_length"][L]["em"] for L in Ls], marker="o", label=c["cell"],
                    linewidth=1)
     b.set_xscale("log", base=2)
-    b.set_ylim(-2, 102)
+    lows = [100 * c["by_length"][L]["em"] for c in cells for L in c["by_length"]]
+    b.set_ylim(max(0.0, min(lows + [100.0]) - 5), 101)
     b.set_xlabel("retrieval context (tokens)")
     b.set_ylabel("exact match (%)")
     b.set_title("retrieval by context length", fontsize=9)

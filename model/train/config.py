@@ -60,7 +60,7 @@ class TrainConfig:
     ret_queries: int = 32
     len_min: int = 64
     len_start: int = 256
-    len_max: int = 8192
+    len_max: int = 8448        # the 8K-token eval contexts (plus their query) inside the trained range
     len_ramp: float = 0.4
     # the last `qat_frac` of training reads the weights as the checkpoint stores them (net.py)
     qat_frac: float = 0.15
