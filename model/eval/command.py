@@ -106,9 +106,12 @@ def _cells(a, path: str) -> list[Cell]:
             for spec in sorted(set(a.spec)):
                 for b, g in sorted(set(a.batch)):
                     cells.append(Cell(path, kv, ssm, b, g, spec))
-    # each group's first cell is its baseline: plain decoding, smallest batch, eager
-    return sorted(cells, key=lambda c: (c.path != "fp32", a.kv.index(c.kv) if c.path != "fp32" else 0,
-                                        a.ssm.index(c.ssm) if c.path != "fp32" else 0, c.spec, c.batch, c.graphs))
+    # Plain decoding before speculative, small batches before large, every KV x SSM group at each step:
+    # each group's first cell (its baseline) is plain, smallest batch, eager, and cells skipped by
+    # --max-seconds are the last settings of every group rather than whole groups.
+    return sorted(cells, key=lambda c: (c.path != "fp32", c.spec, c.batch, c.graphs,
+                                        a.kv.index(c.kv) if c.path != "fp32" else 0,
+                                        a.ssm.index(c.ssm) if c.path != "fp32" else 0))
 
 
 def task_spec(checkpoint, cfg):

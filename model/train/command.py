@@ -26,7 +26,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-after", type=float_in(0.0, None, "seconds > 0", lo_open=True), metavar="S",
                    help="end this call after S seconds, saving the state (continue with --resume)")
     p.add_argument("--resume", action="store_true", help="continue from DIR/state.pt")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where to train: auto (a CUDA GPU when there is one), cpu or cuda")
     p.add_argument("--seed", type=int_in(0, 2**31 - 1, "seed >= 0"), default=None, metavar="N",
                    help="data and initialization seed (default: the config's)")
     p.add_argument("--threads", type=int_in(1, None, "threads >= 1"), default=None, metavar="N",

@@ -122,6 +122,14 @@ class K3Train(torch.nn.Module):
             return _Ste.apply(t, mxfp4_round_trip(t).to(t.device))
         return t
 
+    def _experts(self, m: str, which: str) -> torch.Tensor:
+        """The routed experts' `which` weights stacked [E, N, K]; in QAT mode through the MXFP4 round
+        trip of all of them at once (its groups run along K within a row, as per expert)."""
+        t = torch.stack([self.p[_key(f"{m}experts.{e}.{which}.weight")] for e in range(self.cfg.experts)])
+        if not self.qat:
+            return t
+        return _Ste.apply(t, mxfp4_round_trip(t.reshape(-1, t.shape[-1])).reshape(t.shape).to(t.device))
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The canonical FP32 tensors (detached copies on the CPU)."""
         return {n: self.p[_key(n)].detach().float().cpu().clone() for n in self.shapes}
@@ -231,9 +239,7 @@ class K3Train(torch.nn.Module):
         self.loads.append(torch.zeros(E, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32)))
         dense = torch.zeros(xf.shape[0], E, device=x.device, dtype=wts.dtype).scatter(1, ids, wts)
         lat = xf if cfg.moe_latent is None else self._lin(xf, m + "routed_expert_down_proj.weight")
-        w1 = torch.stack([self.w(f"{m}experts.{e}.w1.weight") for e in range(E)])     # [E, I, W] gate
-        w3 = torch.stack([self.w(f"{m}experts.{e}.w3.weight") for e in range(E)])     # up
-        w2 = torch.stack([self.w(f"{m}experts.{e}.w2.weight") for e in range(E)])     # [E, W, I]
+        w1, w3, w2 = (self._experts(m, n) for n in ("w1", "w3", "w2"))   # [E, I, W] gate, up; [E, W, I]
         h = self.act(torch.einsum("mw,eiw->emi", lat, w1), torch.einsum("mw,eiw->emi", lat, w3))
         y = torch.einsum("me,emw->mw", dense, torch.einsum("emi,ewi->emw", h, w2))
         if cfg.latent_norm:

@@ -103,6 +103,12 @@ def test_eval_command_on_the_reference_path(ckpt, tmp_path, capsys):
     base = "reference kv=bf16 ssm=fp32 b=1"
     assert list(cells) == ["fp32 reference", "fp32 reference (FP32 master weights)", base, base[:-1] + "2",
                            base + " spec=3", base[:-1] + "2 spec=3"]
+    from model.eval.command import _cells
+    from types import SimpleNamespace
+    grid = _cells(SimpleNamespace(fp32="off", fp32_weights=None, batch=[(2, False), (1, False)], spec=[3, 0],
+                                  kv=["bf16", "nvfp4"], ssm=["fp32"]), "reference")
+    assert [(c.spec, c.batch, c.kv) for c in grid] == [(0, 1, "bf16"), (0, 1, "nvfp4"), (0, 2, "bf16"), (0, 2, "nvfp4"),
+                                                       (3, 1, "bf16"), (3, 1, "nvfp4"), (3, 2, "bf16"), (3, 2, "nvfp4")]
     for name, c in cells.items():
         assert c["n"] == 6 and set(c["by_task"]) == {"arith", "retrieval"} and set(c["by_length"]) == {"32", "48"}
         assert c["ci"][0] <= c["em"] <= c["ci"][1]
