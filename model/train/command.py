@@ -4,7 +4,6 @@ it in the official MXFP4 layout (DIR/checkpoint, with tasks.json naming the task
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -57,8 +56,6 @@ def run(a) -> int:
     print(f"training {tc.name} ({tr.cfg.name}: {sum(p.numel() for p in tr.net.parameters()) / 1e6:.2f} M parameters) "
           f"on {device}" + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""))
     s = tr.run(minutes=a.minutes, steps=a.steps, stop_after=a.stop_after)
-    if s["stopped"] == "done":
-        (out / "checkpoint" / "tasks.json").write_text(json.dumps(dataclasses.asdict(tc.task), indent=1))
     print(json.dumps(s))
     return 0
 

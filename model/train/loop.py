@@ -11,11 +11,12 @@ balance (K3Train.balance).
 State (parameters, optimizer, step, seconds trained) goes to DIR/state.pt every `save_every_s` and
 when the run stops; `--resume` continues from it (the device machine's commands end at 10 minutes:
 `--stop-after` seconds stops a call early, cleanly, and the next call resumes). At the end: DIR/fp32.safetensors
-(FP32 master weights), DIR/checkpoint/ (the official MXFP4 layout, model/train/export.py),
+(FP32 master weights), DIR/checkpoint/ (the official MXFP4 layout, model/train/export.py, with tasks.json naming the tasks),
 DIR/train_log.jsonl (one line per logged step and per held-out probe) and DIR/summary.json.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -209,8 +210,9 @@ class Trainer:
         from model.train.export import export_checkpoint, save_fp32
         t = self.net.tensors()
         save_fp32(t, self.out / "fp32.safetensors")
-        export_checkpoint(t, self.cfg, self.tc.model, self.out / "checkpoint",
-                          metadata={"trained_steps": self.step, "train_config": self.tc.name})
+        ck = export_checkpoint(t, self.cfg, self.tc.model, self.out / "checkpoint",
+                               metadata={"trained_steps": self.step, "train_config": self.tc.name})
+        (ck / "tasks.json").write_text(json.dumps(dataclasses.asdict(self.tc.task), indent=1))
         out = {"checkpoint": str(self.out / "checkpoint")}
         if self.probes:
             self.net.qat = True
