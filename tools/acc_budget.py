@@ -14,7 +14,7 @@
 This is a projection, not a measurement: the training run follows its time budget whatever the speed
 (model/train/loop.py), and logs its real step times and tokens per second.
 
-    python tools/acc_budget.py [--minutes 8.5] [--measure] [--launch-us 8] [--tbps 3.0] [--tflops 200]
+    python tools/acc_budget.py [--minutes 8] [--measure] [--launch-us 8] [--tbps 3.0] [--tflops 200]
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def curriculum_lengths(tc, n: int = 400) -> list[int]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="acc")
-    p.add_argument("--minutes", type=float, default=8.5, help="the training budget to plan (--minutes of train)")
+    p.add_argument("--minutes", type=float, default=8.0, help="the training budget to plan (--minutes of train)")
     p.add_argument("--launch-us", type=float, default=8.0)
     p.add_argument("--tbps", type=float, default=3.0)
     p.add_argument("--tflops", type=float, default=200.0)

@@ -3,7 +3,7 @@
 # Carry build-acc.tar.xz: the kernels of the acc model, which are the tiny preset's, built on the CPU:
 #   k3gen build --arch sm90 --model tiny --drafts 0,3 --out build-acc && tar cJf build-acc.tar.xz build-acc
 # Usage on the device (each a call of at most 10 minutes):
-#   bash tools/h200_accuracy.sh train     # MINUTES (default 8.5) of training; resumes if RUN/state.pt exists
+#   bash tools/h200_accuracy.sh train     # MINUTES (default 8) of training; resumes if RUN/state.pt exists
 #   bash tools/h200_accuracy.sh eval      # the table: FP32 reference + kernel path grid, within ~9 minutes
 # What comes back in $OUT: train.log, train_log.jsonl, summary.json, checkpoint/ (the trained model in the
 # official MXFP4 layout), fp32.safetensors (the master weights), eval-main/, eval-grid/, eval/ (merged table).
@@ -25,7 +25,7 @@ left() { echo $(( ${BUDGET_S:-570} - ($(date +%s) - T0) )); }
 rc=0
 case "${1:-}" in
   train)
-    args=(--config "${CONFIG:-acc}" --out "$RUN" --minutes "${MINUTES:-8.5}" --stop-after "${STOP_AFTER:-540}")
+    args=(--config "${CONFIG:-acc}" --out "$RUN" --minutes "${MINUTES:-8}" --stop-after "${STOP_AFTER:-555}")
     [ -f "$RUN/state.pt" ] && args+=(--resume)
     python3 -m model train "${args[@]}" 2>&1 | tee "$OUT/train.log"; rc=${PIPESTATUS[0]}
     cp "$RUN/train_log.jsonl" "$RUN/summary.json" "$OUT/" 2>/dev/null
