@@ -1,5 +1,5 @@
 """`k3gen` command line: build | list | show | inspect | bench | cache | collect-env, and the model's
-generate | plan-memory (resolved by name when they run: k3gen never imports model/).
+generate | plan-memory | eval | train (resolved by name when they run: k3gen never imports model/).
 
 Every argument and K3GEN_* setting is parsed and range-checked before any work starts; a bad one is
 one line `k3gen[ CMD]: error: ...` on stderr and exit 2. Errors always go to stderr, results to stdout.
@@ -498,6 +498,8 @@ EXTERNAL = {
     "generate": ("model.cli:generate_main", "run the Kimi K3 model (python -m model generate)"),
     "plan-memory": ("model.cli:plan_main", "sequences x tokens of a config that fit a GPU (python -m model "
                     "plan-memory)"),
+    "eval": ("model.cli:eval_main", "exact match of a trained checkpoint per serving setting (python -m model eval)"),
+    "train": ("model.cli:train_main", "train the small K3 of the accuracy table (python -m model train)"),
 }
 
 

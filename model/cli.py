@@ -1,6 +1,6 @@
-"""The model's command line: `python -m model generate|plan-memory ...`, also reachable as
-`k3gen generate` / `k3gen plan-memory` (k3gen/cli.py resolves `generate_main` / `plan_main` by name
-when one of them runs). Kept free of heavy imports: `--help` must answer fast.
+"""The model's command line: `python -m model generate|plan-memory|eval|train ...`, also reachable as
+`k3gen generate` / `k3gen plan-memory` / `k3gen eval` / `k3gen train` (k3gen/cli.py resolves
+`generate_main` / `plan_main` / `eval_main` / `train_main` by name when one of them runs). Kept free of heavy imports: `--help` must answer fast.
 
 Each argument is parsed and range-checked by argparse (one line on stderr, exit 2); what needs the
 model config or several arguments together is checked by the command before any work (a typed
@@ -14,33 +14,9 @@ import sys
 from k3gen.cli import ARCH_CHOICES, KV_CHOICES, MAX_DRAFTS, MODEL_PRESETS, SSM_CHOICES, _Help, _Parser
 from k3gen.errors import K3genError
 
+from model.argtypes import float_in, int_in  # noqa: F401  (re-exported: the commands' argument types)
+
 ARCH_HELP = "target GPU family: " + ", ".join(ARCH_CHOICES)
-
-
-def int_in(lo: int, hi: int | None, what: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer ({what})") from None
-        if v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"{v} is out of range: {what}")
-        return v
-    parse.__name__ = "int"
-    return parse
-
-
-def float_in(lo: float, hi: float | None, what: str, lo_open: bool = False):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number ({what})") from None
-        if v != v or v < lo or (lo_open and v == lo) or (hi is not None and v > hi) or v == float("inf"):
-            raise argparse.ArgumentTypeError(f"{text} is out of range: {what}")
-        return v
-    parse.__name__ = "float"
-    return parse
 
 
 def prompt_ids(text: str) -> list[int]:
@@ -136,9 +112,32 @@ def run_plan(a) -> int:
     return run(a)
 
 
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    from model.eval.command import add_eval_arguments as add
+    add(p)
+
+
+def run_eval(a) -> int:
+    from model.eval.command import run
+    return run(a)
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from model.train.command import add_train_arguments as add
+    add(p)
+
+
+def run_train(a) -> int:
+    from model.train.command import run
+    return run(a)
+
+
 COMMANDS = {
     "generate": (add_generate_arguments, run_generate, "run the Kimi K3 model (small configs; reference path on a CPU)"),
     "plan-memory": (add_plan_arguments, run_plan, "sequences x tokens of the K3 config that fit a GPU, per KV/SSM dtype"),
+    "eval": (add_eval_arguments, run_eval, "exact match of a trained checkpoint per KV/SSM dtype, batch, graphs, "
+             "speculative decoding (docs/ACCURACY.md)"),
+    "train": (add_train_arguments, run_train, "train the small K3 of the accuracy table on synthetic tasks"),
 }
 
 
@@ -156,6 +155,14 @@ def generate_main(argv=None, prog: str | None = None) -> int:
 
 def plan_main(argv=None, prog: str | None = None) -> int:
     return _run("plan-memory", argv, prog)
+
+
+def eval_main(argv=None, prog: str | None = None) -> int:
+    return _run("eval", argv, prog)
+
+
+def train_main(argv=None, prog: str | None = None) -> int:
+    return _run("train", argv, prog)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,90 @@
+"""The training run (model/train/loop.py, `python -m model train`) on the CPU at toy scale: the loss
+falls, a run stopped and resumed is bitwise the run that was not stopped, the schedule switches to
+quantization-aware training at its fraction, and the command writes the checkpoint the eval reads."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model.cli import main
+from model.train.config import TOY_TASK, get_train_config
+from model.train.loop import Trainer, lr_at, ret_length
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: small tensors gain nothing from two, and on a shared 2-core machine a second
+    thread waits on the other tenant (steps measured 5x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _log(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_toy_loss_falls(tmp_path):
+    torch.manual_seed(0)
+    tc = get_train_config("toy", log_every=5, arith_seqs=8, ret_tokens=0)
+    tr = Trainer(tc, tmp_path, "cpu")
+    s = tr.run(steps=30, echo=lambda _: None)
+    assert s["stopped"] == "done" and s["steps"] == 30
+    log = [r for r in _log(tmp_path) if "loss_arith" in r]
+    first, last = log[0]["loss_arith"], sum(r["loss_arith"] for r in log[-2:]) / 2
+    assert first > 4.0 and last < 0.5 * first, (first, last)     # ln(128) ~ 4.85 at start
+    assert (tmp_path / "checkpoint" / "config.json").is_file() and (tmp_path / "fp32.safetensors").is_file()
+
+
+def test_stop_and_resume_is_the_straight_run(tmp_path):
+    tc = get_train_config("toy", ret_tokens=512, len_min=40, len_start=60, len_max=96, ret_queries=3, arith_seqs=4,
+                          qat_frac=0.5, log_every=1)
+    a = Trainer(tc, tmp_path / "a", "cpu")
+    a.run(steps=6, echo=lambda _: None)
+    b = Trainer(tc, tmp_path / "b", "cpu")
+    assert b.run(steps=6, stop_at_step=3, echo=lambda _: None)["stopped"] == "stop-after"
+    c = Trainer(tc, tmp_path / "b", "cpu")
+    c.load_state()
+    assert c.step == 3
+    assert c.run(steps=6, echo=lambda _: None)["stopped"] == "done"
+    for n, p in a.net.p.items():
+        assert torch.equal(p, c.net.p[n]), n
+    log = [r for r in _log(tmp_path / "a") if "loss_arith" in r]
+    assert [r["qat"] for r in log] == [False, False, False, True, True, True]
+    assert all("loss_ret" in r and 40 <= r["ret_len"] <= 96 for r in log)
+
+
+def test_preflight_compares_with_the_reference():
+    tr = Trainer(get_train_config("toy"), "unused", "cpu")
+    assert tr.preflight(T=24) < 1e-5
+
+
+def test_schedules():
+    tc = get_train_config("acc")
+    assert lr_at(tc, 0, 0.0) < lr_at(tc, tc.warmup, 0.0) == pytest.approx(tc.lr)
+    assert lr_at(tc, 10**6, 1.0) == pytest.approx(tc.lr * tc.min_lr_frac)
+    import numpy as np
+    rng = np.random.default_rng(0)
+    early = [ret_length(tc, rng, 0.0) for _ in range(200)]
+    late = [ret_length(tc, rng, 0.9) for _ in range(200)]
+    assert max(early) <= tc.len_start and min(early) >= tc.len_min
+    assert max(late) > 4096 and max(late) <= tc.len_max
+
+
+def test_train_command_writes_what_eval_reads(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--config", "toy", "--steps", "2", "--out", str(out)]) == 0
+    ck = out / "checkpoint"
+    assert json.loads((ck / "tasks.json").read_text()) == {"vocab": 128, "digits": 2, "ops": ["+"], "key_len": 1, "val_len": 1,
+                                                           "val_symbols": 32}
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    from model.eval.command import task_spec
+    from model.config import config_from_json
+    assert task_spec(ck, config_from_json(ck)) == TOY_TASK
+    assert main(["train", "--config", "toy", "--steps", "2", "--out", str(out)]) == 2        # state.pt is there
+    assert "--resume" in capsys.readouterr().err
+    assert main(["train", "--config", "toy", "--steps", "3", "--out", str(out), "--resume"]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
