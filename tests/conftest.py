@@ -57,3 +57,15 @@ def cache_dir(tmp_path_factory):
 def _isolated_cache(cache_dir, monkeypatch):
     if "K3GEN_CACHE_DIR" not in os.environ or not GPU:
         monkeypatch.setenv("K3GEN_CACHE_DIR", str(cache_dir))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`):
+    small tensors gain nothing from two, and on a shared 2-core machine a second thread waits on the
+    other tenant (training steps measured 5x slower)."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from model.config import config_from_json
 from model.eval.command import task_spec
@@ -24,12 +23,7 @@ CK = Path(__file__).resolve().parents[2] / "golden" / "acc_toy"
 LENGTHS = (64, 128, 192)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

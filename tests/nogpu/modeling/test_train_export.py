@@ -39,14 +39,7 @@ def exported(tmp_path_factory):
     return net, folder
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: small tensors gain nothing from two, and on a shared 2-core machine a second
-    thread waits on the other tenant (steps measured 5x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_layout_is_the_official_one(exported):

@@ -26,14 +26,7 @@ CFG = tiny_config()
 FWD_TOL = 2e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: small tensors gain nothing from two, and on a shared 2-core machine a second
-    thread waits on the other tenant (steps measured 5x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _kda_inputs(B=2, T=45, H=2, K=128, dtype=torch.float64, gate="random", seed=0):

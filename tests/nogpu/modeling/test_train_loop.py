@@ -13,14 +13,7 @@ from model.train.config import TOY_TASK, get_train_config
 from model.train.loop import Trainer, lr_at, ret_length
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: small tensors gain nothing from two, and on a shared 2-core machine a second
-    thread waits on the other tenant (steps measured 5x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _log(folder) -> list[dict]:
