@@ -29,6 +29,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to train: auto (a CUDA GPU when there is one), cpu or cuda")
     p.add_argument("--seed", type=int_in(0, 2**31 - 1, "seed >= 0"), default=None, metavar="N",
                    help="data and initialization seed (default: the config's)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="overrides",
+                   help="override a training setting of the config (a TrainConfig field, e.g. lr=1e-3) or of its "
+                   "tasks (task.FIELD, e.g. task.order=vk); repeatable. Overrides are recorded in summary.json")
     p.add_argument("--threads", type=int_in(1, None, "threads >= 1"), default=None, metavar="N",
                    help="torch CPU threads")
 
@@ -43,7 +46,7 @@ def run(a) -> int:
     if a.device == "cuda" and not cuda:
         raise SpecError("--device", "cuda", ["cpu", "auto"], "no CUDA GPU")
     device = "cuda" if a.device == "cuda" or (a.device == "auto" and cuda) else "cpu"
-    tc = get_train_config(a.config, **({"seed": a.seed} if a.seed is not None else {}))
+    tc = apply_overrides(get_train_config(a.config, **({"seed": a.seed} if a.seed is not None else {})), a.overrides)
     out = Path(a.out)
     if not a.resume and (out / "state.pt").exists():
         raise SpecError("--out", str(out), "a folder without state.pt", "pass --resume to continue that run")
@@ -60,4 +63,37 @@ def run(a) -> int:
     return 0
 
 
-__all__ = ["add_train_arguments", "run"]
+def _parse(name: str, text: str, current):
+    try:
+        if isinstance(current, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return text.lower() in ("true", "1")
+        if isinstance(current, (int, float, str)):
+            return type(current)(text)
+    except ValueError:
+        pass
+    raise SpecError("--set", f"{name}={text}", f"a value of type {type(current).__name__}")
+
+
+def apply_overrides(tc, overrides: list[str]):
+    """The config with `NAME=VALUE` overrides applied (typed by the field's current value); the model
+    dict and tuple fields are not overridable."""
+    import dataclasses
+    top, task = {}, {}
+    for item in overrides:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise SpecError("--set", item, "NAME=VALUE")
+        obj, field, dst = (tc.task, name[5:], task) if name.startswith("task.") else (tc, name, top)
+        allowed = sorted(f.name for f in dataclasses.fields(obj)
+                         if isinstance(getattr(obj, f.name), (bool, int, float, str)) and f.name != "name")
+        if field not in allowed:
+            raise SpecError("--set", name, allowed if obj is tc else [f"task.{f}" for f in allowed])
+        dst[field] = _parse(name, text, getattr(obj, field))
+    if task:
+        top["task"] = dataclasses.replace(tc.task, **task)
+    return dataclasses.replace(tc, **top) if top else tc
+
+
+__all__ = ["add_train_arguments", "run", "apply_overrides"]

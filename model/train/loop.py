@@ -60,6 +60,10 @@ class Trainer:
         self.tc, self.out, self.device = tc, Path(out), torch.device(device)
         self.cfg = config_from_dict(tc.model)
         self.net = K3Train(self.cfg, seed=tc.seed, chunk=tc.chunk, sub=tc.sub).to(self.device)
+        if tc.tied_init and not self.cfg.tie_embeddings:
+            with torch.no_grad():
+                e = self.net.w("model.embed_tokens.weight")
+                self.net.w("lm_head.weight").copy_(e * e.shape[1] ** -0.5)
         decay = {id(p) for p in self.net.matrices()}
         params = [p for p in self.net.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW([{"params": [p for p in params if id(p) in decay], "weight_decay": tc.weight_decay},
@@ -109,7 +113,8 @@ class Trainer:
         rec.update(loss_arith=float(loss_a.detach()), acc_arith=acc_a, tokens=int(x.size))
         if tc.ret_tokens:
             L = ret_length(tc, rng, progress)
-            x, y, m = retrieval_batch(rng, max(1, tc.ret_tokens // L), L, tc.ret_queries, tc.task)
+            q = tc.ret_queries if not tc.ret_query_every else max(1, min(tc.ret_queries, L // tc.ret_query_every))
+            x, y, m = retrieval_batch(rng, max(1, tc.ret_tokens // L), L, q, tc.task)
             loss_r, acc_r = masked_ce(self.net(_t(x, dev)), _t(y, dev), _t(m, dev))
             loss_r.backward()
             loads = [a + b for a, b in zip(loads, self.net.loads)]
@@ -199,7 +204,8 @@ class Trainer:
                 self.save_state()
         self.save_state()
         summary = {"config": tc.name, "steps": self.step, "seconds": round(self.seconds, 1), "stopped": stopped,
-                   "device": str(self.device)}
+                   "device": str(self.device),
+                   "settings": {k: v for k, v in dataclasses.asdict(tc).items() if k != "model"}}
         if stopped == "done":
             summary.update(self.finish())
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))

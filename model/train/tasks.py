@@ -45,6 +45,7 @@ class TaskSpec:
     key_len: int = 2              # symbols per retrieval key
     val_len: int = 2              # symbols per retrieval value
     val_symbols: int = 0          # values from the last val_symbols symbols, keys from the others; 0: shared
+    order: str = "kv"             # a context pair: key value SEP ("kv") or value key SEP ("vk")
 
     def __post_init__(self):
         if self.vocab < SYM + 16:
@@ -57,6 +58,8 @@ class TaskSpec:
             raise SpecError("key_len/val_len", (self.key_len, self.val_len), "1 or 2 each")
         if not 0 <= self.val_symbols < self.symbols:
             raise SpecError("val_symbols", self.val_symbols, f"0..{self.symbols - 1}")
+        if self.order not in ("kv", "vk"):
+            raise SpecError("order", self.order, ["kv", "vk"])
 
     @property
     def pair_len(self) -> int:
@@ -195,7 +198,8 @@ def _keys_values(rng: np.random.Generator, n: int, spec: TaskSpec):
 def retrieval_sequence(rng: np.random.Generator, n_pairs: int, queries: int, spec: TaskSpec):
     """(tokens, mask) of BOS, n_pairs pairs and `queries` distinct keys asked and answered."""
     k, v = _keys_values(rng, n_pairs, spec)
-    ctx = np.concatenate([k, v, np.full((n_pairs, 1), SEP)], axis=1).reshape(-1)
+    kv = (k, v) if spec.order == "kv" else (v, k)
+    ctx = np.concatenate([*kv, np.full((n_pairs, 1), SEP)], axis=1).reshape(-1)
     ask = rng.choice(n_pairs, size=min(queries, n_pairs), replace=False)
     qs = np.concatenate([np.full((len(ask), 1), QUERY), k[ask], v[ask],
                          np.full((len(ask), 1), EOS)], axis=1)

@@ -72,7 +72,7 @@ def test_train_command_writes_what_eval_reads(tmp_path, capsys):
     assert main(["train", "--config", "toy", "--steps", "2", "--out", str(out)]) == 0
     ck = out / "checkpoint"
     assert json.loads((ck / "tasks.json").read_text()) == {"vocab": 128, "digits": 2, "ops": ["+"], "key_len": 1, "val_len": 1,
-                                                           "val_symbols": 32}
+                                                           "val_symbols": 32, "order": "kv"}
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     from model.eval.command import task_spec
     from model.config import config_from_json
@@ -81,3 +81,34 @@ def test_train_command_writes_what_eval_reads(tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
     assert main(["train", "--config", "toy", "--steps", "3", "--out", str(out), "--resume"]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
+
+
+def test_overrides_tied_start_and_few_pairs_first(tmp_path, capsys):
+    from model.train.command import apply_overrides
+    from k3gen.errors import SpecError
+    tc = apply_overrides(get_train_config("toy"), ["lr=1e-3", "tied_init=true", "task.order=vk", "ret_query_every=16"])
+    assert (tc.lr, tc.tied_init, tc.task.order, tc.ret_query_every) == (1e-3, True, "vk", 16)
+    for bad in (["lr"], ["nope=1"], ["lr=fast"], ["tied_init=maybe"], ["task.order=qa"], ["model=x"]):
+        with pytest.raises(SpecError):
+            apply_overrides(get_train_config("toy"), bad)
+    tr = Trainer(tc, tmp_path, "cpu")
+    e, h = tr.net.w("model.embed_tokens.weight"), tr.net.w("lm_head.weight")
+    assert torch.equal(h, e * e.shape[1] ** -0.5) and h.data_ptr() != e.data_ptr()   # a shared start, not tied
+    # a 40-token sequence asks 40 // 16 = 2 keys among as many pairs as fit
+    import numpy as np
+    from model.train import loop
+    seen = []
+    real = loop.retrieval_batch
+    loop.retrieval_batch = lambda rng, b, L, q, spec: seen.append((L, q)) or real(rng, b, L, q, spec)
+    try:
+        rng_len = loop.ret_length
+        loop.ret_length = lambda tc, rng, p: 40
+        tr.train_step(0.0)
+    finally:
+        loop.retrieval_batch, loop.ret_length = real, rng_len
+    assert seen == [(40, 2)]
+    assert main(["train", "--config", "toy", "--steps", "1", "--out", str(tmp_path / "r"), "--set", "task.order=vk"]) == 0
+    assert json.loads((tmp_path / "r" / "checkpoint" / "tasks.json").read_text())["order"] == "vk"
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["settings"]["task"]["order"] == "vk"
+    assert main(["train", "--config", "toy", "--steps", "1", "--out", str(tmp_path / "s"), "--set", "lr=x"]) == 2
+    assert "--set" in capsys.readouterr().err

@@ -54,7 +54,18 @@ def test_arith_batch_packs_problems_and_masks_answers():
 
 
 RETRIEVAL_SPECS = [T.TaskSpec(key_len=1), T.TaskSpec(key_len=2), T.TaskSpec(vocab=3136, key_len=1, val_len=1,
-                                                                                val_symbols=256)]
+                                                                                val_symbols=256),
+                   T.TaskSpec(vocab=128, key_len=2, val_len=1, val_symbols=32),                  # acc
+                   T.TaskSpec(vocab=2912, key_len=1, val_len=1, val_symbols=32),                 # acc-k1
+                   T.TaskSpec(vocab=128, key_len=2, val_len=1, val_symbols=32, order="vk")]
+
+
+def _split(pairs: np.ndarray, spec: T.TaskSpec):
+    """(keys, values) of context pairs [n, pair_len] in the spec's order."""
+    k, nv = spec.key_len, spec.val_len
+    if spec.order == "kv":
+        return pairs[:, :k], pairs[:, k:k + nv]
+    return pairs[:, nv:nv + k], pairs[:, :nv]
 
 
 @pytest.mark.parametrize("spec", RETRIEVAL_SPECS)
@@ -64,9 +75,9 @@ def test_retrieval_sequences_answer_from_their_context(spec):
     assert toks[0] == T.BOS and len(toks) == 1 + 50 * P + 7 * Q
     pairs = toks[1:1 + 50 * P].reshape(50, P)
     assert (pairs[:, -1] == T.SEP).all()
-    table = {tuple(p[:k]): tuple(p[k:k + nv]) for p in pairs}
+    keys, vals = _split(pairs, spec)
+    table = {tuple(a): tuple(b) for a, b in zip(keys, vals)}
     assert len(table) == 50                                          # distinct keys
-    keys, vals = pairs[:, :k], pairs[:, k:k + nv]
     assert (keys >= T.SYM).all() and (keys < T.SYM + spec.key_symbols).all() and (vals < spec.vocab).all()
     if spec.val_symbols:                                             # values never read as keys
         assert (vals >= T.SYM + spec.key_symbols).all()
@@ -96,7 +107,7 @@ def test_question_set_is_fixed_and_held_out(spec):
         else:
             assert q.length - spec.pair_len < len(q.prompt) <= q.length and q.prompt[-k - 1] == T.QUERY
             ctx = np.array(q.prompt[1:-k - 1]).reshape(-1, spec.pair_len)
-            table = {tuple(p[:k]): list(p[k:k + spec.val_len]) for p in ctx}
+            table = {tuple(a): list(b) for a, b in zip(*_split(ctx, spec))}
             assert table[tuple(q.prompt[-k:])] + [T.EOS] == q.answer
     assert sorted({q.length for q in qs if q.task == "retrieval"}) == list(T.LENGTHS)
     assert T.decode_answer(qs[0].answer).endswith("<eos>")
@@ -105,6 +116,7 @@ def test_question_set_is_fixed_and_held_out(spec):
 
 
 def test_bad_task_specs_are_typed_errors():
-    for kw in ({"vocab": 40}, {"digits": 0}, {"ops": ("*",)}, {"key_len": 3}, {"val_len": 0}, {"val_symbols": 480}):
+    for kw in ({"vocab": 40}, {"digits": 0}, {"ops": ("*",)}, {"key_len": 3}, {"val_len": 0}, {"val_symbols": 480},
+               {"order": "qa"}):
         with pytest.raises(SpecError):
             T.TaskSpec(**kw)
