@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 27's H200 checks (docs/ROBUSTNESS.md if present; else the issue): the serving soak, the
 # lossless / invariance / bounds-fuzz GPU tests, and the fuzz + reduced matrix under
-# compute-sanitizer memcheck, racecheck and synccheck. Steps by env (1 = run): SOAK, TESTS, SAN.
+# compute-sanitizer memcheck, racecheck and synccheck, and the invariant mode's price (tools/invariant_price.py).
+# Steps by env (1 = run): SOAK, TESTS, PRICE, SAN.
 # Carry build-out.tar.xz (tools/prebuild_gpu.py) and build-acc.tar.xz (the tiny preset's kernels, which
 # the soak runs). Logs go to $OUT; FUZZ_LOG collects the fuzz counts.
 set -uo pipefail
@@ -20,6 +21,12 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TEST_TIMEOUT:-250} python3 -m pytest -m gpu -q -p no:cacheprovider --maxfail=20 ${T27_FILES:-tests/gpu/test_fuzz_bounds.py \
     tests/gpu/test_spec_lossless.py tests/gpu/test_model_invariance.py tests/gpu/test_model_chunked_prefill.py} 2>&1 \
     | tail -40 | tee "$OUT/tests27.log"; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "${PRICE:-1}" = 1 ]; then
+  for kv in bf16 fp8; do
+    timeout ${PRICE_TIMEOUT:-120} python3 tools/invariant_price.py --kv $kv 2>&1 | tail -8 | tee -a "$OUT/price.log"
+    rc=$((rc | ${PIPESTATUS[0]}))
+  done
 fi
 if [ "${SAN:-1}" = 1 ]; then
   for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
