@@ -5,7 +5,7 @@ optimization settings, as named presets.
 (k3gen/presets.py: 4 layers, KDA at 1 and 3 and MLA at 2 and 4 (1-based) as the config lists them,
 AttnRes blocks of 2 layers, a dense first layer, then the latent MoE with 8 routed experts top-2 by the
 noaux_tc sigmoid router, one shared expert, SiTU, gated MLA without RoPE, 2 KDA and 2 MLA heads,
-hidden 256) with a vocabulary of 3136 (one-symbol keys and values); the vocabulary is no kernel's shape (the
+hidden 256) with a vocabulary of 128 (two-symbol keys from 64 symbols, 32 one-symbol values; `acc-k1`: 2912, one-symbol keys); the vocabulary is no kernel's shape (the
 embedding and LM head run in PyTorch), so the kernels it needs are tiny's (`k3gen build --model tiny`).
 `toy` is the CPU demonstration: two layers (KDA then MLA), hidden 128, one head each, 2-digit sums and
 retrieval over 32-192 tokens.
