@@ -18,7 +18,8 @@ if [ -f build-acc.tar.xz ] && [ ! -d build-acc ]; then tar xJf build-acc.tar.xz;
 export K3GEN_PREBUILT=$PWD/build-acc
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/smi.txt"
 # Overrides for a dry run on a CPU (docs/ACCURACY.md): CONFIG=toy, EVAL_PATH=reference, MAIN_BATCH=8,
-# GRID_BATCH=1,2, LENGTHS=64,128, N_MAIN / N_GRID small, CK / FP another checkpoint.
+# GRID_BATCH=1,2, GRID_KV / GRID_SSM (the grid's dtypes), LENGTHS=64,128, N_MAIN / N_GRID small,
+# MAIN_PCT (the main part's share of BUDGET_S), CK / FP another checkpoint.
 EVAL_PATH=${EVAL_PATH:-kernel}
 T0=$(date +%s)
 left() { echo $(( ${BUDGET_S:-570} - ($(date +%s) - T0) )); }
@@ -35,15 +36,17 @@ case "${1:-}" in
     CK=${CK:-$RUN/checkpoint}
     FP=${FP:-$RUN/fp32.safetensors}
     [ -d "$CK" ] || { echo "no checkpoint at $CK: run 'train' first (or carry it and set CK=, FP=)"; exit 2; }
-    common=(--checkpoint "$CK" --path "$EVAL_PATH" --kv bf16,fp8,nvfp4 --ssm fp32,bf16 ${LENGTHS:+--lengths "$LENGTHS"})
+    common=(--checkpoint "$CK" --path "$EVAL_PATH" ${LENGTHS:+--lengths "$LENGTHS"})
     fp=(); [ -f "$FP" ] && fp=(--fp32-weights "$FP")
     # 1. FP32 reference (checkpoint values and FP32 master weights) + every KV x SSM dtype, batch 8 on graphs
-    python3 -m model eval "${common[@]}" "${fp[@]}" --batch "${MAIN_BATCH:-8g}" --spec 0 --questions "${N_MAIN:-1000}" \
-      --out "$OUT/eval-main" --max-seconds $(( $(left) - 300 )) 2>&1 | tee "$OUT/eval-main.log"
+    python3 -m model eval "${common[@]}" "${fp[@]}" --kv bf16,fp8,nvfp4 --ssm fp32,bf16 --batch "${MAIN_BATCH:-8g}" --spec 0 \
+      --questions "${N_MAIN:-1000}" --out "$OUT/eval-main" --max-seconds $(( $(left) * ${MAIN_PCT:-47} / 100 )) 2>&1 \
+      | tee "$OUT/eval-main.log"
     rc=$((rc | ${PIPESTATUS[0]}))
     # 2. batch 1/2/4/8 eager and 8 on graphs x plain / n-gram speculative decoding, on fewer questions
-    python3 -m model eval "${common[@]}" --fp32 off --batch "${GRID_BATCH:-1,2,4,8,8g}" --spec 0,3 \
-      --questions "${N_GRID:-200}" --out "$OUT/eval-grid" --max-seconds $(( $(left) - 30 )) 2>&1 | tee "$OUT/eval-grid.log"
+    python3 -m model eval "${common[@]}" --fp32 off --kv "${GRID_KV:-bf16,fp8,nvfp4}" --ssm "${GRID_SSM:-fp32,bf16}" \
+      --batch "${GRID_BATCH:-1,2,4,8,8g}" --spec 0,3 \
+      --questions "${N_GRID:-200}" --out "$OUT/eval-grid" --max-seconds $(( $(left) > 60 ? $(left) - 30 : 30 )) 2>&1 | tee "$OUT/eval-grid.log"
     rc=$((rc | ${PIPESTATUS[0]}))
     python3 -m model eval --merge "$OUT/eval-main" "$OUT/eval-grid" --out "$OUT/eval" 2>&1 | tee "$OUT/eval.log"
     ;;

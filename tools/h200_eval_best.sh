@@ -26,5 +26,7 @@ RUN=runs/$best BUDGET_S=${BUDGET_S:-430} bash tools/h200_accuracy.sh eval > "$OU
 [ -n "$pid" ] && wait $pid
 grep -E "exit|Summary|passed|failed|ERROR SUMMARY" "$OUT/san.log" 2>/dev/null | tail -8
 tail -25 "$OUT/evalcall.log"
-cd "$OUT" && tar cJf /tmp/all.tar.xz . && find . -mindepth 1 -maxdepth 1 -exec rm -rf {} + && mv /tmp/all.tar.xz .
+if [ "${PACK:-1}" = 1 ]; then
+  cd "$OUT" && tar cJf /tmp/all.tar.xz . && find . -mindepth 1 -maxdepth 1 -exec rm -rf {} + && mv /tmp/all.tar.xz .
+fi
 exit $rc
