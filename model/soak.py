@@ -101,8 +101,13 @@ def soak(m, steps: int, seed: int, *, max_prompt: int = 48, max_new: int = 96, p
                 break
             logits = m.prefill([r.rid], [r.prompt])
             r.out.append(int(logits[0].argmax()))
-            live[r.rid] = r
             rep.admitted += 1
+            if len(r.out) >= r.max_new:      # the prefill's token was all it asked for: never live
+                m.release([r.rid])
+                rep.tokens[r.rid] = r.out
+                rep.finished += 1
+                continue
+            live[r.rid] = r
             if poison_first and rep.victim is None:
                 rep.victim = r.rid
                 _poison(m, mgr.entry(r.rid).slot)
