@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200, help="model steps per run (each advances every live request)")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--max-seq-len", type=int, default=256)
+    ap.add_argument("--arrive", type=float, default=0.3,
+                    help="probability of each further arrival per step (mean arrivals p / (1 - p))")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     m = build_model(a.config, "sm90", a.kv, a.ssm, a.drafts, a.path, None, 0, a.device, a.max_seq_len, a.slots)
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
                 bar.update(task, completed=r.steps)
                 if not tty and r.steps % max(1, a.steps // 10) == 0:     # plain lines in logs
                     print(f"{name}: {r.steps}/{a.steps} steps, {time.time() - t:.0f} s", file=sys.stderr, flush=True)
-            runs[name] = soak(m, a.steps, a.seed, poison_first=poison, on_step=step)
+            runs[name] = soak(m, a.steps, a.seed, poison_first=poison, on_step=step, p_arrive=a.arrive)
             runs[name].seconds = time.time() - t
     c, r, p = runs["clean"], runs["rerun"], runs["poisoned"]
     others = [i for i in c.tokens if i != p.victim]
