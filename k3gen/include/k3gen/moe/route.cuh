@@ -255,6 +255,7 @@ __device__ __forceinline__ void route_sort(const int* __restrict__ ids, int* __r
         }
         pos += __popc(bal);
       }
+      __syncwarp();   // every lane has read run[el] (racecheck, H100 2026-12-05: lane 0's store raced them)
       if (lane == 0) run[el] = pos - off[e0 + el];
     }
     __syncthreads();
