@@ -25,6 +25,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-after", type=float_in(0.0, None, "seconds > 0", lo_open=True), metavar="S",
                    help="end this call after S seconds, saving the state (continue with --resume)")
     p.add_argument("--resume", action="store_true", help="continue from DIR/state.pt")
+    p.add_argument("--init", metavar="PATH", default=None,
+                   help="start from a finished run's weights (its checkpoint/ folder, experts decoded from MXFP4, "
+                   "or its fp32.safetensors) with a fresh optimizer and schedule; ignored when --resume finds a state")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where to train: auto (a CUDA GPU when there is one), cpu or cuda")
     p.add_argument("--seed", type=int_in(0, 2**31 - 1, "seed >= 0"), default=None, metavar="N",
@@ -50,7 +53,13 @@ def run(a) -> int:
     out = Path(a.out)
     if not a.resume and (out / "state.pt").exists():
         raise SpecError("--out", str(out), "a folder without state.pt", "pass --resume to continue that run")
-    tr = Trainer(tc, out, device)
+    init = None
+    if a.init and not a.resume:
+        init = _init_tensors(Path(a.init), tr_cfg(tc))
+    tr = Trainer(tc, out, device, init=init, init_from=str(a.init) if init is not None else None)
+    if init is not None:
+        tr.log({"step": 0, "init": tr.init_from})
+        print(f"starting from the weights in {a.init}")
     if a.resume:
         if not (out / "state.pt").exists():
             raise SpecError("--resume", str(out), "a folder with state.pt")
@@ -61,6 +70,33 @@ def run(a) -> int:
     s = tr.run(minutes=a.minutes, steps=a.steps, stop_after=a.stop_after)
     print(json.dumps(s))
     return 0
+
+
+def tr_cfg(tc):
+    from model.config import config_from_dict
+    return config_from_dict(tc.model)
+
+
+def _init_tensors(path: Path, cfg) -> dict:
+    """Canonical FP32 tensors of a finished run: a checkpoint folder in the official layout or an
+    FP32 master-weight file. Every tensor the config has must be there with its shape."""
+    from model.train.export import load_fp32, read_canonical
+    from model.reference import canonical_shapes
+    from k3gen.errors import K3genError
+    if path.is_dir():
+        try:
+            _, tensors = read_canonical(path, cfg)
+        except K3genError as e:
+            raise SpecError("--init", str(path), f"a checkpoint of this config ({cfg.name})", str(e)) from e
+    elif path.suffix == ".safetensors" and path.is_file():
+        tensors = load_fp32(path)
+    else:
+        raise SpecError("--init", str(path), "a checkpoint folder or an fp32 .safetensors file")
+    for n, s in canonical_shapes(cfg).items():
+        if n not in tensors or tuple(tensors[n].shape) != tuple(s):
+            got = tuple(tensors[n].shape) if n in tensors else "missing"
+            raise SpecError("--init", str(path), f"{n} of shape {tuple(s)}", f"found {got}: another config")
+    return tensors
 
 
 def _parse(name: str, text: str, current):

@@ -56,11 +56,15 @@ def _t(x: np.ndarray, device) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, tc: TrainConfig, out, device="cpu"):
+    def __init__(self, tc: TrainConfig, out, device="cpu", init: dict[str, torch.Tensor] | None = None,
+                 init_from: str | None = None):
+        """init: canonical tensors to start from (a finished run's weights, `--init`) instead of the
+        seeded initialization; the optimizer and the schedule start afresh."""
         self.tc, self.out, self.device = tc, Path(out), torch.device(device)
+        self.init_from = init_from
         self.cfg = config_from_dict(tc.model)
-        self.net = K3Train(self.cfg, seed=tc.seed, chunk=tc.chunk, sub=tc.sub).to(self.device)
-        if tc.tied_init and not self.cfg.tie_embeddings:
+        self.net = K3Train(self.cfg, seed=tc.seed, tensors=init, chunk=tc.chunk, sub=tc.sub).to(self.device)
+        if init is None and tc.tied_init and not self.cfg.tie_embeddings:
             with torch.no_grad():
                 e = self.net.w("model.embed_tokens.weight")
                 self.net.w("lm_head.weight").copy_(e * e.shape[1] ** -0.5)
@@ -78,7 +82,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / "state.pt.tmp"
         torch.save({"name": self.tc.name, "net": self.net.state_dict(), "opt": self.opt.state_dict(),
-                    "step": self.step, "seconds": self.seconds}, tmp)
+                    "step": self.step, "seconds": self.seconds, "init_from": self.init_from}, tmp)
         tmp.replace(self.out / "state.pt")
 
     def load_state(self) -> None:
@@ -89,6 +93,7 @@ class Trainer:
         self.net.load_state_dict(s["net"])
         self.opt.load_state_dict(s["opt"])
         self.step, self.seconds = s["step"], s["seconds"]
+        self.init_from = s.get("init_from")
 
     def log(self, rec: dict) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +209,7 @@ class Trainer:
                 self.save_state()
         self.save_state()
         summary = {"config": tc.name, "steps": self.step, "seconds": round(self.seconds, 1), "stopped": stopped,
-                   "device": str(self.device),
+                   "device": str(self.device), "init": self.init_from,
                    "settings": {k: v for k, v in dataclasses.asdict(tc).items() if k != "model"}}
         if stopped == "done":
             summary.update(self.finish())

@@ -112,3 +112,28 @@ def test_overrides_tied_start_and_few_pairs_first(tmp_path, capsys):
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["settings"]["task"]["order"] == "vk"
     assert main(["train", "--config", "toy", "--steps", "1", "--out", str(tmp_path / "s"), "--set", "lr=x"]) == 2
     assert "--set" in capsys.readouterr().err
+
+
+def test_init_starts_from_a_finished_runs_weights(tmp_path, capsys):
+    from pathlib import Path
+    from model.train.export import read_canonical
+    golden = Path(__file__).resolve().parents[2] / "golden" / "acc_toy"
+    _, want = read_canonical(golden)
+    tc = get_train_config("toy", tied_init=True)
+    tr = Trainer(tc, tmp_path / "t", "cpu", init=want, init_from=str(golden))
+    for n, t in want.items():                      # the tied start must not overwrite the loaded head
+        assert torch.equal(tr.net.w(n).detach(), t.float()), n
+    out = tmp_path / "run"
+    assert main(["train", "--config", "toy", "--steps", "1", "--out", str(out), "--init", str(golden),
+                 "--set", "lr=1e-12", "--set", "warmup=1", "--set", "balance_rate=0"]) == 0
+    assert _log(out)[0] == {"step": 0, "init": str(golden)}
+    assert json.loads((out / "summary.json").read_text())["init"] == str(golden)
+    from model.train.export import load_fp32
+    got = load_fp32(out / "fp32.safetensors")
+    # one step at lr 1e-12 moves nothing measurable: the run started from the golden weights
+    assert max(float((got[n] - want[n]).abs().max()) for n in want) < 1e-6
+    bad = tmp_path / "acc"
+    assert main(["train", "--config", "acc", "--steps", "1", "--out", str(bad), "--init", str(golden)]) == 2
+    assert "--init" in capsys.readouterr().err and not (bad / "state.pt").exists()
+    assert main(["train", "--config", "toy", "--steps", "1", "--out", str(tmp_path / "x"), "--init",
+                 str(tmp_path / "none.bin")]) == 2
