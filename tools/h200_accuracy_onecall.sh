@@ -7,7 +7,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/k3gen-out}
 mkdir -p "$OUT"
 T0=$(date +%s)
-(SAN=0 SOAK_TIMEOUT=${SOAK_TIMEOUT:-200} TEST_TIMEOUT=${TEST_TIMEOUT:-200} PRICE_TIMEOUT=40 \
+if [ -n "${INIT_TAR:-}" ]; then   # a finished run (NAME.tar.xz of a sweep) to start from: INIT=its checkpoint/
+  mkdir -p /tmp/init && tar xJf "$INIT_TAR" -C /tmp/init && export INIT=$(ls -d /tmp/init/*/checkpoint | head -1)
+fi
+(SAN=${I27_SAN:-0} SOAK_TIMEOUT=${SOAK_TIMEOUT:-200} TEST_TIMEOUT=${TEST_TIMEOUT:-200} PRICE_TIMEOUT=40 \
   bash tools/h200_issue27.sh > "$OUT/i27.log" 2>&1) & side=$!
 MINUTES=${MINUTES:-4.5} STOP_AFTER=${STOP_AFTER:-330} bash tools/h200_train_sweep.sh "$@" > "$OUT/sweep.log" 2>&1
 grep -E "probe|exit" "$OUT/sweep.log" | tail -12

@@ -17,10 +17,19 @@ soak() {
   timeout ${SOAK_TIMEOUT:-240} python3 tools/soak.py --steps ${SOAK_STEPS:-2500} --slots ${SOAK_SLOTS:-8} \
     --arrive ${SOAK_ARRIVE:-0.3} --path kernel --device cuda 2>&1 | tail -20 > "$OUT/soak.log"; return ${PIPESTATUS[0]}
 }
+# T27_GROUPS: ';'-separated groups of test files, one pytest process each, at once (tests27-N.log).
 tests() {
-  timeout ${TEST_TIMEOUT:-250} python3 -m pytest -m gpu -q -p no:cacheprovider --maxfail=20 ${T27_FILES:-tests/gpu/test_fuzz_bounds.py \
-    tests/gpu/test_spec_lossless.py tests/gpu/test_model_invariance.py tests/gpu/test_model_chunked_prefill.py} \
-    ${T27_K:+-k "$T27_K"} 2>&1 | tail -40 > "$OUT/tests27.log"; return ${PIPESTATUS[0]}
+  local groups=${T27_GROUPS:-tests/gpu/test_fuzz_bounds.py tests/gpu/test_spec_lossless.py tests/gpu/test_model_invariance.py tests/gpu/test_model_chunked_prefill.py}
+  local r=0 i=0 g p pids=()
+  IFS=';' read -ra gs <<< "$groups"
+  for g in "${gs[@]}"; do
+    i=$((i + 1))
+    ( timeout ${TEST_TIMEOUT:-250} python3 -m pytest -m gpu -q -p no:cacheprovider --maxfail=20 $g ${T27_K:+-k "$T27_K"} 2>&1 \
+      | tail -40 > "$OUT/tests27-$i.log"; exit ${PIPESTATUS[0]} ) & pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait $p || r=1; done
+  cat "$OUT"/tests27-*.log > "$OUT/tests27.log"
+  return $r
 }
 price() {
   local r=0 kv

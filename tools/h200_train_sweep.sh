@@ -6,6 +6,7 @@
 #   bash tools/h200_train_sweep.sh base: k1@acc-k1: lr:lr=3e-3,warmup=100
 # Each trains MINUTES (default 7) into runs/NAME; $OUT/NAME.tar.xz holds its logs, summary and
 # checkpoint/ (the MXFP4 layout); fp32.safetensors stays in runs/NAME for an eval call on the same machine.
+# INIT=DIR starts every variant from a finished run's weights (`python -m model train --init`).
 set -uo pipefail
 OUT=${OUT:-/tmp/k3gen-out}
 mkdir -p "$OUT"
@@ -19,6 +20,7 @@ for v in "$@"; do
   IFS=, read -ra list <<< "$sets"
   for s in "${list[@]}"; do [ -n "$s" ] && args+=(--set "$s"); done
   [ -f "runs/$name/state.pt" ] && args+=(--resume)
+  [ -n "${INIT:-}" ] && args+=(--init "$INIT")   # a finished run's checkpoint/ to start from
   python3 -m model train "${args[@]}" > "$OUT/train-$name.log" 2>&1 &
   pids+=($!)
 done
