@@ -40,7 +40,7 @@ price() {
   return $r
 }
 san() {
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $1 --report-api-errors no \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $1 --report-api-errors no ${SAN_FLAGS:-} \
     --error-exitcode 3 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -k "${SAN_K:-sanitize}" 2>&1 \
     | filt | tail -30 > "$OUT/$1.log"; return ${PIPESTATUS[0]}
 }
