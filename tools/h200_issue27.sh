@@ -6,6 +6,7 @@
 # once (the GPU is mostly idle under each: launch-bound model steps, sanitizer-bound tests).
 # Carry build-out.tar.xz (tools/prebuild_gpu.py) and build-acc.tar.xz (the tiny preset's kernels, which
 # the soak runs). Logs go to $OUT; FUZZ_LOG collects the fuzz counts.
+# SAN_FLAGS: more compute-sanitizer flags (e.g. '--racecheck-report all --print-limit 0', with SAN_K narrowing the -k to one test).
 set -uo pipefail
 OUT=${OUT:-/tmp/k3gen-out}
 mkdir -p "$OUT"
