@@ -169,7 +169,6 @@ __device__ __forceinline__ void col_stats(const float (&m)[N / 8][2], const floa
         stats[(c * 2 + 1) * N + col] = rd[col] + rd[RS + col] + rd[2 * RS + col] + rd[3 * RS + col];
       }
   }
-  __syncwarp();   // the callers' next named barrier follows: every lane arrives from here
 }
 
 // After col_stats and both consumers' last wgmma: consumer c's merge weights (scale(w / l_total)
@@ -198,7 +197,6 @@ __device__ __forceinline__ void merge_out(const Params& p, const float (&o)[8][N
         p.part_lse[(static_cast<long long>(b) * p.splits + split) * HT + r0 + col] =
             lt > 0.f ? mm + log2f(lt) : K3GEN_MLA_NEG_INF;
     }
-  __syncwarp();
   for (int pass = 1; pass >= 0; --pass) {
     if (c == pass) {
 #pragma unroll

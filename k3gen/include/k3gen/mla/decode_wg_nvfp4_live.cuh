@@ -48,9 +48,6 @@ __device__ void live_rows(const Params& p, int b, int r0, int len, int live, con
       if (part == 0) sS[col * kRingRows + j] = j < nl && live + j <= lim ? v * (C::kSoftmaxScale * kLog2e) : K3GEN_MLA_NEG_INF;
     }
   }
-  // Lanes reconverge before every named barrier that follows a lane-dependent branch: racecheck
-  // on the H200 saw this consumer's warp-0 lanes 0-3 a barrier phase apart from the rest.
-  __syncwarp();
   sm90::barrier_sync_divergent(bar_id, 128);
   // One thread per column (warp 0, lanes 4 g8 = 0): new maximum, rescale factor, probabilities
   // (times gu, the tiles' unit) in place of the scores, and its denominator partial.
@@ -80,7 +77,6 @@ __device__ void live_rows(const Params& p, int b, int r0, int len, int live, con
         rd[32 + col] = sum;
       }
   }
-  __syncwarp();
   sm90::barrier_sync_divergent(bar_id, 128);
   float al[2][2];
 #pragma unroll
