@@ -55,7 +55,8 @@ def run(a) -> int:
         raise SpecError("--out", str(out), "a folder without state.pt", "pass --resume to continue that run")
     init = None
     if a.init and not a.resume:
-        init = _init_tensors(Path(a.init), tr_cfg(tc))
+        from model.config import config_from_dict
+        init = _init_tensors(Path(a.init), config_from_dict(tc.model))
     tr = Trainer(tc, out, device, init=init, init_from=str(a.init) if init is not None else None)
     if init is not None:
         tr.log({"step": 0, "init": tr.init_from})
@@ -70,11 +71,6 @@ def run(a) -> int:
     s = tr.run(minutes=a.minutes, steps=a.steps, stop_after=a.stop_after)
     print(json.dumps(s))
     return 0
-
-
-def tr_cfg(tc):
-    from model.config import config_from_dict
-    return config_from_dict(tc.model)
 
 
 def _init_tensors(path: Path, cfg) -> dict:
