@@ -238,14 +238,16 @@ def load_rank_weights(checkpoint, cfg, recipe, par=None, device="cpu"):
 
 def build_model(config, arch: str, kv: str, ssm: str, max_drafts: int, path: str, checkpoint: str | None,
                 seed: int, device: str, max_seq_len: int, max_slots: int, budget_gib: float | None = None,
-                par=None):
+                par=None, graph_batch_sizes: tuple[int, ...] | None = None):
     """`config`: a preset name, config.json path or ModelConfig. With `par` (model/dist.py) the model of
-    its rank: the rank's weights, kernels and cache at the per-rank head counts (TargetConfig.tp = world)."""
+    its rank: the rank's weights, kernels and cache at the per-rank head counts (TargetConfig.tp = world).
+    `graph_batch_sizes`: the decode graphs' batch sizes (None: TargetConfig's default)."""
     from model.cache import HybridCache
     from model.config import ModelConfig, TargetConfig, get_config
     cfg = config if isinstance(config, ModelConfig) else get_config(config)
     tp, ep = (1, 1) if par is None else (par.world, par.layout.ep)
-    tcfg = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=max_drafts, path=path, tp=tp, ep=ep)
+    extra = {} if graph_batch_sizes is None else {"graph_batch_sizes": tuple(graph_batch_sizes)}
+    tcfg = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=max_drafts, path=path, tp=tp, ep=ep, **extra)
     if checkpoint is None:
         checkpoint = random_checkpoint(cfg, seed)[0]
     w = load_rank_weights(checkpoint, cfg, tcfg.recipe, par, device)

@@ -72,10 +72,12 @@ def _poison(m, slot: int) -> None:
 
 def soak(m, steps: int, seed: int, *, max_prompt: int = 48, max_new: int = 96, p_arrive: float = 0.3,
          p_verify: float = 0.5, poison_first: bool = False, vocab: int | None = None,
-         on_step=None) -> SoakReport:
+         on_step=None, core=None) -> SoakReport:
     """Run `steps` model steps on K3Model `m` (its cache empty); returns the report with every
     request's tokens. `poison_first`: the first request's KDA state is set to NaN after its
-    prefill. `on_step(report)` after every step (progress)."""
+    prefill. `on_step(report)` after every step (progress). `core(ids, tokens, T)`: the decode /
+    verify step's logits [B T, vocab] for the flat tokens (default: eager `prepare` + `step_core`;
+    model.generate.Generator._core replays the CUDA graphs a serving engine runs)."""
     rng = random.Random(seed)
     vocab = vocab or m.cfg.vocab
     M = m.tcfg.max_drafts
@@ -85,6 +87,10 @@ def soak(m, steps: int, seed: int, *, max_prompt: int = 48, max_new: int = 96, p
     cap = m.cache.max_pages_per_seq * mgr.page - M - 1
     rep, live, next_id = SoakReport(), {}, 0
     reserved = lambda r: mgr.pages_for(len(r.prompt) + r.max_new + M + 1)   # noqa: E731  (worst case)
+    if core is None:
+        def core(ids, tokens, T):
+            slots, start = m.prepare(ids, T)
+            return m.step_core(torch.tensor(tokens, device=m.device), slots, start, T)
     while rep.steps < steps:
         # Arrivals: admitted only when their worst case fits beside the live requests' worst cases,
         # so no extend can fail (a serving engine would preempt instead).
@@ -114,12 +120,14 @@ def soak(m, steps: int, seed: int, *, max_prompt: int = 48, max_new: int = 96, p
         ids = sorted(live)
         if M and rng.random() < p_verify:
             drafts = [[rng.randrange(vocab) for _ in range(M)] for _ in ids]
-            lg = m.verify(ids, [[live[i].out[-1]] + d for i, d in zip(ids, drafts)])
+            flat = [x for i, d in zip(ids, drafts) for x in [live[i].out[-1]] + d]
+            lg = core(ids, flat, 1 + M).view(len(ids), 1 + M, -1)
+            top = lg.argmax(-1).tolist()     # one host sync for the step's tokens
             acc = []
-            for i, d, rows in zip(ids, drafts, lg):
+            for i, d, rows, am in zip(ids, drafts, lg, top):
                 r = live[i]
                 a = rng.randint(1, min(M + 1, r.max_new - len(r.out)))
-                r.out += d[:a - 1] + [int(rows[a - 1].argmax())]
+                r.out += d[:a - 1] + [am[a - 1]]
                 acc.append(a)
                 rep.accepted_drafts += a - 1
                 if i == rep.victim:
@@ -127,9 +135,9 @@ def soak(m, steps: int, seed: int, *, max_prompt: int = 48, max_new: int = 96, p
             m.commit(ids, acc)
             rep.verify_steps += 1
         else:
-            lg = m.decode(ids, [live[i].out[-1] for i in ids])
-            for i, row in zip(ids, lg):
-                live[i].out.append(int(row.argmax()))
+            lg = core(ids, [live[i].out[-1] for i in ids], 1)
+            for i, row, am in zip(ids, lg, lg.argmax(-1).tolist()):
+                live[i].out.append(am)
                 if i == rep.victim:
                     rep.victim_nonfinite |= not bool(torch.isfinite(row).all())
         rep.steps += 1

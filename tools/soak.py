@@ -2,7 +2,8 @@
 (the tokens must be identical) and once with the first request's KDA state poisoned with NaN
 (every other request's tokens must be the clean run's). Accounting is checked after every step.
 
-    python tools/soak.py --steps 2500 --path kernel --device cuda      # the H200 run
+    python tools/soak.py --steps 2500 --path kernel --device cuda      # the H200 run (eager steps)
+    python tools/soak.py --steps 20000 --slots 24 --path kernel --device cuda --graphs   # on CUDA graphs
     python tools/soak.py --steps 200 --config tiny                     # the CPU reference path
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from model.generate import build_model
+    from model.generate import Generator, build_model
     from model.soak import soak
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="tiny")
@@ -33,8 +34,15 @@ def main(argv=None) -> int:
     ap.add_argument("--arrive", type=float, default=0.3,
                     help="probability of each further arrival per step (mean arrivals p / (1 - p))")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--graphs", action="store_true",
+                    help="decode and verify steps replay CUDA graphs (kernel path on a GPU), as a serving engine")
     a = ap.parse_args(argv)
-    m = build_model(a.config, "sm90", a.kv, a.ssm, a.drafts, a.path, None, 0, a.device, a.max_seq_len, a.slots)
+    sizes = None
+    if a.graphs:   # powers of two below --slots, then --slots: every batch the soak can form has a graph
+        sizes = tuple(sorted({min(1 << i, a.slots) for i in range(a.slots.bit_length() + 1)}))
+    m = build_model(a.config, "sm90", a.kv, a.ssm, a.drafts, a.path, None, 0, a.device, a.max_seq_len, a.slots,
+                    graph_batch_sizes=sizes)
+    core = Generator(m, graphs=True)._core if a.graphs else None
     runs = {}
     tty = sys.stderr.isatty()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -47,12 +55,12 @@ def main(argv=None) -> int:
                 bar.update(task, completed=r.steps)
                 if not tty and r.steps % max(1, a.steps // 10) == 0:     # plain lines in logs
                     print(f"{name}: {r.steps}/{a.steps} steps, {time.time() - t:.0f} s", file=sys.stderr, flush=True)
-            runs[name] = soak(m, a.steps, a.seed, poison_first=poison, on_step=step, p_arrive=a.arrive)
+            runs[name] = soak(m, a.steps, a.seed, poison_first=poison, on_step=step, p_arrive=a.arrive, core=core)
             runs[name].seconds = time.time() - t
     c, r, p = runs["clean"], runs["rerun"], runs["poisoned"]
     others = [i for i in c.tokens if i != p.victim]
     leaked = [i for i in others if p.tokens.get(i) != c.tokens[i]]
-    print(f"{a.config} {a.path} KV {a.kv} SSM {a.ssm} drafts {a.drafts}: {c.steps} steps ({c.verify_steps} verify), "
+    print(f"{a.config} {a.path}{' graphs' if a.graphs else ''} KV {a.kv} SSM {a.ssm} drafts {a.drafts}: {c.steps} steps ({c.verify_steps} verify), "
           f"{c.row_steps} sequence-steps, {c.admitted} admitted, {c.finished} finished, up to {c.max_live} live, "
           f"{c.accepted_drafts} drafts accepted; {c.seconds:.1f} / {r.seconds:.1f} / {p.seconds:.1f} s (clean / rerun / "
           f"poisoned); accounting exact after every step")
