@@ -3,7 +3,8 @@
 (every other request's tokens must be the clean run's). Accounting is checked after every step.
 
     python tools/soak.py --steps 2500 --path kernel --device cuda      # the H200 run (eager steps)
-    python tools/soak.py --steps 20000 --slots 24 --path kernel --device cuda --graphs --parallel --max-new 192
+    python tools/soak.py --steps 20000 --slots 24 --path kernel --device cuda --graphs --parallel \
+        --max-new 400 --max-seq-len 512     # the 2026-12-07 run (README)
     python tools/soak.py --steps 200 --config tiny                     # the CPU reference path
 """
 from __future__ import annotations
