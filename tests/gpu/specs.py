@@ -444,3 +444,12 @@ def fuzz_bounds() -> list:
 
 
 LISTS["fuzz_bounds"] = fuzz_bounds
+
+
+def router_logits() -> list:
+    """tests/gpu/test_router_logits.py: K3's router (7168 x 896), the small preset's and a 256-wide one."""
+    from k3gen.ops.router_logits.spec import RouterLogitsSpec
+    return [RouterLogitsSpec(target=SM90, hidden=h, experts=e) for h, e in ((7168, 896), (1024, 32), (256, 5))]
+
+
+LISTS["router_logits"] = router_logits
