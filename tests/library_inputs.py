@@ -206,6 +206,13 @@ def cases(device="cpu", heads=12, kv=KvDtype.BF16, ssm=SsmDtype.FP32, drafts=3, 
     add("glu_act", ga, (gu,), [((4, 256), torch.uint8), ((4, 2), sdt)])
     add("glu_act_out", ga, (gu, torch.empty(4, 256, dtype=torch.uint8), torch.empty(4, 2, dtype=sdt)), [],
         ("codes", "scales"))
+    # router_logits at tests/gpu/specs.py's ragged shape (256 x 5)
+    from k3gen.ops.router_logits.spec import RouterLogitsSpec
+    rl = RouterLogitsSpec(target=tgt, hidden=256, experts=5)
+    rx = (torch.randn(3, 256, generator=g) * 2).to(BF16)
+    rw = torch.randn(5, 256, generator=g).to(BF16)
+    add("router_logits", rl, (rx, rw), [((3, 5), F32)])
+    add("router_logits_out", rl, (rx, rw, _nan(3, 5)), [], ("out",))
     ffn_cases(add, tgt, g, kv)
     return out
 

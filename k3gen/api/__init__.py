@@ -389,3 +389,18 @@ def glu_act(kernel, gu, *, codes=None, scales=None):
         raise SpecError("codes/scales", (codes is None, scales is None), "both or neither")
     ops.glu_act_out(h, gu, codes, scales)
     return codes, scales
+
+
+# -- the MoE router's logits -------------------------------------------------------------------------
+__all__ += ["router_logits"]
+
+
+def router_logits(kernel, x, w, *, out=None):
+    """FP32 router logits (spec router_logits: hidden = H, experts = E): x [M, H] BF16 (the FFN input
+    rows), w [E, H] BF16 (the router weight) -> [M, E] FP32, every logit in the kernel's fixed
+    summation order (row-invariant). `out=` writes a caller-owned buffer."""
+    h = _h(kernel)
+    if out is None:
+        return ops.router_logits(h, x, w)
+    ops.router_logits_out(h, x, w, out)
+    return out

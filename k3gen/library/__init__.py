@@ -24,6 +24,7 @@ outputs plus an `_out` op writing caller-owned buffers (kv_cache_write only muta
 | moe_route(h, logits, bias) -> (ids, weights, counts, offsets, perm, inv) | (_out: the six, a T_max workspace) |
 | attn_res(h, src, n, query, norm_w, delta?, seal, want_mixed) -> (out, codes, scales, mixed) | src (_out: + codes?, scales?, mixed?, out) |
 | glu_act(h, gu) -> (codes, scales) | (_out: codes, scales) |
+| router_logits(h, x, w) -> out | (_out: out) |
 | mla_prefill(h, q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q) -> out | (_out: out) |
 | moe_experts(h, x, w13, s13, w2, s2, ids, weights, offsets, perm, gs13?, gs2?, x_scales?, expert_base, ws_h?, ws_y?, want_f32) -> (out, out_f32) | ws_h, ws_y (_out: + out_f32?, out) |
 """
@@ -38,3 +39,4 @@ OPS = ("act_quant_fp8", "act_quant_fp8_out", "fp8_block_gemm", "fp8_block_gemm_o
        "mla_decode_out", "mla_q_absorb", "mla_q_absorb_out", "mla_vb_gate", "mla_vb_gate_out")
 OPS += ("moe_route", "moe_route_out", "attn_res", "attn_res_out", "moe_experts", "moe_experts_out")
 OPS += ("glu_act", "glu_act_out", "mla_prefill", "mla_prefill_out")
+OPS += ("router_logits", "router_logits_out")

@@ -144,6 +144,9 @@ BAD = [
     ("mla_prefill_out", 8, lambda t: t.bfloat16(), "out"),              # not the spec's out dtype
     ("glu_act", 1, lambda t: t[:, :384], "gu"),                         # not [gate | up] of the width
     ("glu_act_out", 3, lambda t: t[:, :1], "scales"),                   # one scale group short
+    ("router_logits", 1, lambda t: t.float(), "x"),                     # FP32 rows
+    ("router_logits", 2, lambda t: t[:4], "w"),                         # fewer experts than the spec's
+    ("router_logits_out", 3, lambda t: t.bfloat16(), "out"),            # not FP32 logits
 ]
 
 

@@ -96,3 +96,19 @@ def test_kernel_compiles_without_local_memory(target, hidden, experts):
     assert k["local"] == 0 and k["stack"] == 0 and k["registers"] <= 128, k
     assert k["sass"].get("FFMA", 0) >= 64 and k["sass"].get("SHFL", 0) >= 5 * 8   # FMAs, the butterflies
     assert not any(op.startswith(("LDL", "STL")) for op in k["sass"])
+
+
+def test_api_on_cpu_tensors_is_the_reference():
+    """k3gen.api.router_logits on CPU tensors runs the reference through the k3gen:: op (functional
+    and out=), and a wrong weight width is a typed error before any work."""
+    from k3gen import api
+    from k3gen.library import handle_of
+    s = RouterLogitsSpec(target=SM90, hidden=512, experts=6)
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 512, generator=g).to(torch.bfloat16), torch.randn(6, 512, generator=g).to(torch.bfloat16)
+    h = handle_of(s)
+    assert torch.equal(api.router_logits(h, x, w), router_logits(x, w))
+    out = torch.full((2, 6), float("nan"))
+    assert api.router_logits(h, x, w, out=out) is out and torch.equal(out, router_logits(x, w))
+    with pytest.raises(SpecError, match="w"):
+        api.router_logits(h, x, w[:, :256])
