@@ -11,12 +11,12 @@ from k3gen.ops.router_logits.spec import CHUNK, LANES
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """FP32 [M, E] of x [M, H] and w [E, H] (BF16 values; any float dtype holding them)."""
+    """FP32 [M, E] of x [M, H] BF16 and w [E, H] (BF16, or FP32 rounded to BF16 first as the kernel does)."""
     M, H = x.shape
     E = w.shape[0]
     P = H // (CHUNK * LANES)
     X = x.float().reshape(M, P, LANES, CHUNK)
-    W = w.float().reshape(E, P, LANES, CHUNK)
+    W = w.to(torch.bfloat16).float().reshape(E, P, LANES, CHUNK)
     acc = torch.zeros(M, E, LANES, dtype=torch.float32)
     for i in range(P):
         for j in range(CHUNK):

@@ -4,8 +4,9 @@ the noaux_tc sigmoid router's input; issue 21: the last PyTorch piece of the FFN
 Kernel contract (shared by the template, include/k3gen/router/logits.cuh, the reference and the
 launcher):
 
-- In: x [M, H] BF16 (the FFN input rows), w [E, H] BF16 (the router weight: K3 stores it in FP32
-  holding BF16 values, so the BF16 copy is exact), both row-major and contiguous. H (`hidden`) static,
+- In: x [M, H] BF16 (the FFN input rows), w [E, H] (the router weight) in `weight` dtype: BF16, or
+  FP32 as K3's checkpoint stores it (its values are BF16 values; the kernel rounds each to BF16 to
+  nearest even, a no-op for them, so every product stays exact), both row-major and contiguous. H (`hidden`) static,
   a multiple of 256; E (`experts`) static, <= 1024; M dynamic (M * E < 2^31).
 - Out: logits [M, E] FP32, each in one fixed order whatever M and the other rows: lane l (0..31) of
   the expert's warp takes the 8-value chunks c = l, l + 32, l + 64, ... and adds the products of K
@@ -20,6 +21,7 @@ launcher):
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from k3gen.errors import SpecError
@@ -35,11 +37,20 @@ MAX_EXPERTS = 1024
 MAX_ELEMENTS = 2 ** 31
 
 
+class RouterWeight(str, enum.Enum):
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @register_op("router_logits")
 @dataclass(frozen=True, kw_only=True)
 class RouterLogitsSpec(OpSpec):
     hidden: int      # H: the router's input width (the model's hidden size)
     experts: int     # E: routed experts (router weight rows)
+    weight: RouterWeight = RouterWeight.BF16
 
     def validate(self) -> None:
         h, e = self.hidden, self.experts
@@ -48,6 +59,8 @@ class RouterLogitsSpec(OpSpec):
                             "each lane takes whole 8-value chunks in turn")
         if isinstance(e, bool) or not isinstance(e, int) or not 1 <= e <= MAX_EXPERTS:
             raise SpecError("experts", e, f"1..{MAX_EXPERTS}")
+        if not isinstance(self.weight, RouterWeight):
+            raise SpecError("weight", self.weight, [w.value for w in RouterWeight])
         self.impl  # noqa: B018  (a kernel for this target, or SpecError with each variant's reason)
 
     # -- kernel contract --------------------------------------------------------------------
@@ -59,14 +72,15 @@ class RouterLogitsSpec(OpSpec):
         return (-(-self.experts // WARPS), -(-m // ROWS), 1)
 
     def slug(self) -> str:
-        return f"h{self.hidden}-e{self.experts}"
+        return f"h{self.hidden}-e{self.experts}" + ("-wf32" if self.weight is RouterWeight.FP32 else "")
 
     # -- estimates --------------------------------------------------------------------------
     def bytes_moved(self):
         """Per M rows: the weight once (each further 8-row block rereads it, from L2 at K3's 12.8 MB),
         x, the FP32 logits."""
         M = sym("M")
-        return self.experts * self.hidden * 2 + M * self.hidden * 2 + M * self.experts * 4
+        wb = 2 if self.weight is RouterWeight.BF16 else 4
+        return self.experts * self.hidden * wb + M * self.hidden * 2 + M * self.experts * 4
 
     def flops(self):
         M = sym("M")

@@ -10,7 +10,7 @@ import torch
 from k3gen.errors import SpecError
 from k3gen.ops import spec_from_canonical
 from k3gen.ops.router_logits.reference import fp64, router_logits
-from k3gen.ops.router_logits.spec import RouterLogitsSpec
+from k3gen.ops.router_logits.spec import RouterLogitsSpec, RouterWeight
 from k3gen.pipeline.build import build_one
 from k3gen.targets import TARGETS
 
@@ -21,6 +21,7 @@ SM90 = TARGETS["sm90"]
     (dict(hidden=0, experts=8), "hidden"), (dict(hidden=300, experts=8), "hidden"),
     (dict(hidden=True, experts=8), "hidden"), (dict(hidden=256, experts=0), "experts"),
     (dict(hidden=256, experts=1025), "experts"), (dict(hidden=256, experts=8.0), "experts"),
+    (dict(hidden=256, experts=8, weight="fp16"), "weight"),
 ])
 def test_bad_fields_raise(kw, field):
     with pytest.raises(SpecError) as e:
@@ -34,6 +35,19 @@ def test_canonical_round_trip_slug_and_grid():
     assert s.slug() == "h7168-e896"
     assert s.grid(1) == (224, 1, 1) and s.grid(9) == (224, 2, 1)
     assert s.chunks_per_lane == 28
+    f = RouterLogitsSpec(target=SM90, hidden=7168, experts=896, weight=RouterWeight.FP32)
+    assert spec_from_canonical(f.canonical(), SM90) == f and f.slug() == "h7168-e896-wf32" and f != s
+
+
+def test_fp32_weights_are_their_bf16_rounding():
+    """An FP32 weight holding BF16 values (K3's stored router) gives the BF16 weight's logits; other
+    FP32 values are rounded to BF16 (nearest even) first, as the kernel does."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 256, generator=g).to(torch.bfloat16)
+    w = torch.randn(3, 256, generator=g)
+    wb = w.to(torch.bfloat16)
+    assert torch.equal(router_logits(x, wb.float()), router_logits(x, wb))
+    assert torch.equal(router_logits(x, w), router_logits(x, wb))
 
 
 def _scalar(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -88,14 +102,16 @@ def test_rows_are_independent_in_the_reference():
 
 
 @pytest.mark.parametrize("target", ["sm90", "sm103-nvfp4", "sm107-nvfp4"])
-@pytest.mark.parametrize("hidden,experts", [(7168, 896), (1024, 32), (256, 5)])
-def test_kernel_compiles_without_local_memory(target, hidden, experts):
-    r = build_one(RouterLogitsSpec(target=TARGETS[target], hidden=hidden, experts=experts))
+@pytest.mark.parametrize("hidden,experts,weight", [(7168, 896, "fp32"), (7168, 896, "bf16"), (1024, 32, "bf16"),
+                                                   (256, 5, "fp32")])
+def test_kernel_compiles_without_local_memory(target, hidden, experts, weight):
+    r = build_one(RouterLogitsSpec(target=TARGETS[target], hidden=hidden, experts=experts, weight=RouterWeight(weight)))
     (k,) = r.resources
     assert k["function"] == "k3gen_router_logits"
     assert k["local"] == 0 and k["stack"] == 0 and k["registers"] <= 128, k
     assert k["sass"].get("FFMA", 0) >= 64 and k["sass"].get("SHFL", 0) >= 5 * 8   # FMAs, the butterflies
     assert not any(op.startswith(("LDL", "STL")) for op in k["sass"])
+    assert (k["sass"].get("F2FP", 0) > 0) == (weight == "fp32")        # FP32 weights rounded to BF16
 
 
 def test_api_on_cpu_tensors_is_the_reference():

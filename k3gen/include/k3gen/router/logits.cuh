@@ -30,8 +30,28 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc)
   return fmaf(bf16_hi(a.w), bf16_hi(b.w), acc);
 }
 
+// BF16 pair (lo, hi), each rounded to nearest even (one cvt).
+__device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
+  unsigned d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// Chunk i of the weight row as 8 BF16 values: loaded as they are, or (FP32 weights) two 16-byte loads
+// rounded to BF16 to nearest even (exact for K3's router, whose FP32 values are BF16 values).
 template <class C>
-__device__ __forceinline__ void logits(const __nv_bfloat16* x, const __nv_bfloat16* w, float* out, int rows) {
+__device__ __forceinline__ uint4 weight_chunk(const void* w, size_t chunk) {
+  if constexpr (!C::kWeightF32) {
+    return __ldg(static_cast<const uint4*>(w) + chunk);
+  } else {
+    const float4 a = __ldg(static_cast<const float4*>(w) + 2 * chunk);
+    const float4 b = __ldg(static_cast<const float4*>(w) + 2 * chunk + 1);
+    return make_uint4(bf16x2(a.x, a.y), bf16x2(a.z, a.w), bf16x2(b.x, b.y), bf16x2(b.z, b.w));
+  }
+}
+
+template <class C>
+__device__ __forceinline__ void logits(const __nv_bfloat16* x, const void* w, float* out, int rows) {
   constexpr int kChunks = C::kHidden / 8;            // 16-byte chunks of a row
   constexpr int kPerLane = kChunks / 32;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -43,18 +63,18 @@ __device__ __forceinline__ void logits(const __nv_bfloat16* x, const __nv_bfloat
     griddep_launch_dependents();
     return;
   }
-  const uint4* wr = reinterpret_cast<const uint4*>(w) + static_cast<size_t>(e) * kChunks + lane;
+  const size_t wr = static_cast<size_t>(e) * kChunks + lane;   // chunk index of the lane's first chunk
   const uint4* xr = reinterpret_cast<const uint4*>(x) + static_cast<size_t>(m0) * kChunks + lane;
-  // The weight is a constant of the model: its first chunks load before the wait on x's producer.
-  uint4 wc = __ldg(wr);
+  // The weight is a constant of the model: its first chunk loads before the wait on x's producer.
+  uint4 wc = weight_chunk<C>(w, wr);
   griddep_wait();
   griddep_launch_dependents();
   float acc[kRows];
 #pragma unroll
   for (int t = 0; t < kRows; ++t) acc[t] = 0.f;
-#pragma unroll 4
+#pragma unroll C::kWeightF32 ? 2 : 4
   for (int i = 0; i < kPerLane; ++i) {
-    const uint4 wn = i + 1 < kPerLane ? __ldg(wr + (i + 1) * 32) : wc;
+    const uint4 wn = i + 1 < kPerLane ? weight_chunk<C>(w, wr + (i + 1) * 32) : wc;
 #pragma unroll
     for (int t = 0; t < kRows; ++t)
       if (t < n) acc[t] = dot8(__ldg(xr + static_cast<size_t>(t) * kChunks + i * 32), wc, acc[t]);
