@@ -24,7 +24,7 @@ K3_MENU = ("kv_cache_write", "kda_decode", "kda_verify", "kda_prefill", "act_qua
            "mla_q_absorb", "mla_vb_gate", "mla_decode",
            "mla_prefill",   # wgmma (sm90) and tcgen05 (sm103/sm107) kernels: has_prefill_kernel
            "moe_experts",   # sm90: mma.sync; sm103 / sm107: tcgen05 (compiled, never run: variants.py)
-           "moe_route", "attn_res", "glu_act")
+           "moe_route", "attn_res", "glu_act", "router_logits")
 
 
 def _nvfp4(name: str, arch: str, sm: int) -> Target:
@@ -281,17 +281,20 @@ def _act_quant_ks(m: ModelShape, tp: int):
 def ffn_specs(target: Target, m: ModelShape, tp: int, recipe: ScaleRecipe, ep: int = 1,
               experts: str | None = None) -> list[OpSpec]:
     """The FFN and residual-stream kernels of a rank (model/ops.py KernelOps launches them): the
-    router (moe_route), the AttnRes mix + RMSNorm + FP8 quantization for each delta kind it fuses
+    router (router_logits on the FP32-stored router weight, moe_route), the AttnRes mix + RMSNorm + FP8 quantization for each delta kind it fuses
     (none: layer 0's input; bf16: an attention output; fp32: an FFN output), routed_expert_norm as a
     one-source attn_res over the latent, glu_act of the shared experts and the dense MLP, and the
     routed experts (`expert_specs`)."""
     from k3gen.ops.attn_res.spec import AttnResSpec, ResDelta
     from k3gen.ops.glu_act.spec import GluActSpec, GluKind
     from k3gen.ops.moe_route.spec import MoeRouteSpec
+    from k3gen.ops.router_logits.spec import RouterLogitsSpec, RouterWeight
     f = m.ffn
     if f is None:
         return []
     out: list[OpSpec] = []
+    if f.moe and "router_logits" in target.menu:
+        out.append(RouterLogitsSpec(target=target, hidden=m.hidden, experts=f.experts, weight=RouterWeight.FP32))
     if f.moe:
         out.append(MoeRouteSpec(target=target, experts=f.experts, top_k=f.top_k, n_group=f.n_group,
                                 topk_group=f.topk_group, renormalize=f.renormalize, routed_scale=f.routed_scale))

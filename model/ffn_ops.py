@@ -23,6 +23,7 @@ from k3gen.ops.glu_act.reference import glu_act as ref_glu_act
 
 import k3gen.api as api
 from k3gen.ops.glu_act.spec import GluKind
+from k3gen.ops.router_logits.spec import RouterWeight
 from k3gen.ops.moe_experts.spec import GluAct, WeightFormat
 from k3gen.targets import has_expert_kernel
 
@@ -101,7 +102,8 @@ class FfnOps:
         return torch.zeros(hidden, dtype=torch.float32, device=device) if w is None else w.query()
 
     def router_logits(self, x, router: torch.Tensor) -> torch.Tensor:
-        """FP32 router logits (a PyTorch stand-in on both paths: FP64 products, row-invariant)."""
+        """FP32 router logits: FP64 products rounded once, row-invariant (the reference path's; the
+        kernel path runs the generated router_logits where its target's menu has it)."""
         self._mark("router_logits", "torch" if self.kind == "kernel" else "ref")
         return moe_torch.router_logits(bf16(x), router)
 
@@ -168,6 +170,18 @@ class KernelFfnOps(FfnOps):
         step (torch.compile) sees a dict lookup."""
         h = self._handles.get(key)
         return h if h is not None else self._handle(key, **fields())
+
+    def router_logits(self, x, router: torch.Tensor) -> torch.Tensor:
+        """FP32 router logits by the generated router_logits (its fixed FP32 summation order,
+        row-invariant) on the router weight as stored (FP32 holding BF16 values); targets whose
+        menu lacks the op keep the PyTorch stand-in."""
+        if "router_logits" not in self.target.menu:
+            return super().router_logits(x, router)
+        self._mark("router_logits")
+        wt = "bf16" if router.dtype == torch.bfloat16 else "fp32"
+        h = self._kernel(("router_logits",), lambda: dict(hidden=router.shape[1], experts=router.shape[0],
+                                                           weight=RouterWeight(wt)))
+        return api.router_logits(h, bf16(x).contiguous(), router)
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, cfg) -> dict:
         self._mark("moe_route")

@@ -251,7 +251,7 @@ class KernelOps(KernelFfnOps, Ops):
             return (op, spec.n, spec.k)
         if op == "mla_decode":
             return (op, spec.tokens)
-        if op in ("kv_cache_write", "moe_route"):
+        if op in ("kv_cache_write", "moe_route", "router_logits"):
             return (op,)
         if op == "attn_res":
             return (op, spec.hidden, spec.max_sources, spec.delta.value)

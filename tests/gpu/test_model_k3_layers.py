@@ -197,5 +197,5 @@ def test_k3_tp8_moe_ffn_against_reference(B):
     assert err <= 0.05, err
     names = {k for k, v in ops.ran.items() if v}
     assert {"kernel:attn_res", "kernel:moe_route", "kernel:fp8_linear", "kernel:glu_act",
-            "kernel:routed_expert_norm"} <= names, names
-    assert {n for n in names if n.startswith(("torch:", "ref:"))} <= {"torch:router_logits"}, names
+            "kernel:routed_expert_norm", "kernel:router_logits"} <= names, names
+    assert not {n for n in names if n.startswith(("torch:", "ref:"))}, names

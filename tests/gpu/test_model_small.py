@@ -42,11 +42,10 @@ pytestmark = pytest.mark.gpu
 CFG = small_config()
 COMBOS = [("nvfp4", "bf16"), ("bf16", "fp32")]
 DRAFTS = 3
-# The PyTorch stand-ins left on the kernel path: the FP32 router logits (FP64 products: row-invariant;
-# moe_route takes FP32 logits) and the unabsorbed prefill attention. The routed experts are moe_experts
-# (the checkpoint's NVFP4 experts as loaded). The embedding gather, the final norm and the
-# FP32 LM head are outside the ops and unrecorded.
-ALLOWED_TORCH = {"torch:router_logits"}
+# No PyTorch stand-in is left on the kernel path: the router logits are router_logits (FP32 in a fixed
+# order: row-invariant), the routed experts moe_experts (the checkpoint's NVFP4 experts as loaded). The
+# embedding gather, the final norm and the FP32 LM head are outside the ops and unrecorded.
+ALLOWED_TORCH: set = set()
 KERNEL_OPS = {"kernel:fp8_linear", "kernel:kda_decode", "kernel:kv_cache_write", "kernel:mla_q_absorb",
               "kernel:mla_vb_gate", "kernel:mla_decode", "kernel:moe_route", "kernel:attn_res", "kernel:glu_act",
               "kernel:routed_expert_norm", "kernel:moe_experts"}
