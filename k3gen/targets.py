@@ -288,12 +288,12 @@ def ffn_specs(target: Target, m: ModelShape, tp: int, recipe: ScaleRecipe, ep: i
     from k3gen.ops.attn_res.spec import AttnResSpec, ResDelta
     from k3gen.ops.glu_act.spec import GluActSpec, GluKind
     from k3gen.ops.moe_route.spec import MoeRouteSpec
-    from k3gen.ops.router_logits.spec import RouterLogitsSpec, RouterWeight
+    from k3gen.ops.router_logits.spec import RouterLogitsSpec, RouterWeight, supported
     f = m.ffn
     if f is None:
         return []
     out: list[OpSpec] = []
-    if f.moe and "router_logits" in target.menu:
+    if f.moe and "router_logits" in target.menu and supported(m.hidden, f.experts):
         out.append(RouterLogitsSpec(target=target, hidden=m.hidden, experts=f.experts, weight=RouterWeight.FP32))
     if f.moe:
         out.append(MoeRouteSpec(target=target, experts=f.experts, top_k=f.top_k, n_group=f.n_group,

@@ -24,6 +24,7 @@ from k3gen.ops.glu_act.reference import glu_act as ref_glu_act
 import k3gen.api as api
 from k3gen.ops.glu_act.spec import GluKind
 from k3gen.ops.router_logits.spec import RouterWeight
+from k3gen.ops.router_logits.spec import supported as router_supported
 from k3gen.ops.moe_experts.spec import GluAct, WeightFormat
 from k3gen.targets import has_expert_kernel
 
@@ -174,8 +175,8 @@ class KernelFfnOps(FfnOps):
     def router_logits(self, x, router: torch.Tensor) -> torch.Tensor:
         """FP32 router logits by the generated router_logits (its fixed FP32 summation order,
         row-invariant) on the router weight as stored (FP32 holding BF16 values); targets whose
-        menu lacks the op keep the PyTorch stand-in."""
-        if "router_logits" not in self.target.menu:
+        menu lacks the op, and routers of a width the kernel does not take, keep the PyTorch stand-in."""
+        if "router_logits" not in self.target.menu or not router_supported(router.shape[1], router.shape[0]):
             return super().router_logits(x, router)
         self._mark("router_logits")
         wt = "bf16" if router.dtype == torch.bfloat16 else "fp32"

@@ -45,6 +45,11 @@ class RouterWeight(str, enum.Enum):
         return self.value
 
 
+def supported(hidden: int, experts: int) -> bool:
+    """Whether a router of this shape has a kernel (the model keeps its PyTorch router otherwise)."""
+    return hidden > 0 and hidden % (CHUNK * LANES) == 0 and 1 <= experts <= MAX_EXPERTS
+
+
 @register_op("router_logits")
 @dataclass(frozen=True, kw_only=True)
 class RouterLogitsSpec(OpSpec):
