@@ -281,19 +281,19 @@ def _act_quant_ks(m: ModelShape, tp: int):
 def ffn_specs(target: Target, m: ModelShape, tp: int, recipe: ScaleRecipe, ep: int = 1,
               experts: str | None = None) -> list[OpSpec]:
     """The FFN and residual-stream kernels of a rank (model/ops.py KernelOps launches them): the
-    router (router_logits on the FP32-stored router weight, moe_route), the AttnRes mix + RMSNorm + FP8 quantization for each delta kind it fuses
-    (none: layer 0's input; bf16: an attention output; fp32: an FFN output), routed_expert_norm as a
-    one-source attn_res over the latent, glu_act of the shared experts and the dense MLP, and the
-    routed experts (`expert_specs`)."""
+    router (router_logits where its spec module's `has_kernel`, moe_route), the AttnRes mix + RMSNorm + FP8
+    quantization for each delta kind it fuses (none: layer 0's input; bf16: an attention output; fp32:
+    an FFN output), routed_expert_norm as a one-source attn_res over the latent, glu_act of the shared
+    experts and the dense MLP, and the routed experts (`expert_specs`)."""
     from k3gen.ops.attn_res.spec import AttnResSpec, ResDelta
     from k3gen.ops.glu_act.spec import GluActSpec, GluKind
     from k3gen.ops.moe_route.spec import MoeRouteSpec
-    from k3gen.ops.router_logits.spec import RouterLogitsSpec, RouterWeight, supported
+    from k3gen.ops.router_logits.spec import RouterLogitsSpec, RouterWeight, has_kernel
     f = m.ffn
     if f is None:
         return []
     out: list[OpSpec] = []
-    if f.moe and "router_logits" in target.menu and supported(m.hidden, f.experts):
+    if f.moe and has_kernel(target, m.hidden, f.experts):
         out.append(RouterLogitsSpec(target=target, hidden=m.hidden, experts=f.experts, weight=RouterWeight.FP32))
     if f.moe:
         out.append(MoeRouteSpec(target=target, experts=f.experts, top_k=f.top_k, n_group=f.n_group,

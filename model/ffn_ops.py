@@ -23,8 +23,7 @@ from k3gen.ops.glu_act.reference import glu_act as ref_glu_act
 
 import k3gen.api as api
 from k3gen.ops.glu_act.spec import GluKind
-from k3gen.ops.router_logits.spec import RouterWeight
-from k3gen.ops.router_logits.spec import supported as router_supported
+from k3gen.ops.router_logits.spec import RouterWeight, has_kernel as has_router_kernel
 from k3gen.ops.moe_experts.spec import GluAct, WeightFormat
 from k3gen.targets import has_expert_kernel
 
@@ -176,7 +175,7 @@ class KernelFfnOps(FfnOps):
         """FP32 router logits by the generated router_logits (its fixed FP32 summation order,
         row-invariant) on the router weight as stored (FP32 holding BF16 values); targets whose
         menu lacks the op, and routers of a width the kernel does not take, keep the PyTorch stand-in."""
-        if "router_logits" not in self.target.menu or not router_supported(router.shape[1], router.shape[0]):
+        if not has_router_kernel(self.target, router.shape[1], router.shape[0]):
             return super().router_logits(x, router)
         self._mark("router_logits")
         wt = "bf16" if router.dtype == torch.bfloat16 else "fp32"

@@ -113,7 +113,9 @@ class Generator:
             return self.m.prefill(ids, prompts)
         return self.m.prefill_pieces(ids, prompts, self.prefill_chunk)
 
-    def _core(self, ids: list[int], tokens: list[int], T: int) -> torch.Tensor:
+    def step(self, ids: list[int], tokens: list[int], T: int) -> torch.Tensor:
+        """Logits [B T, vocab] of one decode (T = 1) or verify (T = 1 + drafts) step of the sequences
+        `ids` on their flat tokens: the captured CUDA graph of the batch's size where there is one."""
         slots, start = self.m.prepare(ids, T)
         t = torch.tensor(tokens, device=self.m.device)
         if T in self.graphs:  # the graph's output buffer is overwritten by the next replay
@@ -140,7 +142,7 @@ class Generator:
                 if speculative:
                     self._spec_step(reqs, ids, live, M, on_token, drafter)
                 else:
-                    lg = self._core([ids[i] for i in live], [reqs[i].out[-1] for i in live], 1)
+                    lg = self.step([ids[i] for i in live], [reqs[i].out[-1] for i in live], 1)
                     for i, row in zip(live, lg):
                         reqs[i].out.append(sample(row, reqs[i], gens[i]))
                         if on_token:
@@ -159,7 +161,7 @@ class Generator:
             r = reqs[i]
             d = drafter(i, r.prompt + r.out, M) if drafter else ngram_drafts(r.prompt + r.out, M)
             rows.append([r.out[-1]] + list(d))
-        lg = self._core([ids[i] for i in live], [x for row in rows for x in row], T).view(len(live), T, -1)
+        lg = self.step([ids[i] for i in live], [x for row in rows for x in row], T).view(len(live), T, -1)
         accepted = []
         for i, row, l in zip(live, rows, lg):
             r = reqs[i]
@@ -186,7 +188,7 @@ class Generator:
         try:
             for step in range(max(len(t) for t in targets) - 1):
                 live = [i for i, t in enumerate(targets) if step + 1 < len(t)]
-                lg = self._core([ids[i] for i in live], [targets[i][step] for i in live], 1)
+                lg = self.step([ids[i] for i in live], [targets[i][step] for i in live], 1)
                 for i, row in zip(live, lg):
                     out[i].append(row)
         finally:

@@ -184,7 +184,8 @@ def moe(ops: Ops, w: MoeWeights, xn: QAct, cfg: ModelConfig, part=None) -> torch
 
     xn: the FFN input, normed and FP8-quantized by the stream's mix (its BF16 rows feed the router).
     The router logits: `ops.router_logits` (the kernel path's router_logits kernel, FP32 in a fixed
-    order; the reference path's FP64 products, model/moe_torch.py); moe_route, the latent and shared projections (FP8 GEMMs), the routed experts (moe_experts on the
+    order; the reference path's FP64 products, model/moe_torch.py); moe_route, the latent and shared
+    projections (FP8 GEMMs), the routed experts (moe_experts on the
     FP4 experts as loaded; BF16 experts on the PyTorch stand-in), glu_act and routed_expert_norm
     (attn_res over the latent, fused with the up projection's FP8 quantization) are kernels on the
     kernel path. BF16 rounding points: the latent input, the expert hidden, the

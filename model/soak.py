@@ -76,8 +76,8 @@ def soak(m, steps: int, seed: int, *, max_prompt: int = 48, max_new: int = 96, p
     """Run `steps` model steps on K3Model `m` (its cache empty); returns the report with every
     request's tokens. `poison_first`: the first request's KDA state is set to NaN after its
     prefill. `on_step(report)` after every step (progress). `core(ids, tokens, T)`: the decode /
-    verify step's logits [B T, vocab] for the flat tokens (default: eager `prepare` + `step_core`;
-    model.generate.Generator._core replays the CUDA graphs a serving engine runs)."""
+    verify step's logits [B T, vocab] for the flat tokens (default: model.generate.Generator(m).step,
+    eager; a Generator with graphs=True replays the CUDA graphs a serving engine runs)."""
     rng = random.Random(seed)
     vocab = vocab or m.cfg.vocab
     M = m.tcfg.max_drafts
@@ -88,9 +88,8 @@ def soak(m, steps: int, seed: int, *, max_prompt: int = 48, max_new: int = 96, p
     rep, live, next_id = SoakReport(), {}, 0
     reserved = lambda r: mgr.pages_for(len(r.prompt) + r.max_new + M + 1)   # noqa: E731  (worst case)
     if core is None:
-        def core(ids, tokens, T):
-            slots, start = m.prepare(ids, T)
-            return m.step_core(torch.tensor(tokens, device=m.device), slots, start, T)
+        from model.generate import Generator
+        core = Generator(m).step
     while rep.steps < steps:
         # Arrivals: admitted only when their worst case fits beside the live requests' worst cases,
         # so no extend can fail (a serving engine would preempt instead).

@@ -27,7 +27,7 @@ def _model(a):
         sizes = tuple(sorted({min(1 << i, a.slots) for i in range(a.slots.bit_length() + 1)}))
     m = build_model(a.config, "sm90", a.kv, a.ssm, a.drafts, a.path, None, 0, a.device, a.max_seq_len, a.slots,
                     graph_batch_sizes=sizes)
-    return m, (Generator(m, graphs=True)._core if a.graphs else None)
+    return m, (Generator(m, graphs=True).step if a.graphs else None)
 
 
 def _run(a, name, poison, m=None, core=None, on_step=None):

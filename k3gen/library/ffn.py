@@ -65,7 +65,8 @@ def _(handle, gu):
 
 
 # -- router_logits (contract: k3gen/ops/router_logits/spec.py): FP32 [M, E] logits of x [M, H] BF16
-# against w [E, H] (BF16, or FP32 holding BF16 values), in the kernel's fixed summation order (the CPU path replays it bit for bit).
+# against w [E, H] (BF16, or FP32 holding BF16 values), in the kernel's fixed summation order (the CPU
+# path replays it bit for bit).
 def check_router(spec, x, w, out=None):
     m = x.shape[0] if x.dim() == 2 else -1
     want("x", x, torch.bfloat16, (m, spec.hidden))

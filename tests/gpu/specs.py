@@ -450,8 +450,8 @@ def router_logits() -> list:
     """tests/gpu/test_router_logits.py: K3's router (7168 x 896), the small preset's and a 256-wide one,
     BF16 weights and FP32 ones (the model's stored router)."""
     from k3gen.ops.router_logits.spec import RouterLogitsSpec, RouterWeight
-    return [RouterLogitsSpec(target=SM90, hidden=h, experts=e, weight=wt) for h, e in ((7168, 896), (1024, 32), (256, 5))
-            for wt in RouterWeight]
+    return [RouterLogitsSpec(target=SM90, hidden=h, experts=e, weight=wt)
+            for h, e in ((7168, 896), (1024, 32), (256, 5)) for wt in RouterWeight]
 
 
 LISTS["router_logits"] = router_logits

@@ -55,7 +55,7 @@ def run(m, gen, reqs, order, first_id):
     out = {r: [] for r in order}
 
     def step(tokens, T):
-        lg = gen._core(ids, [x for t in tokens for x in t], T).view(len(ids), T, -1)
+        lg = gen.step(ids, [x for t in tokens for x in t], T).view(len(ids), T, -1)
         for b, r in enumerate(order):
             out[r].append(lg[b].clone())
     for j in range(3):

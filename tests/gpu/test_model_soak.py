@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 def test_soak_kernel_path(kv, ssm, graphs):
     m = build_model("small", "sm90", kv, ssm, 3, "kernel", None, 0, "cuda", 256, 8,
                     graph_batch_sizes=(1, 2, 4, 8) if graphs else None)
-    core = Generator(m, graphs=True)._core if graphs else None
+    core = Generator(m, graphs=True).step if graphs else None
     clean = soak(m, 200, 0, core=core)
     again = soak(m, 200, 0, core=core)
     poisoned = soak(m, 200, 0, poison_first=True, core=core)

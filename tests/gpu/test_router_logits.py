@@ -1,8 +1,8 @@
 """router_logits on the H200 against its CPU replay of the kernel's summation order, EXACTLY (every
 logit bit for bit): K3's router (7168 x 896), the small preset's (1024 x 32) and a ragged expert count,
 BF16 weights and FP32 ones (the model's stored router; here with values off the BF16 grid, so the
-kernel's round-to-nearest-even must match torch's), M in {1, 2, 7, 8, 9, 64, 512}, outputs poisoned first; rows in any batch equal the same rows alone
-(row invariance); graph replay == eager; typed errors."""
+kernel's round-to-nearest-even must match torch's), M in {1, 2, 7, 8, 9, 64, 512}, outputs poisoned
+first; rows in any batch equal the same rows alone (row invariance); graph replay == eager; typed errors."""
 from __future__ import annotations
 
 import functools

@@ -6,8 +6,8 @@ launcher):
 
 - In: x [M, H] BF16 (the FFN input rows), w [E, H] (the router weight) in `weight` dtype: BF16, or
   FP32 as K3's checkpoint stores it (its values are BF16 values; the kernel rounds each to BF16 to
-  nearest even, a no-op for them, so every product stays exact), both row-major and contiguous. H (`hidden`) static,
-  a multiple of 256; E (`experts`) static, <= 1024; M dynamic (M * E < 2^31).
+  nearest even, a no-op for them, so every product stays exact), both row-major and contiguous.
+  H (`hidden`) static, a multiple of 256; E (`experts`) static, <= 1024; M dynamic (M * E < 2^31).
 - Out: logits [M, E] FP32, each in one fixed order whatever M and the other rows: lane l (0..31) of
   the expert's warp takes the 8-value chunks c = l, l + 32, l + 64, ... and adds the products of K
   values 8c .. 8c + 7, in K order, into an FP32 accumulator that starts at +0 by FMA (a product of
@@ -45,9 +45,12 @@ class RouterWeight(str, enum.Enum):
         return self.value
 
 
-def supported(hidden: int, experts: int) -> bool:
-    """Whether a router of this shape has a kernel (the model keeps its PyTorch router otherwise)."""
-    return hidden > 0 and hidden % (CHUNK * LANES) == 0 and 1 <= experts <= MAX_EXPERTS
+def has_kernel(target, hidden: int, experts: int) -> bool:
+    """Whether `target` builds router_logits for a router of this shape: the op on its menu (not the
+    frozen sm100-mxfp4 one) and a width the kernel takes. The enumerator lists it and the model runs it
+    exactly there; elsewhere the model keeps its FP64 PyTorch router."""
+    return ("router_logits" in target.menu and hidden > 0 and hidden % (CHUNK * LANES) == 0
+            and 1 <= experts <= MAX_EXPERTS)
 
 
 @register_op("router_logits")

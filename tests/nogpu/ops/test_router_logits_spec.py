@@ -131,9 +131,10 @@ def test_api_on_cpu_tensors_is_the_reference():
 
 
 def test_the_enumerator_lists_the_router_where_the_kernel_takes_it():
-    from k3gen.ops.router_logits.spec import supported
+    from k3gen.ops.router_logits.spec import has_kernel
     from k3gen.targets import model_specs
     for preset, hidden, experts in (("tiny", 256, 8), ("small", 1024, 32)):
         got = [s for s in model_specs(SM90, preset) if s.op == "router_logits"]
         assert [(s.hidden, s.experts, s.weight) for s in got] == [(hidden, experts, RouterWeight.FP32)]
-    assert supported(7168, 896) and not supported(384, 8) and not supported(256, 1025)
+    assert has_kernel(SM90, 7168, 896) and not has_kernel(SM90, 384, 8) and not has_kernel(SM90, 256, 1025)
+    assert not has_kernel(TARGETS["sm100-mxfp4"], 7168, 896)       # the frozen menu

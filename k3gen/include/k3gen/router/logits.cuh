@@ -8,15 +8,13 @@
 #include <cuda_bf16.h>
 
 #include "k3gen/common/pdl.cuh"
+#include "k3gen/common/quant.cuh"   // bf16_lo / bf16_hi
 
 namespace k3gen {
 namespace router {
 
 constexpr int kWarps = 4;
 constexpr int kRows = 8;
-
-__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 
 // acc += the 8 products of one chunk, in K order (BF16 x BF16 is exact in FP32: one rounding each).
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
