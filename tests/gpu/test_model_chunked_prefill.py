@@ -7,7 +7,11 @@ cut 37) finds no single kernel: swapping kv_cache_write for its reference change
 GEMMs for its reference brings the median row to 1.43x / 1.29x / 1.19x the floor (all-row 1.14-1.18x
 in every case). A likely reading (not yet tested): the FP8 prefix quantization turns the sum of those
 kernels' stated rounding differences into whole E4M3 steps of the cached keys, which the reference's
-FP32-projection floor moves less often. Still open: no one of them is wrong alone, and the bound is not loosened.
+FP32-projection floor moves less often. tools/diag_fp8_flips.py (CPU, 2026-12-07) does not support that
+reading: one-ulp flips of 1%, 10% or 30% of every projection's BF16 outputs move the reference's logits by
+1.18-1.26x its floor (median row) with FP8 KV and 1.18-1.22x with BF16 KV, no more with FP8. So the
+kernels' differences are not plain output roundings; what they are is still open. No one kernel is wrong
+alone, and the bound is not loosened.
 The CPU tests of the same contract: tests/nogpu/modeling/test_model_chunked_prefill_cpu.py.
 On the kernels a prompt in pieces is not one piece bit for bit (kda_prefill's 64-token chunks start at
 each piece, the FP8 GEMMs' sums may follow the row count above 128 rows), so the checks follow
