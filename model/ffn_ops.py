@@ -23,8 +23,8 @@ from k3gen.ops.glu_act.reference import glu_act as ref_glu_act
 
 import k3gen.api as api
 from k3gen.ops.glu_act.spec import GluKind
-from k3gen.ops.router_logits.spec import RouterWeight, has_kernel as has_router_kernel
 from k3gen.ops.moe_experts.spec import GluAct, WeightFormat
+from k3gen.ops.router_logits.spec import RouterWeight, has_kernel as has_router_kernel
 from k3gen.targets import has_expert_kernel
 
 from model import arch, moe_torch
@@ -178,9 +178,9 @@ class KernelFfnOps(FfnOps):
         if not has_router_kernel(self.target, router.shape[1], router.shape[0]):
             return super().router_logits(x, router)
         self._mark("router_logits")
-        wt = "bf16" if router.dtype == torch.bfloat16 else "fp32"
+        wt = RouterWeight.BF16 if router.dtype == torch.bfloat16 else RouterWeight.FP32
         h = self._kernel(("router_logits",), lambda: dict(hidden=router.shape[1], experts=router.shape[0],
-                                                           weight=RouterWeight(wt)))
+                                                           weight=wt))
         return api.router_logits(h, bf16(x).contiguous(), router)
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, cfg) -> dict:

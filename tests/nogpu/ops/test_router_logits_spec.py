@@ -138,3 +138,18 @@ def test_the_enumerator_lists_the_router_where_the_kernel_takes_it():
         assert [(s.hidden, s.experts, s.weight) for s in got] == [(hidden, experts, RouterWeight.FP32)]
     assert has_kernel(SM90, 7168, 896) and not has_kernel(SM90, 384, 8) and not has_kernel(SM90, 256, 1025)
     assert not has_kernel(TARGETS["sm100-mxfp4"], 7168, 896)       # the frozen menu
+
+
+def test_header_geometry_is_the_launchers():
+    """The launcher's grid (spec.WARPS experts x spec.ROWS rows per CTA, THREADS threads) and the
+    kernel's own constants (router/logits.cuh kWarps, kRows) must agree: a mismatch would skip or
+    repeat rows with no error."""
+    import re
+    from pathlib import Path
+
+    import k3gen
+    from k3gen.ops.router_logits import spec as S
+    text = (Path(k3gen.__file__).parent / "include" / "k3gen" / "router" / "logits.cuh").read_text()
+    consts = {n: int(v) for n, v in re.findall(r"constexpr int (kWarps|kRows) = (\d+);", text)}
+    assert consts == {"kWarps": S.WARPS, "kRows": S.ROWS}, consts
+    assert S.THREADS == 32 * S.WARPS

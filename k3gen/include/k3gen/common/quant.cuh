@@ -9,6 +9,11 @@ namespace k3gen {
 // ---- BF16 unpacking: a 32-bit word holds element 0 in its low half (little endian). ----------
 __device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+// Two floats -> one BF16 pair, each rounded to nearest even (lo in the low half).
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&p);
+}
 
 // 8 BF16 in a uint4 -> 8 floats (exact).
 __device__ __forceinline__ void bf16x8_to_float(const uint4& v, float* out) {

@@ -256,9 +256,9 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
   const int r1 = kGateUp ? C::kInter + mt * 8 + g : mt * 16 + 8 + g;
   __shared__ float red[G::kWK > 1 ? G::kWK : 1][G::kWM][4][32];
   bool waited = kGateUp;
-#if K3GEN_MOE_PIPELINE
-  constexpr bool kPipe = G::kPersistent;
-  bool preloaded = false;   // A / S already hold (or are loading) this item's chunks
+  constexpr bool kPipe = K3GEN_MOE_PIPELINE != 0 && G::kPersistent;
+  bool preloaded = false;   // kPipe: A / S already hold (or are loading) this item's chunks
+#if K3GEN_MOE_PIPELINE   // loop-carried: the next item's loads land in them
   uint4 A0[G::kKC], A1[G::kKC];
   u32 S0[G::kKC], S1[G::kKC];
 #endif
@@ -266,9 +266,7 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
   for (int item = blockIdx.y; item < list.total; item += gridDim.y) {
   list.pick(a.offsets, a.expert_base, a.nslots, item, gridDim.y);
   const Item it = list.item;
-#if K3GEN_MOE_PIPELINE
   const int next_e = list.next.e;   // -1: this CTA has no item after this one
-#endif
   if (G::kPersistent && threadIdx.x == 0 && list.next.e >= 0) {
     // gate_up: the CTA's 8 wm gate rows and the up rows I below them; down: its 16 wm rows.
     const size_t nx_rows = static_cast<size_t>(list.next.e) * G::kRows;
@@ -285,13 +283,11 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
   const u8* s1 = a.s + (e_rows + r1) * kSBytes;
 
   // Every weight byte of the warp in flight at once (zeros past K: they meet zero activations).
-#if K3GEN_MOE_PIPELINE
-  auto load_chunk = [&](int c, const u8* q0, const u8* q1, const u8* t0, const u8* t1) {
-#else
+#if !K3GEN_MOE_PIPELINE
   uint4 A0[G::kKC], A1[G::kKC];
   u32 S0[G::kKC], S1[G::kKC];
-  auto load_chunk = [&](int c, const u8* q0, const u8* q1, const u8* t0, const u8* t1) {
 #endif
+  auto load_chunk = [&](int c, const u8* q0, const u8* q1, const u8* t0, const u8* t1) {
     const int kseg = (wk * G::kKC + c) * 128 + 32 * t;
     A0[c] = A1[c] = make_uint4(0u, 0u, 0u, 0u);
     S0[c] = S1[c] = 0u;
@@ -302,22 +298,16 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
       S1[c] = load_scales<kMx, kK>(t1, kseg);
     }
   };
-#if K3GEN_MOE_PIPELINE
   if (!kPipe || !preloaded) {
-#else
-  {
-#endif
 #pragma unroll
     for (int c = 0; c < G::kKC; ++c) load_chunk(c, w0, w1, s0, s1);
   }
-#if K3GEN_MOE_PIPELINE
   // The next item's rows (same m-tile rows of another expert); read only when next_e >= 0.
   const size_t n_rows = static_cast<size_t>(max(next_e, 0)) * G::kRows;
   const u8* nw0 = a.w + (n_rows + r0) * (kK / 2);
   const u8* nw1 = a.w + (n_rows + r1) * (kK / 2);
   const u8* ns0 = a.s + (n_rows + r0) * kSBytes;
   const u8* ns1 = a.s + (n_rows + r1) * kSBytes;
-#endif
 
   if (!waited) {   // down, first item: h is gate_up's
     griddep_wait();
@@ -406,9 +396,7 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
         acc[2] = fmaf(part[2], xs[0], acc[2]);
         acc[3] = fmaf(part[3], xs[1], acc[3]);
       }
-#if K3GEN_MOE_PIPELINE
       if (kPipe && nt == ntiles - 1 && next_e >= 0) load_chunk(c, nw0, nw1, ns0, ns1);
-#endif
     }
 
     // K split: the partial sums of the kWK warps of an m-tile added in warp order (deterministic).
@@ -454,9 +442,7 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
       }
     }
   }
-#if K3GEN_MOE_PIPELINE
     preloaded = kPipe && next_e >= 0;
-#endif
     if constexpr (!G::kPersistent) break;   // a CTA per item: grid.y = max_items
   }   // items
   if (!waited) griddep_wait();   // no item: still complete after gate_up (PDL chains are transitive)

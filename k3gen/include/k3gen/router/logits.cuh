@@ -8,7 +8,7 @@
 #include <cuda_bf16.h>
 
 #include "k3gen/common/pdl.cuh"
-#include "k3gen/common/quant.cuh"   // bf16_lo / bf16_hi
+#include "k3gen/common/quant.cuh"   // bf16_lo / bf16_hi / pack_bf16x2
 
 namespace k3gen {
 namespace router {
@@ -28,13 +28,6 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc)
   return fmaf(bf16_hi(a.w), bf16_hi(b.w), acc);
 }
 
-// BF16 pair (lo, hi), each rounded to nearest even (one cvt).
-__device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
-  unsigned d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
 // Chunk i of the weight row as 8 BF16 values: loaded as they are, or (FP32 weights) two 16-byte loads
 // rounded to BF16 to nearest even (exact for K3's router, whose FP32 values are BF16 values).
 template <class C>
@@ -44,7 +37,8 @@ __device__ __forceinline__ uint4 weight_chunk(const void* w, size_t chunk) {
   } else {
     const float4 a = __ldg(static_cast<const float4*>(w) + 2 * chunk);
     const float4 b = __ldg(static_cast<const float4*>(w) + 2 * chunk + 1);
-    return make_uint4(bf16x2(a.x, a.y), bf16x2(a.z, a.w), bf16x2(b.x, b.y), bf16x2(b.z, b.w));
+    return make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y),
+                      pack_bf16x2(b.z, b.w));
   }
 }
 
