@@ -194,7 +194,7 @@ def test_k3_tp8_moe_ffn_against_reference(B):
     out_r = L.moe(ref, moe, xk, cfg)           # the kernel's input on both: the FFN's own difference
     # The router kernel sums in its own FP32 order, the reference rounds FP64 products once: the
     # logits agree within FP32, not bit for bit, so routing is held bitwise on the same logits.
-    (lk, bk), (lr, br) = seen["kernel"], seen["ref"]
+    (lk, _), (lr, br) = seen["kernel"], seen["ref"]
     assert_close(lk.float().cpu(), lr.float().cpu(), torch.float32, what=f"B={B} router logits")
     again = ref.route(lk.to(lr.device), br, cfg)
     for f in ("ids", "weights", "counts", "offsets", "perm", "inv"):
