@@ -17,15 +17,6 @@
 #include "k3gen/common/pdl.cuh"
 #include "k3gen/moe/fp4.cuh"
 
-// Experiment (off by default; K3GEN_NVRTC_EXTRA=-DK3GEN_MOE_PIPELINE=1 builds it under its own cache
-// key): a persistent CTA issues the next item's weight loads for chunk c into the registers chunk c
-// has just left, after the last tile's MMAs on it, so that item's DRAM latency overlaps this item's
-// decode (ncu, 2026-12-07: the GEMMs are latency-bound, each item's loads exposed). No extra
-// registers. Not yet run on a GPU: bench/notes/moe.md.
-#ifndef K3GEN_MOE_PIPELINE
-#define K3GEN_MOE_PIPELINE 0
-#endif
-
 namespace k3gen {
 namespace moe {
 
@@ -256,17 +247,10 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
   const int r1 = kGateUp ? C::kInter + mt * 8 + g : mt * 16 + 8 + g;
   __shared__ float red[G::kWK > 1 ? G::kWK : 1][G::kWM][4][32];
   bool waited = kGateUp;
-  constexpr bool kPipe = K3GEN_MOE_PIPELINE != 0 && G::kPersistent;
-  bool preloaded = false;   // kPipe: A / S already hold (or are loading) this item's chunks
-#if K3GEN_MOE_PIPELINE   // loop-carried: the next item's loads land in them
-  uint4 A0[G::kKC], A1[G::kKC];
-  u32 S0[G::kKC], S1[G::kKC];
-#endif
 #pragma unroll 1
   for (int item = blockIdx.y; item < list.total; item += gridDim.y) {
   list.pick(a.offsets, a.expert_base, a.nslots, item, gridDim.y);
   const Item it = list.item;
-  const int next_e = list.next.e;   // -1: this CTA has no item after this one
   if (G::kPersistent && threadIdx.x == 0 && list.next.e >= 0) {
     // gate_up: the CTA's 8 wm gate rows and the up rows I below them; down: its 16 wm rows.
     const size_t nx_rows = static_cast<size_t>(list.next.e) * G::kRows;
@@ -283,31 +267,20 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
   const u8* s1 = a.s + (e_rows + r1) * kSBytes;
 
   // Every weight byte of the warp in flight at once (zeros past K: they meet zero activations).
-#if !K3GEN_MOE_PIPELINE
   uint4 A0[G::kKC], A1[G::kKC];
   u32 S0[G::kKC], S1[G::kKC];
-#endif
-  auto load_chunk = [&](int c, const u8* q0, const u8* q1, const u8* t0, const u8* t1) {
+#pragma unroll
+  for (int c = 0; c < G::kKC; ++c) {
     const int kseg = (wk * G::kKC + c) * 128 + 32 * t;
     A0[c] = A1[c] = make_uint4(0u, 0u, 0u, 0u);
     S0[c] = S1[c] = 0u;
     if (kseg < kK) {
-      A0[c] = ldg_stream(q0 + kseg / 2);
-      A1[c] = ldg_stream(q1 + kseg / 2);
-      S0[c] = load_scales<kMx, kK>(t0, kseg);
-      S1[c] = load_scales<kMx, kK>(t1, kseg);
+      A0[c] = ldg_stream(w0 + kseg / 2);
+      A1[c] = ldg_stream(w1 + kseg / 2);
+      S0[c] = load_scales<kMx, kK>(s0, kseg);
+      S1[c] = load_scales<kMx, kK>(s1, kseg);
     }
-  };
-  if (!kPipe || !preloaded) {
-#pragma unroll
-    for (int c = 0; c < G::kKC; ++c) load_chunk(c, w0, w1, s0, s1);
   }
-  // The next item's rows (same m-tile rows of another expert); read only when next_e >= 0.
-  const size_t n_rows = static_cast<size_t>(max(next_e, 0)) * G::kRows;
-  const u8* nw0 = a.w + (n_rows + r0) * (kK / 2);
-  const u8* nw1 = a.w + (n_rows + r1) * (kK / 2);
-  const u8* ns0 = a.s + (n_rows + r0) * kSBytes;
-  const u8* ns1 = a.s + (n_rows + r1) * kSBytes;
 
   if (!waited) {   // down, first item: h is gate_up's
     griddep_wait();
@@ -396,7 +369,6 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
         acc[2] = fmaf(part[2], xs[0], acc[2]);
         acc[3] = fmaf(part[3], xs[1], acc[3]);
       }
-      if (kPipe && nt == ntiles - 1 && next_e >= 0) load_chunk(c, nw0, nw1, ns0, ns1);
     }
 
     // K split: the partial sums of the kWK warps of an m-tile added in warp order (deterministic).
@@ -442,7 +414,6 @@ __device__ __forceinline__ void expert_gemm(const ExpertArgs& a) {
       }
     }
   }
-    preloaded = kPipe && next_e >= 0;
     if constexpr (!G::kPersistent) break;   // a CTA per item: grid.y = max_items
   }   // items
   if (!waited) griddep_wait();   // no item: still complete after gate_up (PDL chains are transitive)
