@@ -67,6 +67,10 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    "auto: kernel when a GPU is found")
     p.add_argument("--graphs", action="store_true",
                    help="CUDA graphs per decode batch size (kernel path on a GPU; default: off)")
+    p.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant, lossless serving (TargetConfig.invariant): a request's tokens and logits "
+                   "the same bits whatever batch it shares, and speculative decoding bit for bit plain greedy "
+                   "decoding for every KV dtype (kernel path; default: TargetConfig's)")
     p.add_argument("--prefill-chunk", type=int_in(1, None, "the piece length is >= 1 token"), default=None,
                    metavar="N", help="prefill the prompts in pieces of at most N tokens, each piece continuing "
                    "from the cached state (chunked prefill; not with --kv nvfp4); default: the whole prompt at once")

@@ -240,15 +240,18 @@ def load_rank_weights(checkpoint, cfg, recipe, par=None, device="cpu"):
 
 def build_model(config, arch: str, kv: str, ssm: str, max_drafts: int, path: str, checkpoint: str | None,
                 seed: int, device: str, max_seq_len: int, max_slots: int, budget_gib: float | None = None,
-                par=None, graph_batch_sizes: tuple[int, ...] | None = None):
+                par=None, graph_batch_sizes: tuple[int, ...] | None = None, invariant: bool | None = None):
     """`config`: a preset name, config.json path or ModelConfig. With `par` (model/dist.py) the model of
     its rank: the rank's weights, kernels and cache at the per-rank head counts (TargetConfig.tp = world).
-    `graph_batch_sizes`: the decode graphs' batch sizes (None: TargetConfig's default)."""
+    `graph_batch_sizes`: the decode graphs' batch sizes, `invariant`: TargetConfig.invariant (None: their
+    TargetConfig defaults)."""
     from model.cache import HybridCache
     from model.config import ModelConfig, TargetConfig, get_config
     cfg = config if isinstance(config, ModelConfig) else get_config(config)
     tp, ep = (1, 1) if par is None else (par.world, par.layout.ep)
     extra = {} if graph_batch_sizes is None else {"graph_batch_sizes": tuple(graph_batch_sizes)}
+    if invariant is not None:
+        extra["invariant"] = invariant
     tcfg = TargetConfig(arch=arch, kv=kv, ssm=ssm, max_drafts=max_drafts, path=path, tp=tp, ep=ep, **extra)
     if checkpoint is None:
         checkpoint = random_checkpoint(cfg, seed)[0]
@@ -350,8 +353,9 @@ def _run(a, cfg, path: str, par) -> int:
     device = "cpu" if path == "reference" else str(par.device) if par is not None else "cuda"
     # Logs capture output: a wide console keeps a checkpoint's path on one line there.
     con = Console(highlight=False, width=None if sys.stdout.isatty() else 200, quiet=not rank0)
+    inv = {} if getattr(a, "invariant", None) is None else {"invariant": a.invariant}
     tcfg = TargetConfig(arch=a.arch, kv=a.kv, ssm=a.ssm, max_drafts=a.spec, path=path,
-                        tp=1 if par is None else par.world)
+                        tp=1 if par is None else par.world, **inv)
     if a.graphs and a.batch > tcfg.graph_batch_sizes[-1]:
         raise SpecError("--batch", a.batch, f"<= {tcfg.graph_batch_sizes[-1]} with --graphs",
                         "the largest captured decode graph")
@@ -364,7 +368,8 @@ def _run(a, cfg, path: str, par) -> int:
         ckpt, written = random_checkpoint(cfg, a.seed)
         con.print(f"random checkpoint of {cfg.name} (seed {a.seed}) {'written to' if written else 'reused from'} "
                   f"{ckpt}: {folder_bytes(Path(ckpt)) / 1e6:.1f} MB (`k3gen cache clear` removes it)")
-    m = build_model(cfg, a.arch, a.kv, a.ssm, a.spec, path, ckpt, a.seed, device, a.max_seq_len, a.batch, par=par)
+    m = build_model(cfg, a.arch, a.kv, a.ssm, a.spec, path, ckpt, a.seed, device, a.max_seq_len, a.batch, par=par,
+                    invariant=tcfg.invariant)
     gen = Generator(m, graphs=a.graphs, prefill_chunk=getattr(a, "prefill_chunk", None))
     where = "" if par is None else f", {par.layout} on {par.world} ranks"
     con.print(f"{a.config} on {path} path ({device}{where}), kv={a.kv} ssm={a.ssm}, "

@@ -267,3 +267,22 @@ def test_model_presets_match_k3gen_presets():
     from model.config import get_config
     for name in PRESETS:
         assert get_config(name).kernel_shape() == get_model(name), name
+
+
+@pytest.mark.parametrize("flag,want", [([], TargetConfig().invariant), (["--invariant"], True),
+                                       (["--no-invariant"], False)])
+def test_generate_invariant_flag_reaches_the_kernel_ops(monkeypatch, tiny_checkpoint, flag, want):
+    """`generate --invariant / --no-invariant` (absent: TargetConfig's default) is the served model's
+    TargetConfig.invariant and its KernelOps'."""
+    import argparse
+
+    import model.generate as gen_mod
+    from model.cli import add_generate_arguments
+    a = argparse.ArgumentParser()
+    add_generate_arguments(a)
+    args = a.parse_args(["--config", "tiny", *flag])
+    assert args.invariant == (want if flag else None)
+    monkeypatch.setattr(KernelOps, "launcher", lambda self, spec: _Stub(spec))
+    m = gen_mod.build_model("tiny", "sm90", "bf16", "fp32", 3, "kernel", tiny_checkpoint, 0, "cpu", 64, 2,
+                            **({} if args.invariant is None else {"invariant": args.invariant}))
+    assert m.tcfg.invariant is want and m.ops.invariant is want
