@@ -207,7 +207,8 @@ class TargetConfig:
     # (planned at the largest graph batch size, so a sequence's partials and their combine are the
     # same whatever batch it shares) and verify attention as one T = 1 launch per query token for
     # every KV dtype (what T = 1 decoding reads; NVFP4 KV always does so). Off by default: it costs
-    # small batches their extra KV splits and BF16/FP8 verify its single launch (bench/NOTES.md).
+    # small batches their extra KV splits and BF16/FP8 verify its single launch (a price that
+    # tools/invariant_price.py times; not yet run on a GPU).
     invariant: bool = False
     target: Target = field(init=False)
 

@@ -353,9 +353,8 @@ def _run(a, cfg, path: str, par) -> int:
     device = "cpu" if path == "reference" else str(par.device) if par is not None else "cuda"
     # Logs capture output: a wide console keeps a checkpoint's path on one line there.
     con = Console(highlight=False, width=None if sys.stdout.isatty() else 200, quiet=not rank0)
-    inv = {} if getattr(a, "invariant", None) is None else {"invariant": a.invariant}
     tcfg = TargetConfig(arch=a.arch, kv=a.kv, ssm=a.ssm, max_drafts=a.spec, path=path,
-                        tp=1 if par is None else par.world, **inv)
+                        tp=1 if par is None else par.world)
     if a.graphs and a.batch > tcfg.graph_batch_sizes[-1]:
         raise SpecError("--batch", a.batch, f"<= {tcfg.graph_batch_sizes[-1]} with --graphs",
                         "the largest captured decode graph")
@@ -369,7 +368,7 @@ def _run(a, cfg, path: str, par) -> int:
         con.print(f"random checkpoint of {cfg.name} (seed {a.seed}) {'written to' if written else 'reused from'} "
                   f"{ckpt}: {folder_bytes(Path(ckpt)) / 1e6:.1f} MB (`k3gen cache clear` removes it)")
     m = build_model(cfg, a.arch, a.kv, a.ssm, a.spec, path, ckpt, a.seed, device, a.max_seq_len, a.batch, par=par,
-                    invariant=tcfg.invariant)
+                    invariant=getattr(a, "invariant", None))
     gen = Generator(m, graphs=a.graphs, prefill_chunk=getattr(a, "prefill_chunk", None))
     where = "" if par is None else f", {par.layout} on {par.world} ranks"
     con.print(f"{a.config} on {path} path ({device}{where}), kv={a.kv} ssm={a.ssm}, "

@@ -284,5 +284,5 @@ def test_generate_invariant_flag_reaches_the_kernel_ops(monkeypatch, tiny_checkp
     assert args.invariant == (want if flag else None)
     monkeypatch.setattr(KernelOps, "launcher", lambda self, spec: _Stub(spec))
     m = gen_mod.build_model("tiny", "sm90", "bf16", "fp32", 3, "kernel", tiny_checkpoint, 0, "cpu", 64, 2,
-                            **({} if args.invariant is None else {"invariant": args.invariant}))
+                            invariant=args.invariant)
     assert m.tcfg.invariant is want and m.ops.invariant is want
