@@ -7,7 +7,7 @@
 // Algorithm: include/k3gen/mla/decode_wg_nvfp4.cuh (schedule "wgmma": FP8 / NVFP4 KV on wgmma, tokens on the M side).
 // Contract: k3gen/ops/mla_decode/spec.py; geometry: the variant's plan in k3gen/ops/mla_decode/variants.py.
 // Entries:
-//   k3gen_mla_decode          grid (1, splits, B), 384 threads, 231216 B dynamic smem
+//   k3gen_mla_decode          grid (1, splits, B), 384 threads, 231232 B dynamic smem
 //   k3gen_mla_decode_combine  grid (12, B), 512 threads (only when splits > 1)
 // Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv_codes  e4m3[num_pages, 128, 288]
@@ -35,7 +35,7 @@ struct Config {
 };
 
 using Geo = k3gen::mla::wg4::Geo4<Config>;
-static_assert(Geo::kSmem == 231216, "shared memory plan differs from the wgmma variant's plan");
+static_assert(Geo::kSmem == 231232, "shared memory plan differs from the wgmma variant's plan");
 static_assert(Geo::kRingOff == 56448 &&
               Geo::kVOff == 75776 &&
               Geo::kQOff == 206848 &&

@@ -7,7 +7,7 @@
 // Algorithm: include/k3gen/mla/decode_wg_fp8.cuh (schedule "wgmma": FP8 / NVFP4 KV on wgmma, tokens on the M side).
 // Contract: k3gen/ops/mla_decode/spec.py; geometry: the variant's plan in k3gen/ops/mla_decode/variants.py.
 // Entries:
-//   k3gen_mla_decode          grid (24, splits, B), 384 threads, 207808 B dynamic smem
+//   k3gen_mla_decode          grid (24, splits, B), 384 threads, 207824 B dynamic smem
 //   k3gen_mla_decode_combine  grid (384, B), 512 threads (only when splits > 1)
 // Cache tensors c0..c3, in KvLayout.tensors() order:
 //   c0 = kv_codes  e4m3[num_pages, 64, 576]
@@ -33,7 +33,7 @@ struct Config {
 };
 
 using Geo = k3gen::mla::wg8::Geo8<Config>;
-static_assert(Geo::kSmem == 207808, "shared memory plan differs from the wgmma variant's plan");
+static_assert(Geo::kSmem == 207824, "shared memory plan differs from the wgmma variant's plan");
 static_assert(Geo::kScaleOff == 163840 &&
               Geo::kQOff == 168960 &&
               Geo::kPOff == 189440 &&

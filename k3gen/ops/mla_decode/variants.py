@@ -296,14 +296,15 @@ def _fp8_smem(stages: int) -> dict:
     """decode_wg_fp8.cuh's Geo8: stages of codes, their scales, then from a 1024-aligned offset Q hi
     and lo (5 SW128 blocks of [16 rows][128 B] each), P ([16][128 B] per latent scale group, per
     consumer), red ([consumer][warp][16 maxima + scale max, padded to 20]), stats, full/empty
-    mbarriers per stage. The [16][516] FP32 merge buffer reuses the stages."""
+    mbarriers per stage and the consumers' two handoffs. The [2][16][516] FP32 merge buffer reuses
+    the stages."""
     plan = {"stages": 0, "scales": stages * FP8_CODE_BYTES}
     plan["q"] = _aligned(plan["scales"] + stages * FP8_SCALE_BYTES)
     plan["p"] = plan["q"] + 2 * 5 * WG_ROWS * 128
     plan["red"] = plan["p"] + 2 * 4 * WG_ROWS * 128
     plan["stats"] = plan["red"] + 2 * 4 * (WG_ROWS + 4) * 4
     plan["bars"] = plan["stats"] + 2 * 2 * WG_ROWS * 4
-    plan["end"] = plan["bars"] + 2 * stages * 8
+    plan["end"] = plan["bars"] + 2 * stages * 8 + 2 * 8
     plan["total"] = plan["end"] + ALIGN
     return plan
 
@@ -311,8 +312,9 @@ def _fp8_smem(stages: int) -> dict:
 def _nvfp4_smem(stages: int) -> dict:
     """decode_wg_nvfp4.cuh's Geo4: stages, the live rows ([16][576] BF16), from a 1024-aligned offset
     the two consumers' decoded V tiles (8 SW128 blocks of [64 tok][64 dims] f16 each; later the
-    [16][516] FP32 merge buffer), Q (9 SW128 blocks of [16][64] f16), P^T per consumer ([16][64]
-    f16), red ([consumer][warp][16]), stats, full/empty mbarriers per stage."""
+    [2][16][516] FP32 merge buffer), Q (9 SW128 blocks of [16][64] f16), P^T per consumer ([16][64]
+    f16), red ([consumer][warp][16]), stats, full/empty mbarriers per stage and the consumers' two
+    handoffs."""
     plan = {"stages": 0, "ring": stages * NVFP4_STAGE_BYTES}
     plan["v"] = _aligned(plan["ring"] + NVFP4_RING_BYTES)
     plan["q"] = plan["v"] + 2 * NVFP4_V_BYTES
@@ -320,7 +322,7 @@ def _nvfp4_smem(stages: int) -> dict:
     plan["red"] = plan["p"] + 2 * WG_ROWS * 128
     plan["stats"] = plan["red"] + 2 * 4 * WG_ROWS * 4
     plan["bars"] = plan["stats"] + 2 * 2 * WG_ROWS * 4
-    plan["end"] = plan["bars"] + 2 * stages * 8
+    plan["end"] = plan["bars"] + 2 * stages * 8 + 2 * 8
     plan["total"] = plan["end"] + ALIGN
     return plan
 

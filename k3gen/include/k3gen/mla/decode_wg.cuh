@@ -79,15 +79,17 @@ __device__ __forceinline__ float col_sum8(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
 
-// The CTA's n_rows output rows from the FP32 merge buffer ([rows][kOStride]), 4 columns per
-// thread over the 256 consumer threads (i0 = tid - 128): BF16 out with one split, FP32 partials
-// with several.
+// The CTA's n_rows output rows, the sum of the two consumers' FP32 halves ([2][rows][kOStride]), 4
+// columns per thread over the 256 consumer threads (i0 = tid - 128): BF16 out with one split, FP32
+// partials with several.
 __device__ __forceinline__ void rows_out(const Params& p, const float* buf, int n_rows, int b, int split, int r0,
                                          int ht, int i0) {
   for (int i = i0; i < n_rows * (kLat / 4); i += 256) {
     const int row = i / (kLat / 4), col = (i - row * (kLat / 4)) * 4;
     if (r0 + row >= ht) break;
-    const float4 v = *reinterpret_cast<const float4*>(buf + row * kOStride + col);
+    const float4 v0 = *reinterpret_cast<const float4*>(buf + row * kOStride + col);
+    const float4 v1 = *reinterpret_cast<const float4*>(buf + (n_rows + row) * kOStride + col);
+    const float4 v = make_float4(v0.x + v1.x, v0.y + v1.y, v0.z + v1.z, v0.w + v1.w);
     if (p.splits == 1) {
       *reinterpret_cast<uint2*>(p.out + (static_cast<long long>(b) * ht + r0 + row) * kLat + col) =
           make_uint2(bf16x2(v.x, v.y), bf16x2(v.z, v.w));
@@ -171,17 +173,27 @@ __device__ __forceinline__ void col_stats(const float (&m)[N / 8][2], const floa
   }
 }
 
+// The two consumer warpgroups' handoff of shared-memory data (stats, then the merge halves): each
+// of their 256 threads arrives on an mbarrier of 256 arrivals used once (phase 0), then waits for
+// the phase (release / acquire). Named barrier 3 ordered the same accesses, but compute-sanitizer
+// racecheck flagged them in CTAs of split sequences (bench/notes/mla_decode.md, 2026-12-07); with
+// the mbarriers it reports none, at the same speed.
+__device__ __forceinline__ void handoff(unsigned hand) {
+  sm90::mbar_arrive(hand);
+  sm90::mbar_wait(hand, 0);
+}
+
 // After col_stats and both consumers' last wgmma: consumer c's merge weights (scale(w / l_total)
-// is the factor of its O^T fragment), the split's LSE, both O^T halves summed into buf ([N]
+// is the factor of its O^T fragment), the split's LSE, both O^T halves into buf ([2][N]
 // [kOStride] FP32; dim(mb, i): the dim of register i of block mb, column 8 (i / 4) + 2 (lane % 4)
-// + i % 2), then the output rows. lse: this thread stores the split's LSE (c == 0, warp 0, lane <
-// 4, splits > 1). The caller declares wself and evaluates lse, and the functors capture by value:
+// + i % 2), then the output rows (their sum). lse: this thread stores the split's LSE (c == 0,
+// warp 0, lane < 4, splits > 1). The caller declares wself and evaluates lse, and the functors capture by value:
 // declared here (its alloca then comes first) or with reference captures, the kernels' PTX
 // orders and numbers registers differently and ptxas allocates them differently.
 template <int c, int N, int NA, int HT, class Scale, class Dim>
 __device__ __forceinline__ void merge_out(const Params& p, const float (&o)[8][NA], float (&wself)[N / 8][2],
-                                          const float* stats, float* buf, bool lse, int cq, int b, int split, int r0,
-                                          int tid, Scale scale, Dim dim) {
+                                          const float* stats, float* buf, unsigned hand, bool lse, int cq, int b,
+                                          int split, int r0, int tid, Scale scale, Dim dim) {
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -197,20 +209,23 @@ __device__ __forceinline__ void merge_out(const Params& p, const float (&o)[8][N
         p.part_lse[(static_cast<long long>(b) * p.splits + split) * HT + r0 + col] =
             lt > 0.f ? mm + log2f(lt) : K3GEN_MLA_NEG_INF;
     }
+  // Each consumer stores its own half ([2][N][kOStride]), one handoff, and rows_out adds the two:
+  // no shared byte is written by one consumer and then rewritten by the other (one handoff fewer
+  // than a shared accumulator). Written as this descending loop with the store under c == pass:
+  // the straight form, or an ascending loop, kept a register on an 8-byte stack in the NVFP4 kernel.
   for (int pass = 1; pass >= 0; --pass) {
     if (c == pass) {
+      float* half = buf + pass * N * kOStride;
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
         for (int i = 0; i < NA; ++i) {
           const int col = 8 * (i >> 2) + 2 * cq + (i & 1);
-          const float v = o[mb][i] * wself[i >> 2][i & 1];
-          float& d = buf[col * kOStride + dim(mb, i)];
-          d = pass == 1 ? v : d + v;
+          half[col * kOStride + dim(mb, i)] = o[mb][i] * wself[i >> 2][i & 1];
         }
     }
-    sm90::barrier_sync_divergent(3, 256);
   }
+  handoff(hand);
   rows_out(p, buf, N, b, split, r0, HT, tid - 128);
 }
 

@@ -56,9 +56,9 @@ struct Geo8 {
   static constexpr int kRedOff = kPOff + 2 * kPGroups * kPBytes;
   static constexpr int kStatsOff = kRedOff + 2 * 4 * kRedStride * 4;
   static constexpr int kBarOff = kStatsOff + 2 * 2 * kN * 4;
-  static constexpr int kEnd = kBarOff + 2 * S * 8;
+  static constexpr int kEnd = kBarOff + 2 * S * 8 + 2 * 8;   // + the consumers' two handoffs
   static constexpr int kSmem = kEnd + 1024;
-  static_assert(kN * wg::kOStride * 4 <= S * kCodeBytes, "the merge buffer reuses the stages");
+  static_assert(2 * kN * wg::kOStride * 4 <= S * kCodeBytes, "the merge buffer reuses the stages");
 };
 
 // hi | lo << 16: E4M3 pairs of (x0, x1) (x0 in the low byte) and of the residuals x - hi.
@@ -172,7 +172,8 @@ __device__ void decode(const Params& p) {
   const unsigned aQ = base + G::kQOff;
   float* red = reinterpret_cast<float*>(smem + G::kRedOff);      // [consumer][warp][kRedStride]
   float* stats = reinterpret_cast<float*>(smem + G::kStatsOff);  // [consumer][m, l][N]
-  const unsigned bar = base + G::kBarOff;                        // full[S], empty[S]
+  const unsigned bar = base + G::kBarOff;                        // full[S], empty[S], hand[2]
+  const unsigned hand = bar + 16 * S;
 
   const int tid = threadIdx.x, wgi = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   const int split = blockIdx.y, b = blockIdx.z;
@@ -183,7 +184,11 @@ __device__ void decode(const Params& p) {
   const int t_begin = min(ntiles, split * per), t_end = min(ntiles, t_begin + per);
   const int n = t_end - t_begin;
 
-  if (tid == 0) sm90::mbar_init_ring(bar, bar + 8 * S, S, 128, 128);
+  if (tid == 0) {
+    sm90::mbar_init(hand, 256);
+    sm90::mbar_init(hand + 8, 256);
+    sm90::mbar_init_ring(bar, bar + 8 * S, S, 128, 128);
+  }
   const float qmul = stage_q<C>(p, b, r0, smem + G::kQOff, red);
   sm90::fence_proxy_async();   // Q (generic stores) is read by wgmma (async proxy)
   __syncthreads();
@@ -387,15 +392,15 @@ __device__ void decode(const Params& p) {
 
   // Full denominators: 8 lanes per column, then the 4 warps (through red).
   wg::col_stats<c, N, kRedStride>(m, l, rd, stats, warp, lane);
-  // Both consumers past their last wgmma: the stages become the merge buffer [N][516] FP32.
-  sm90::barrier_sync_divergent(3, 256);
+  // Both consumers past their last wgmma: the stages become the merge buffer [2][N][516] FP32.
+  wg::handoff(hand);
   float* buf = reinterpret_cast<float*>(smem);
   const float unit = f8::pow2(max(fexp - 8, -126)) * (kTensor ? p.scale : 1.f);
   // O^T fragment (block mb, register i): dim per the PV M map above.
   float wself[NJ][2];
   const bool lse = c == 0 && warp == 0 && lane < 4 && p.splits > 1;
   wg::merge_out<c, N, NA, HT>(
-      p, o, wself, stats, buf, lse, cq, b, split, r0, tid, [=](float w) { return w * unit; },
+      p, o, wself, stats, buf, hand + 8, lse, cq, b, split, r0, tid, [=](float w) { return w * unit; },
       [=](int mb, int i) { return 128 * (mb >> 1) + 4 * (8 * warp + g8) + 2 * (mb & 1) + ((i & 3) >> 1); });
   };
   if (wgi == 1) consumer(wg::IntC<0>{});

@@ -63,9 +63,9 @@ struct Geo4 {
   static constexpr int kRedOff = kPOff + 2 * kPBytes;
   static constexpr int kStatsOff = kRedOff + 2 * 4 * kN * 4;
   static constexpr int kBarOff = kStatsOff + 2 * 2 * kN * 4;
-  static constexpr int kEnd = kBarOff + 2 * S * 8;
+  static constexpr int kEnd = kBarOff + 2 * S * 8 + 2 * 8;   // + the consumers' two handoffs
   static constexpr int kSmem = kEnd + 1024;
-  static_assert(kN * wg::kOStride * 4 <= 2 * kVBytes, "the merge buffer reuses the V tiles");
+  static_assert(2 * kN * wg::kOStride * 4 <= 2 * kVBytes, "the merge buffer reuses the V tiles");
 };
 
 // Dim of fragment element (c, hi, e) of k-step ks (see the header): the k-step's thread chunk,
@@ -207,7 +207,8 @@ __device__ void decode(const Params& p) {
   const unsigned aQ = base + G::kQOff;
   float* red = reinterpret_cast<float*>(smem + G::kRedOff);      // [consumer][warp][N]
   float* stats = reinterpret_cast<float*>(smem + G::kStatsOff);  // [consumer][m, l][N]
-  const unsigned bar = base + G::kBarOff;                        // full[S], empty[S]
+  const unsigned bar = base + G::kBarOff;                        // full[S], empty[S], hand[2]
+  const unsigned hand = bar + 16 * S;
   unsigned char* ringb = smem + G::kRingOff;                     // [16][576] BF16 live rows
 
   const int tid = threadIdx.x, wgi = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
@@ -221,7 +222,11 @@ __device__ void decode(const Params& p) {
   const int live = len / 16 * 16;
   const bool has_live = n > 0 && t_end == ntiles && live < len;   // this CTA owns the live rows
 
-  if (tid == 0) sm90::mbar_init_ring(bar, bar + 8 * S, S, 128, 128);
+  if (tid == 0) {
+    sm90::mbar_init(hand, 256);
+    sm90::mbar_init(hand + 8, 256);
+    sm90::mbar_init_ring(bar, bar + 8 * S, S, 128, 128);
+  }
   // The live rows, staged once (rows past the length, or all of them when the sequence's ring slot
   // is out of range, read as zeros).
   if (has_live) {
@@ -446,14 +451,15 @@ __device__ void decode(const Params& p) {
 
   // Full denominators: 8 lanes per column, then the 4 warps (through red).
   wg::col_stats<c, N, N>(m, l, rd, stats, warp, lane);
-  // Both consumers past their last wgmma: the V tiles become the merge buffer [N][516] FP32.
-  sm90::barrier_sync_divergent(3, 256);
+  // Both consumers past their last wgmma: the V tiles become the merge buffer [2][N][516] FP32.
+  wg::handoff(hand);
   float* buf = reinterpret_cast<float*>(smem + G::kVOff);
   // O^T fragment (block mb, register i): row 16 warp + lane / 4 + 8 ((i % 4) / 2) of block mb holds
   // pv_dim(mb, row).
   float wself[NJ][2];
   const bool lse = c == 0 && warp == 0 && lane < 4 && p.splits > 1;
-  wg::merge_out<c, N, NA, HT>(p, o, wself, stats, buf, lse, cq, b, split, r0, tid, [=](float w) { return w / gu; },
+  wg::merge_out<c, N, NA, HT>(p, o, wself, stats, buf, hand + 8, lse, cq, b, split, r0, tid,
+                              [=](float w) { return w / gu; },
                               [=](int mb, int i) { return pv_dim(mb, 16 * warp + g8 + 8 * ((i & 3) >> 1)); });
   };
   if (wgi == 1) consumer(wg::IntC<0>{});
