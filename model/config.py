@@ -205,10 +205,11 @@ class TargetConfig:
     ep: int = 1                               # expert-parallel ranks among the tp (model/dist.py Layout.ep)
     # Batch-invariant, lossless serving (issue 27): mla_decode's split count fixed per step length
     # (planned at the largest graph batch size, so a sequence's partials and their combine are the
-    # same whatever batch it shares) and verify attention as one T = 1 launch per query token for
-    # every KV dtype (what T = 1 decoding reads; NVFP4 KV always does so). Off by default: it costs
-    # small batches their extra KV splits and BF16/FP8 verify its single launch (a price that
-    # tools/invariant_price.py times; not yet run on a GPU).
+    # same whatever batch it shares) and verify attention through the T = 1 kernel, each query
+    # token a virtual sequence (what T = 1 decoding reads; NVFP4 KV always does so) for every KV
+    # dtype. Off by default: it costs small batches their extra KV splits and BF16/FP8 verify the
+    # multi-token kernel; tools/invariant_price.py measured 2-5% of a small-preset step (BF16 KV,
+    # H100, README).
     invariant: bool = False
     target: Target = field(init=False)
 

@@ -160,10 +160,11 @@ class KernelOps(KernelFfnOps, Ops):
         # which torch.compile traces (a spec's JSON would not be).
         self._handles: dict[tuple, str] = {}
         self._kv_names = tuple(kv.tensors())
-        # mla_decode split plans (split count + FP32 workspace) by (T, batch): made outside
-        # capture, sized for the longest sequence a block-table row can hold; a graph keeps the
-        # workspace pointers of the plan it was captured with.
-        self._plans: dict[tuple[int, int], object] = {}
+        # mla_decode split plans (split count + FP32 workspace) by (T, batch), per-token verify's by
+        # ("verify", T, batch) (verify_plan): made outside capture, sized for the longest sequence
+        # a block-table row can hold; a graph keeps the workspace pointers of the plan it was
+        # captured with.
+        self._plans: dict[tuple, object] = {}
 
     # -- specs ------------------------------------------------------------------------------------
     def specs(self, gemm_shapes=None) -> list:
@@ -220,6 +221,9 @@ class KernelOps(KernelFfnOps, Ops):
             for T in self.attention_tokens():
                 for B in batch_sizes:
                     self.attention_plan(T, B, max_len)
+            if self.verify_per_token():
+                for B in batch_sizes:
+                    self.verify_plan(B, 1 + self.max_drafts, max_len)
 
     def attention_plan(self, T: int, B: int, max_len: int):
         key = (T, B)
@@ -236,6 +240,32 @@ class KernelOps(KernelFfnOps, Ops):
                 plan = lau.plan(B, max_len, splits=fixed)
                 # The workspace is written in place by every step: a compiled step replayed as a
                 # CUDA graph (mode="reduce-overhead") may mutate it only at a fixed address.
+                for t in (plan.part_o, plan.part_lse):
+                    if isinstance(t, torch.Tensor) and t.is_cuda:
+                        torch._dynamo.mark_static_address(t)
+            self._plans[key] = plan
+        return plan
+
+    def verify_per_token(self) -> bool:
+        """Whether verify attention gives each query token the T = 1 decode's view (mla_attention)."""
+        return bool(self.max_drafts) and (self.kv_layout.kv is KvDtype.NVFP4 or self.invariant)
+
+    def verify_plan(self, B: int, T: int, max_len: int):
+        """The plan of a per-token verify step: the T = 1 kernel over B * T virtual sequences, with
+        the split count of the batch-B decode plan (each query token split as its own T = 1 decode
+        is) and a workspace for B * T rows."""
+        key = ("verify", T, B)
+        plan = self._plans.get(key)
+        if plan is None or plan.max_len < max_len:
+            base = self.attention_plan(1, B, max_len)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise SpecError("mla_decode plan", key, "made before CUDA-graph capture (load_all)")
+            lau = self.launcher(self.mla_decode_spec(1))
+            if lau._kernel is None:     # no CUDA here: the CPU reference does not split
+                from k3gen.ops.mla_decode.launcher import SplitPlan
+                plan = SplitPlan(B * T, max_len, 1)
+            else:
+                plan = lau.plan(B * T, max_len, splits=base.splits)
                 for t in (plan.part_o, plan.part_lse):
                     if isinstance(t, torch.Tensor) and t.is_cuda:
                         torch._dynamo.mark_static_address(t)
@@ -317,18 +347,21 @@ class KernelOps(KernelFfnOps, Ops):
         """The generated mla_decode over the paged cache (the step's rows are written first).
 
         Decode (T = 1) and BF16/FP8 verify run one launch with lengths = start + T. NVFP4 verify
-        runs one T = 1 launch per query token with lengths = start + t + 1: the multi-token kernel
-        reads every tile completed by the step's rows as FP4 for all T queries, while decoding
-        token by token reads a query's own live tile exact from the HP ring; per-token launches
-        keep verify's attention identical to greedy decode's (speculative == greedy), and the
-        ring (16 + drafts rows) still holds every such tile. With `invariant` BF16/FP8 verify runs
-        per token too: the T = 1 + M kernel splits each query's tiles at other boundaries than the
-        T = 1 decode of that query (tests/gpu/test_spec_lossless.py's xfail says where)."""
+        gives each query token t what a T = 1 decode would read: one launch of the T = 1 kernel
+        over B * T virtual sequences (b, t), each with sequence b's block-table row and ring slot,
+        query row t and length start + t + 1. The multi-token kernel instead reads every tile
+        completed by the step's rows as FP4 for all T queries, while decoding token by token reads
+        a query's own live tile exact from the HP ring (speculative == greedy needs the latter);
+        the ring (16 + drafts rows) still holds every such tile. With `invariant` BF16/FP8 verify
+        runs so too: the T = 1 + M kernel splits each query's tiles at other boundaries than the
+        T = 1 decode of that query (tests/gpu/test_spec_lossless.py's xfail says where). The
+        virtual batch takes the split count of the batch-B decode plan (verify_plan), and the
+        kernel's work per (sequence, split) does not depend on the rows beside it."""
         self._mark("mla_decode")
         B, T, H = q.shape[0], q.shape[1], q.shape[2]
         max_len = block_table.shape[1] * layout.page   # a block-table row's capacity: plans hold for any length
         ring = ring_slot if layout.kv is KvDtype.NVFP4 else None
-        per_token = (layout.kv is KvDtype.NVFP4 or self.invariant) and T > 1
+        per_token = T > 1 and (layout.kv is KvDtype.NVFP4 or self.invariant)
         Tk = 1 if per_token else T
         h = self._handles.get(("mla_decode", Tk))
         if h is None:
@@ -337,15 +370,21 @@ class KernelOps(KernelFfnOps, Ops):
             h = self._handles[("mla_decode", Tk)] = library.handle_of(spec)
         if H != self.heads_mla:
             raise SpecError("q heads", H, [self.heads_mla])
-        p = self.attention_plan(Tk, B, max_len)
-        plan = api.MlaDecodePlan(p.splits, p.part_o, p.part_lse)
         kv = self._cache(cache)
         if not per_token:
-            return api.mla_decode(h, q.contiguous(), kv, block_table, (start + T).to(torch.int32), plan=plan,
-                                  ring_slot=ring, scale=float(scale))
-        outs = [api.mla_decode(h, q[:, t:t + 1].contiguous(), kv, block_table, (start + (t + 1)).to(torch.int32),
-                               plan=plan, ring_slot=ring, scale=float(scale)) for t in range(T)]
-        return torch.cat(outs, dim=1)
+            p = self.attention_plan(T, B, max_len)
+            return api.mla_decode(h, q.contiguous(), kv, block_table, (start + T).to(torch.int32),
+                                  plan=api.MlaDecodePlan(p.splits, p.part_o, p.part_lse), ring_slot=ring,
+                                  scale=float(scale))
+        p = self.verify_plan(B, T, max_len)
+        lengths = (start.to(torch.int32).view(B, 1)
+                   + torch.arange(1, T + 1, dtype=torch.int32, device=start.device)).reshape(B * T)
+        out = api.mla_decode(h, q.reshape(B * T, 1, H, q.shape[3]).contiguous(), kv,
+                             block_table[:B].repeat_interleave(T, dim=0), lengths,
+                             plan=api.MlaDecodePlan(p.splits, p.part_o, p.part_lse),
+                             ring_slot=None if ring is None else ring[:B].repeat_interleave(T),
+                             scale=float(scale))
+        return out.view(B, T, H, out.shape[3])
 
     def attention_tokens(self) -> list[int]:
         """Query tokens per launch of the mla_decode kernels this target runs."""

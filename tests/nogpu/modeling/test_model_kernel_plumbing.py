@@ -37,7 +37,7 @@ class CpuMlaDecode(MlaDecode):
     def plan(self, batch, max_len, *, splits=None, device=None):
         CpuMlaDecode.plans.append((self.spec.tokens, batch, max_len))
         CpuMlaDecode.splits.append(splits)
-        return SplitPlan(batch, max_len, 1)
+        return SplitPlan(batch, max_len, self.splits_for(batch, max_len) if splits is None else splits)
 
     def splits_for(self, batch, max_len):
         return max(1, 16 // batch)      # any rule that follows the batch
@@ -109,9 +109,14 @@ def test_kernel_attention_equals_reference_path(cpu_kernels, tk):
         assert got.dtype == torch.bfloat16 and got.shape == (len(lengths), T, H, MLA_LATENT)
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     assert ops.ran["kernel:mla_decode"] == 2 and not [k for k in ops.ran if k.startswith("torch:")]
-    # One plan per (launch tokens, batch), sized for a block-table row, reused by later calls.
+    # One plan per (launch tokens, batch), sized for a block-table row, reused by later calls; NVFP4
+    # verify's T = 1 launch over 3 * (1 + M) virtual sequences has its own, split as the batch-3 decode.
     row_cap = bt.shape[1] * c.layout.page
-    assert sorted(set(CpuMlaDecode.plans)) == sorted({(T, 3, row_cap) for T in ops.attention_tokens()})
+    want = {(T, 3, row_cap) for T in ops.attention_tokens()}
+    if t.kv is KvDtype.NVFP4:
+        want.add((1, 3 * (1 + M), row_cap))
+        assert CpuMlaDecode.splits == [None, CpuMlaDecode(ops.mla_decode_spec(1)).splits_for(3, row_cap)]
+    assert sorted(set(CpuMlaDecode.plans)) == sorted(want)
     assert len(CpuMlaDecode.plans) == len(set(CpuMlaDecode.plans))
 
 
@@ -119,9 +124,9 @@ def test_kernel_attention_equals_reference_path(cpu_kernels, tk):
 @pytest.mark.parametrize("invariant", [False, True])
 def test_invariant_mode_fixes_the_splits_and_verifies_per_token(cpu_kernels, kv, invariant, monkeypatch):
     """TargetConfig.invariant: every plan's split count is the one for the largest graph batch (8),
-    whatever the batch, and BF16/FP8 verify attention runs as 1 + M launches of T = 1 (what decode
-    reads), with the reference path's result; the default mode lets the launcher choose and runs
-    verify as one T = 1 + M launch."""
+    whatever the batch, and BF16/FP8 verify attention runs as one T = 1 launch over B * (1 + M)
+    virtual sequences (what decode reads) split as the T = 1 decode, with the reference path's
+    result; the default mode lets the launcher choose and runs verify as one T = 1 + M launch."""
     t = TargetConfig(kv=kv, ssm="fp32", max_drafts=M, path="kernel", invariant=invariant)
     lengths = [18, 132, 37]
     c, kvc, bt, slots, scale = _cache(t, lengths, seed=9)
@@ -130,7 +135,7 @@ def test_invariant_mode_fixes_the_splits_and_verifies_per_token(cpu_kernels, kv,
     real = O.api.mla_decode
 
     def counted(h, q, *a, **k):
-        CpuMlaDecode.launch_tokens.append(q.shape[1])
+        CpuMlaDecode.launch_tokens.append(tuple(q.shape[:2]))
         return real(h, q, *a, **k)
     monkeypatch.setattr(O.api, "mla_decode", counted)
     q = (torch.randn(3, 1 + M, H, 576, generator=torch.Generator().manual_seed(10)) * 0.6).to(torch.bfloat16)
@@ -140,8 +145,8 @@ def test_invariant_mode_fixes_the_splits_and_verifies_per_token(cpu_kernels, kv,
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     for B in (1, 5):
         ops.attention_plan(1, B, 256)
-    assert CpuMlaDecode.launch_tokens == ([1] * (1 + M) if invariant else [1 + M])
-    assert CpuMlaDecode.splits == ([16 // 8] * 3 if invariant else [None] * 3)
+    assert CpuMlaDecode.launch_tokens == ([(3 * (1 + M), 1)] if invariant else [(3, 1 + M)])
+    assert CpuMlaDecode.splits == ([16 // 8] * 4 if invariant else [None] * 3)
 
 
 def test_nvfp4_verify_sees_each_query_own_tail():
