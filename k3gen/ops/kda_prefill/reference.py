@@ -112,8 +112,12 @@ def chunk64_records(q, k, v, g, beta, *, bf16: bool = True, bounded: bool = Fals
                 A[r, :i] = rnd(kc[r] * left) @ right.t()
         A = bc[:, None] * A
         rhs = bc[:, None] * torch.cat([kc * torch.exp(G), vc], dim=1)
-        x = torch.linalg.solve_triangular(torch.eye(n, dtype=q.dtype) + A, rhs, upper=False, unitriangular=True)
-        recs.append({"w": rnd(x[:, :kc.shape[1]]), "u": x[:, kc.shape[1]:], "qg": rnd(qc * torch.exp(G)),
+        # Row-major like every other record: solve_triangular returns x column-major, and a CPU
+        # GEMM may round differently (another kernel) with a transposed operand than with a
+        # row-major one of the same values, so the state pass's products would depend on layout.
+        x = torch.linalg.solve_triangular(torch.eye(n, dtype=q.dtype) + A, rhs, upper=False,
+                                          unitriangular=True).contiguous()
+        recs.append({"w": rnd(x[:, :kc.shape[1]]), "u": x[:, kc.shape[1]:].contiguous(), "qg": rnd(qc * torch.exp(G)),
                      "aqk": rnd(P), "kg": rnd(kc * torch.exp(G[-1] - G)), "egl": torch.exp(G[-1])})
     return recs
 
