@@ -1,5 +1,5 @@
-"""One leg of an A/B of mla_decode trees: times the FP8 and NVFP4 wgmma kernels (H12 T1, B32 and
-B128, L8K, graph-timed by bench.cases.mla_decode) of the k3gen tree in the current directory and
+"""One leg of an A/B of mla_decode trees: times the BF16 wgmma_qm and the FP8 and NVFP4 wgmma kernels
+(H12 T1, B32 and B128, L8K, graph-timed by bench.cases.mla_decode) of the k3gen tree in the current directory and
 prints one `AB {json}` line per case (tag, case, median us, % of the same run's copy ceiling).
 
 A variant is a copy of the tree (`git archive HEAD | tar -x -C xV`, then the change) with its own
@@ -25,7 +25,8 @@ def main(argv: list[str]) -> int:
     from k3gen.targets import get_target
     tag = argv[0] if argv else Path.cwd().name
     tgt = get_target("sm90")
-    specs = [MlaDecodeSpec(target=tgt, heads=12, kv=kv, schedule="wgmma", **kw) for kv, kw in _kv_formats()[1:]]
+    specs = [MlaDecodeSpec(target=tgt, heads=12, schedule="wgmma_qm")] + [
+        MlaDecodeSpec(target=tgt, heads=12, kv=kv, schedule="wgmma", **kw) for kv, kw in _kv_formats()[1:]]
     ceil = copy_ceiling_tbps()
     for r in mla_decode(ceil, specs=specs, batches=(32, 128), lengths=(8192,), op_name="ab"):
         print("AB " + json.dumps({"tag": tag, "case": r.case, "us": round(r.us, 2), "pct_copy": round(r.pct_copy, 1),
