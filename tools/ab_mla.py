@@ -1,6 +1,7 @@
-"""One leg of an A/B of mla_decode trees: times the BF16 wgmma_qm and the FP8 and NVFP4 wgmma kernels
-(H12 T1, B32 and B128, L8K, graph-timed by bench.cases.mla_decode) of the k3gen tree in the current directory and
-prints one `AB {json}` line per case (tag, case, median us, % of the same run's copy ceiling).
+"""One leg of an A/B of mla_decode trees: times the BF16 wgmma_qm and the FP8 and NVFP4 wgmma
+kernels (H12 T1, B32 and B128, L8K, graph-timed by bench.cases.mla_decode) of the k3gen tree in the
+current directory and prints one `AB {json}` line per case (tag, case, median us, % of the same
+run's copy ceiling).
 
 A variant is a copy of the tree (`git archive HEAD | tar -x -C xV`, then the change) with its own
 bundle (`cd xV && python tools/prebuild_gpu.py ../bV --ops mla_decode,kv_cache_write,mla_prefill`:
