@@ -226,25 +226,10 @@ class KernelOps(KernelFfnOps, Ops):
                     self.verify_plan(B, 1 + self.max_drafts, max_len)
 
     def attention_plan(self, T: int, B: int, max_len: int):
-        key = (T, B)
-        plan = self._plans.get(key)
-        if plan is None or plan.max_len < max_len:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise SpecError("mla_decode plan", key, "made before CUDA-graph capture (load_all)")
-            lau = self.launcher(self.mla_decode_spec(T))
-            if lau._kernel is None:     # no CUDA here: the CPU reference does not split
-                from k3gen.ops.mla_decode.launcher import SplitPlan
-                plan = SplitPlan(B, max_len, 1)
-            else:
-                fixed = lau.splits_for(max(B, self.plan_batch), max_len) if self.invariant else None
-                plan = lau.plan(B, max_len, splits=fixed)
-                # The workspace is written in place by every step: a compiled step replayed as a
-                # CUDA graph (mode="reduce-overhead") may mutate it only at a fixed address.
-                for t in (plan.part_o, plan.part_lse):
-                    if isinstance(t, torch.Tensor) and t.is_cuda:
-                        torch._dynamo.mark_static_address(t)
-            self._plans[key] = plan
-        return plan
+        """The plan of a T-token launch over B sequences (cached by (T, B))."""
+        def splits(lau):
+            return lau.splits_for(max(B, self.plan_batch), max_len) if self.invariant else None
+        return self._plan((T, B), T, B, max_len, splits)
 
     def verify_per_token(self) -> bool:
         """Whether verify attention gives each query token the T = 1 decode's view (mla_attention)."""
@@ -254,18 +239,24 @@ class KernelOps(KernelFfnOps, Ops):
         """The plan of a per-token verify step: the T = 1 kernel over B * T virtual sequences, with
         the split count of the batch-B decode plan (each query token split as its own T = 1 decode
         is) and a workspace for B * T rows."""
-        key = ("verify", T, B)
+        base = self.attention_plan(1, B, max_len)
+        return self._plan(("verify", T, B), 1, B * T, max_len, lambda lau: base.splits)
+
+    def _plan(self, key, T: int, rows: int, max_len: int, splits):
+        """A cached mla_decode plan for `rows` sequences of the T-token kernel, made outside capture;
+        splits(launcher) gives the split count (None: the launcher's choice)."""
         plan = self._plans.get(key)
         if plan is None or plan.max_len < max_len:
-            base = self.attention_plan(1, B, max_len)
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise SpecError("mla_decode plan", key, "made before CUDA-graph capture (load_all)")
-            lau = self.launcher(self.mla_decode_spec(1))
+            lau = self.launcher(self.mla_decode_spec(T))
             if lau._kernel is None:     # no CUDA here: the CPU reference does not split
                 from k3gen.ops.mla_decode.launcher import SplitPlan
-                plan = SplitPlan(B * T, max_len, 1)
+                plan = SplitPlan(rows, max_len, 1)
             else:
-                plan = lau.plan(B * T, max_len, splits=base.splits)
+                plan = lau.plan(rows, max_len, splits=splits(lau))
+                # The workspace is written in place by every step: a compiled step replayed as a
+                # CUDA graph (mode="reduce-overhead") may mutate it only at a fixed address.
                 for t in (plan.part_o, plan.part_lse):
                     if isinstance(t, torch.Tensor) and t.is_cuda:
                         torch._dynamo.mark_static_address(t)
@@ -361,7 +352,7 @@ class KernelOps(KernelFfnOps, Ops):
         B, T, H = q.shape[0], q.shape[1], q.shape[2]
         max_len = block_table.shape[1] * layout.page   # a block-table row's capacity: plans hold for any length
         ring = ring_slot if layout.kv is KvDtype.NVFP4 else None
-        per_token = T > 1 and (layout.kv is KvDtype.NVFP4 or self.invariant)
+        per_token = T > 1 and self.verify_per_token()
         Tk = 1 if per_token else T
         h = self._handles.get(("mla_decode", Tk))
         if h is None:

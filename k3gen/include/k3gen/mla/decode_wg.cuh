@@ -187,9 +187,9 @@ __device__ __forceinline__ void handoff(unsigned hand) {
 // is the factor of its O^T fragment), the split's LSE, both O^T halves into buf ([2][N]
 // [kOStride] FP32; dim(mb, i): the dim of register i of block mb, column 8 (i / 4) + 2 (lane % 4)
 // + i % 2), then the output rows (their sum). lse: this thread stores the split's LSE (c == 0,
-// warp 0, lane < 4, splits > 1). The caller declares wself and evaluates lse, and the functors capture by value:
-// declared here (its alloca then comes first) or with reference captures, the kernels' PTX
-// orders and numbers registers differently and ptxas allocates them differently.
+// warp 0, lane < 4, splits > 1). The caller declares wself and evaluates lse, and the functors
+// capture by value: declared here (its alloca then comes first) or with reference captures, the
+// kernels' PTX orders and numbers registers differently and ptxas allocates them differently.
 template <int c, int N, int NA, int HT, class Scale, class Dim>
 __device__ __forceinline__ void merge_out(const Params& p, const float (&o)[8][NA], float (&wself)[N / 8][2],
                                           const float* stats, float* buf, unsigned hand, bool lse, int cq, int b,
