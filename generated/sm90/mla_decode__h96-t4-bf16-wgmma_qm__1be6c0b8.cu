@@ -7,7 +7,7 @@
 // Algorithm: include/k3gen/mla/decode_wg_qm.cuh (schedule "wgmma_qm": query rows on the wgmma M side, TMA producer).
 // Contract: k3gen/ops/mla_decode/spec.py; geometry: the variant's plan in k3gen/ops/mla_decode/variants.py.
 // Entries:
-//   k3gen_mla_decode          grid (6, splits, B), 384 threads, 231200 B dynamic smem
+//   k3gen_mla_decode          grid (6, splits, B), 384 threads, 231224 B dynamic smem
 //                             (+ kv_map: TMA map of c0 as uint8 [pages * 64 rows][1152], box [64][128], 128B swizzle)
 //   k3gen_mla_decode_combine  grid (384, B), 512 threads (only when splits > 1)
 // Cache tensors c0..c3, in KvLayout.tensors() order:
@@ -33,7 +33,7 @@ struct Config {
 };
 
 using Geo = k3gen::mla::wgq::QmGeo<Config>;
-static_assert(Geo::kSmem == 231200, "shared memory plan differs from the wgmma_qm variant's plan");
+static_assert(Geo::kSmem == 231224, "shared memory plan differs from the wgmma_qm variant's plan");
 static_assert(Geo::kQOff == 147456 &&
               Geo::kPOff == 221184 &&
               Geo::kAlphaOff == 229376 &&

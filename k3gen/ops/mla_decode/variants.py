@@ -220,9 +220,9 @@ class QmKernel(MlaKernel):
     def geometry(self, spec):
         # QmGeo: the two 72 KB stages, Q (9 SW128 blocks of [64 rows][64 dims]), P ([64 rows][64 tok]
         # SW128), the tile's per-row rescale factors, the final m and l per row, full/empty mbarriers
-        # per stage. The final [64][516] FP32 output buffer reuses the stages.
+        # per stage and the P / end handoffs. The final [64][516] FP32 output buffer reuses the stages.
         smem = _stacked((("stages", QM_STAGES * BF16_TILE_BYTES), ("q", 64 * MLA_ROW * 2),
-                         ("p", 64 * TILE_TOKENS * 2), ("alpha", 64 * 4), ("stats", 2 * 64 * 4), ("bars", 4 * 8)))
+                         ("p", 64 * TILE_TOKENS * 2), ("alpha", 64 * 4), ("stats", 2 * 64 * 4), ("bars", 7 * 8)))
         # The probe: V as N-major B over two 64-dim blocks, dims 384..511 of the second stage, last k16.
         addr = BF16_TILE_BYTES + 6 * TILE_TOKENS * 128 + 3 * 2048
         return Plan(rows=64, groups=_groups(spec, 64), threads=WG_THREADS, max_registers=WG_REGISTERS,

@@ -22,8 +22,10 @@
 //   warpgroup 2 (O): O[:, 256:512] += P V[:, 256:512] once P is published.
 // Overlap: the O warpgroup's PV of tile i runs under the S warpgroup's QK of tile i + 1, and the
 // producer refills a stage while the other one is computed on.
-// Hand-offs: named barrier kBarPFull (S arrives after P and the factors are stored, O syncs) and
-// kBarPEmpty (O arrives once its PV of the tile retired, S syncs before overwriting P).
+// Hand-offs, on mbarriers (compute-sanitizer racecheck does not see named-barrier arrive / sync
+// pairs order these stores and loads; bench/notes/mla_decode.md): pfull (S's 128 threads arrive
+// after P and the factors are stored, O waits on the tile's phase), pempty (O's 128 threads arrive
+// once its PV of the tile retired, S waits before overwriting P) and end (all 256, once: the stats).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,7 +38,7 @@ namespace wgq {
 
 constexpr int kThreads = 384;
 constexpr int kRows = 64;                   // query rows per CTA = wgmma M
-constexpr unsigned kBarPFull = 1, kBarPEmpty = 2, kBarEnd = 3, kBarTail = 4;   // kBarTail + consumer
+constexpr unsigned kBarTail = 4;   // kBarTail + consumer: a named barrier per consumer warpgroup
 using wg::kBlk;
 constexpr int kStages = 2;                  // one 72 KB tile per consumer warpgroup (a third does not fit with Q)
 constexpr int kKBlocks = kRow / 64;         // 9 (8 latent + 1 rope)
@@ -50,7 +52,7 @@ struct QmGeo {
   static constexpr int kAlphaOff = kPOff + kRows * 128;   // per-row rescale factor of the tile
   static constexpr int kStatsOff = kAlphaOff + kRows * 4; // final m, l per row
   static constexpr int kBarOff = kStatsOff + 2 * kRows * 4;
-  static constexpr int kEnd = kBarOff + 4 * 8;
+  static constexpr int kEnd = kBarOff + 7 * 8;   // full[2], empty[2], pfull, pempty, end
   static constexpr int kSmem = kEnd + 1024;
   static_assert(kQOff % 1024 == 0 && kPOff % 1024 == 0, "SW128 atoms are 1024-aligned");
 };
@@ -158,7 +160,7 @@ __device__ __forceinline__ void publish(const unsigned (&pk)[16], const float (&
 
 // This warpgroup's 256 output columns of the CTA's rows, normalized (w = 1 / l, 0 for an empty row):
 // BF16 rows with one split, FP32 partials with several. Staged through shared memory (the stages
-// are free once both consumers passed kBarEnd; each consumer its own region, rows padded by 16 bytes:
+// are free once both consumers passed the end handoff; each consumer its own region, rows padded by 16 bytes:
 // conflict-free fragment stores) so every row leaves as contiguous 16-byte stores.
 template <class T>
 __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[2][64], const float (&w)[2], T* dst,
@@ -225,6 +227,7 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
   float* alpha = reinterpret_cast<float*>(smem + G::kAlphaOff);
   float* stats = reinterpret_cast<float*>(smem + G::kStatsOff);   // [m, l][64 rows]
   const unsigned bar = base + G::kBarOff;                         // full[0..1], empty[0..1]
+  const unsigned pfull = bar + 32, pempty = bar + 40, endb = bar + 48;
 
   const int tid = threadIdx.x, wgi = tid / 128, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   const int g = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -245,6 +248,9 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
       sm90::mbar_init(bar + 8 * s, 1);          // the producer's expect_tx; the TMA bytes complete it
       sm90::mbar_init(bar + 16 + 8 * s, 256);   // both consumers read every stage
     }
+    sm90::mbar_init(pfull, 128);
+    sm90::mbar_init(pempty, 128);
+    sm90::mbar_init(endb, 256);
     sm90::fence_mbar_init();
     // The first two tiles stream while the CTA loads Q.
     tiles(len, t_begin, n);
@@ -314,10 +320,10 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
       float a[2];
       unsigned pk[16];
       softmax(sc, st, (t_begin + it) * kTok + 2 * (lane & 3), qk_scale, pk, a);
-      if (it > 0) sm90::barrier_sync_divergent(kBarPEmpty, 256);   // the O warpgroup is done with P
+      if (it > 0) sm90::mbar_wait_asm(pempty, (it - 1) & 1);   // the O warpgroup is done with P
       publish(pk, a, sP, alpha, warp, lane);
       sm90::fence_proxy_async();   // P (generic stores) is read by wgmma
-      sm90::barrier_arrive(kBarPFull, 256);
+      sm90::mbar_arrive(pfull);
       rescale(o, a[0], a[1]);
       pin(o);   // keeps the multiplies above the fence (NVVM sinks register-only arithmetic past asm)
       sm90::wgmma_fence();
@@ -340,11 +346,12 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
               st.l[r] > 0.f ? st.m[r] + log2f(st.l[r]) : K3GEN_MLA_NEG_INF;
       }
     }
-    sm90::barrier_sync_divergent(kBarEnd, 256);
+    sm90::mbar_arrive(endb);
+    sm90::mbar_wait_asm(endb, 0);
   } else {
     for (int it = 0; it < n; ++it) {
       const int s = it & 1;
-      sm90::barrier_sync_divergent(kBarPFull, 256);
+      sm90::mbar_wait_asm(pfull, it & 1);
       sm90::mbar_wait_asm(bar + 8 * s, (it >> 1) & 1);
       const int rem = len - (t_begin + it) * kTok;
       if (rem < kTok) zero_tail(smem + s * kTileBytes, rem, 1, wt);
@@ -356,9 +363,10 @@ __device__ void decode(const Params& p, const sm90::TmaMap* kv_map) {
       sm90::wgmma_wait<0>();
       pin(o);
       sm90::mbar_arrive(bar + 16 + 8 * s);
-      if (it + 1 < n) sm90::barrier_arrive(kBarPEmpty, 256);
+      if (it + 1 < n) sm90::mbar_arrive(pempty);
     }
-    sm90::barrier_sync_divergent(kBarEnd, 256);
+    sm90::mbar_arrive(endb);
+    sm90::mbar_wait_asm(endb, 0);
   }
   float w[2];
 #pragma unroll
