@@ -23,6 +23,16 @@ GPU = settings().gpu_tests
 _gpu_passed = 0
 
 
+def pytest_configure(config):
+    # Each xdist worker's torch would size its intra-op pool to every core: n workers oversubscribe the
+    # CPU n times over (H200, session 51: ten workers, each writing its own copy of a random
+    # checkpoint that one process writes in seconds, were all still at it a minute later).
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if n > 1:
+        import torch
+        torch.set_num_threads(max(1, (os.cpu_count() or n) // n))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace(os.sep, "/") and "gpu" not in item.keywords:

@@ -9,6 +9,16 @@ import torch
 from numerics import rel_rms
 
 
+def random_checkpoint_dir(cfg, seed: int):
+    """The random checkpoint of `cfg` and `seed` (model/checkpoint.py's writer), written once per k3gen
+    cache under its file lock (model.generate.random_checkpoint): test workers that share the cache
+    (K3GEN_CACHE_DIR, as the GPU scripts set it) share one writer instead of each quantizing its own copy."""
+    from pathlib import Path
+
+    from model.generate import random_checkpoint
+    return Path(random_checkpoint(cfg, seed)[0])
+
+
 def fp8_gemm_inputs(m, n, k, recipe, seed):
     """Quantized FP8 GEMM operands on the GPU (x codes, x scales, w codes, w scales): rows spread
     over four decades of magnitude so that every tile scale differs."""

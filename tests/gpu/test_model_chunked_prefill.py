@@ -33,12 +33,11 @@ import torch
 
 import model.layers as L
 from model.cache import HybridCache
-from model.checkpoint import write_random_checkpoint
 from model.config import TargetConfig, small_config
 from model.model import K3Model
 from model.ops import KernelOps
 from model.weights import load_weights
-from helpers import floor_error, logits_errors, reference_projections_in_fp32
+from helpers import floor_error, logits_errors, random_checkpoint_dir, reference_projections_in_fp32
 
 pytestmark = pytest.mark.gpu
 CFG = small_config()
@@ -50,11 +49,7 @@ COMBOS = [("bf16", "fp32"), ("fp8", "fp32"), ("bf16", "bf16")]
 
 @functools.lru_cache(maxsize=1)
 def checkpoint_dir():
-    import tempfile
-    from pathlib import Path
-    d = Path(tempfile.mkdtemp(prefix="k3gen-small-chunk-"))
-    write_random_checkpoint(CFG, d, seed=11)
-    return d
+    return random_checkpoint_dir(CFG, 11)
 
 
 @functools.lru_cache(maxsize=None)

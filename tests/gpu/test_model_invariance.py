@@ -29,14 +29,9 @@ N_REQ = 8
 
 @functools.lru_cache(maxsize=1)
 def weights():
-    import tempfile
-    from pathlib import Path
-
-    from model.checkpoint import write_random_checkpoint
+    from helpers import random_checkpoint_dir
     from model.weights import load_weights
-    d = Path(tempfile.mkdtemp(prefix="k3gen-small-inv-"))
-    write_random_checkpoint(CFG, d, seed=11)
-    return load_weights(d, CFG).to("cuda")
+    return load_weights(random_checkpoint_dir(CFG, 11), CFG).to("cuda")
 
 
 def requests(seed=5):

@@ -36,7 +36,7 @@ from model.ops import KernelOps
 from model.weights import load_weights
 from numerics import rel_rms
 from helpers import (FLOOR_FACTOR, LogitSpy, check_spec_equals_greedy, drop_kda_state, floor_error, logits_errors,
-                     logits_step_error, ngram_hits, reference_projections_in_fp32)
+                     logits_step_error, ngram_hits, random_checkpoint_dir, reference_projections_in_fp32)
 
 pytestmark = pytest.mark.gpu
 CFG = small_config()
@@ -53,11 +53,7 @@ KERNEL_OPS = {"kernel:fp8_linear", "kernel:kda_decode", "kernel:kv_cache_write",
 
 @functools.lru_cache(maxsize=1)
 def checkpoint_dir():
-    import tempfile
-    from pathlib import Path
-    d = Path(tempfile.mkdtemp(prefix="k3gen-small-"))
-    write_random_checkpoint(CFG, d, seed=11)
-    return d
+    return random_checkpoint_dir(CFG, 11)
 
 
 @functools.lru_cache(maxsize=None)

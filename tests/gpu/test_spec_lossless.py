@@ -184,14 +184,9 @@ COMBOS = [("nvfp4", "bf16"), ("bf16", "fp32")]
 @functools.lru_cache(maxsize=1)
 def small_weights():
     """The small preset's random checkpoint, as tests/gpu/test_model_small.py writes it (seed 11)."""
-    import tempfile
-    from pathlib import Path
-
-    from model.checkpoint import write_random_checkpoint
+    from helpers import random_checkpoint_dir
     from model.weights import load_weights
-    d = Path(tempfile.mkdtemp(prefix="k3gen-small-lossless-"))
-    write_random_checkpoint(CFG, d, seed=11)
-    return load_weights(d, CFG).to(DEV)
+    return load_weights(random_checkpoint_dir(CFG, 11), CFG).to(DEV)
 
 
 def make_generator(kv, ssm, slots=4, invariant=False):
