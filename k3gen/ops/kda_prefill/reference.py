@@ -118,7 +118,8 @@ def chunk64_records(q, k, v, g, beta, *, bf16: bool = True, bounded: bool = Fals
         x = torch.linalg.solve_triangular(torch.eye(n, dtype=q.dtype) + A, rhs, upper=False,
                                           unitriangular=True).contiguous()
         recs.append({"w": rnd(x[:, :kc.shape[1]]), "u": x[:, kc.shape[1]:].contiguous(),
-                     "qg": rnd(qc * torch.exp(G)), "aqk": rnd(P), "kg": rnd(kc * torch.exp(G[-1] - G)), "egl": torch.exp(G[-1])})
+                     "qg": rnd(qc * torch.exp(G)), "aqk": rnd(P), "kg": rnd(kc * torch.exp(G[-1] - G)),
+                     "egl": torch.exp(G[-1])})
     return recs
 
 
