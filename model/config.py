@@ -208,8 +208,8 @@ class TargetConfig:
     # same whatever batch it shares) and verify attention through the T = 1 kernel, each query
     # token a virtual sequence (what T = 1 decoding reads; NVFP4 KV always does so) for every KV
     # dtype. Off by default: it costs small batches their extra KV splits and BF16/FP8 verify the
-    # multi-token kernel; tools/invariant_price.py measured 2-5% of a small-preset step (BF16 KV,
-    # H100, README).
+    # multi-token kernel: 2-5% of a small-preset step (tools/invariant_price.py), but 1.7-3.2x the
+    # attention of one long request (the batch-8 split count at batch 1; H100 figures in the README).
     invariant: bool = False
     target: Target = field(init=False)
 
