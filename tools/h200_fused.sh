@@ -8,6 +8,8 @@
 #     < ../../bench/notes/patches/mla_qm_fused_combine.patch && PYTHONPATH=$PWD ../../.venv/bin/python \
 #     tools/prebuild_gpu.py ../bF --ops mla_decode,kv_cache_write,mla_prefill)
 #   tar cJf run/fused.tar.xz -C run xF bF
+# and, for the probe (optional): a copy of main with tools/probe/qm_globaltimer.patch, its bundle
+# (--ops mla_decode) as run/bProbe, both in run/probe.tar.xz (tools/probe/probe_qm.py's docstring).
 # On the device: DEADLINE=560 bash tools/h200_fused.sh
 set -uo pipefail
 T0=$(date +%s)
@@ -24,6 +26,12 @@ leg() {
 }
 for l in ${LEGS:-main fused main fused}; do leg $l 2>&1 | grep -E "^AB|Error|error" | tail -8 >> "$OUT/ab.log"; done
 echo "ab done $(( $(date +%s) - T0 ))s" >> "$OUT/ab.log"
+# Optional: the %globaltimer probe (tools/probe/probe_qm.py) where run/probe.tar.xz holds xProbe + bProbe.
+if [ -f run/probe.tar.xz ]; then
+  [ -d run/xProbe ] || tar xJf run/probe.tar.xz -C run
+  (cd run/xProbe && PYTHONPATH=$PWD:/tmp/site K3GEN_PREBUILT=$ROOT/run/bProbe timeout 60 python3 tools/probe/probe_qm.py \
+    2>&1 | grep -E "^PROBE|Error" > "$OUT/probe.log")
+fi
 LEFT=$(( ${DEADLINE:-560} - ($(date +%s) - T0) - 15 ))
 pids=()
 # Issue 27's hypothesis fuzz on main's kernels (its EP fix, 0fadf9f, has not run on a GPU yet).

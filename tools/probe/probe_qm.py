@@ -2,9 +2,10 @@
 (bench/notes/mla_decode_2.md). Stamps: 0 entry, 1 Q staged, 2 first tile in (S), 3 S loop done,
 6 O loop done, 4 partial stored; combine: resident, after griddep_wait, done.
 
-Runs in a probe tree only: a copy of the repository at 38614b3 (`git archive 38614b3`) with
-tools/probe/qm_globaltimer.patch applied (`patch -p0`) and its own bundle (`tools/prebuild_gpu.py
-../bProbe --ops mla_decode`); then on the GPU, from the probe tree:
+Runs in a probe tree only: a copy of main (`git archive HEAD`; the patch was made against 38614b3,
+whose mla_decode template and wgmma_qm header main still has) with tools/probe/qm_globaltimer.patch
+applied (`patch -p0`) and its own bundle (`tools/prebuild_gpu.py ../bProbe --ops mla_decode`); then
+on the GPU, from the probe tree:
     PYTHONPATH=$PWD K3GEN_PREBUILT=$PWD/../bProbe python3 tools/probe/probe_qm.py"""
 import ctypes, json, sys
 from pathlib import Path
