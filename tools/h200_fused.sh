@@ -12,7 +12,7 @@
 # (--ops mla_decode) as run/bProbe, both in run/probe.tar.xz (tools/probe/probe_qm.py's docstring).
 # On the device: DEADLINE=560 bash tools/h200_fused.sh
 set -uo pipefail
-T0=$(date +%s)
+T0=${T0:-$(date +%s)}   # the caller may start the deadline clock earlier
 OUT=${OUT:-/tmp/k3gen-out}; mkdir -p "$OUT"
 [ -d build-out ] || tar xJf build-out.tar.xz
 [ -d run/xF ] || tar xJf run/fused.tar.xz -C run
@@ -35,8 +35,20 @@ fi
 LEFT=$(( ${DEADLINE:-560} - ($(date +%s) - T0) - 15 ))
 pids=()
 # Issue 27's hypothesis fuzz on main's kernels (its EP fix, 0fadf9f, has not run on a GPU yet).
-(timeout $LEFT python3 -m pytest -m gpu -q -p no:cacheprovider -n 2 tests/gpu/test_fuzz_bounds.py 2>&1 | tail -30 \
+(FUZZ_LOG=$OUT/fuzz.jsonl timeout $LEFT python3 -m pytest -m gpu -q -p no:cacheprovider -n 2 tests/gpu/test_fuzz_bounds.py 2>&1 | tail -30 \
   > "$OUT/fuzz.log"; echo "fuzz exit ${PIPESTATUS[0]} $(( $(date +%s) - T0 ))s" >> "$OUT/fuzz.log") & pids+=($!)
+# MAIN_TESTS: more of main's GPU test files to run meanwhile (e.g. tests/gpu/test_mla_prefill.py);
+# FUZZ_SAN=1: the fuzz's reduced part under memcheck as well.
+if [ -n "${MAIN_TESTS:-}" ]; then
+  (timeout $LEFT python3 -m pytest -m gpu -q -p no:cacheprovider -n 2 $MAIN_TESTS 2>&1 | tail -30 > "$OUT/main_tests.log"
+   echo "main tests exit ${PIPESTATUS[0]} $(( $(date +%s) - T0 ))s" >> "$OUT/main_tests.log") & pids+=($!)
+fi
+if [ "${FUZZ_SAN:-0}" = 1 ]; then
+  (PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $LEFT compute-sanitizer --tool memcheck --report-api-errors no \
+     --error-exitcode 3 python3 -m pytest -m gpu tests/gpu/test_fuzz_bounds.py -q -p no:cacheprovider -k sanitize 2>&1 \
+     | grep -vE "cuGetProcAddress|^=+ +(Saved host backtrace|Host Frame|in /)" | tail -30 > "$OUT/fuzz_memcheck.log"
+   echo "fuzz memcheck exit ${PIPESTATUS[0]} $(( $(date +%s) - T0 ))s" >> "$OUT/fuzz_memcheck.log") & pids+=($!)
+fi
 cd run/xF
 export PYTHONPATH=$PWD:/tmp/site K3GEN_PREBUILT=$ROOT/run/bF:$ROOT/build-out
 filt() { grep -vE "cuGetProcAddress|^=+ +(Saved host backtrace|Host Frame|in /)"; }

@@ -1,6 +1,6 @@
 """Launch one op on a bench shape a few times for `ncu` (ncu measures; nothing is timed here).
 
-Usage: python tools/profile_ops.py moe-t1|moe-t8|moe-t64|attn-b16|attn-b64|mla-bf16|mla-fp8|mla-fp8-wg|mla-nvfp4|mla-nvfp4-wg|mla-fp8-wg-b32|mla-bf16-b32|mla-fp8-wg-b1|mla-nvfp4-wg-b1|mla-h128|gemm-m1|gemm-m1-stream|gemm-m128|gemm-qkvg-m8
+Usage: python tools/profile_ops.py moe-t1|moe-t8|moe-t64|attn-b16|attn-b64|mla-bf16|mla-fp8|mla-fp8-wg|mla-nvfp4|mla-nvfp4-wg|mla-fp8-wg-b32|mla-bf16-b32|mla-fp8-wg-b1|mla-nvfp4-wg-b1|mla-h128|prefill-h96|prefill-h96-ov|prefill-h12|prefill-h12-b8|gemm-m1|gemm-m1-stream|gemm-m128|gemm-qkvg-m8
 """
 import sys
 from pathlib import Path
@@ -32,6 +32,22 @@ def mla(kv: KvDtype, H=12, B=128, L=8192, T=1, schedule="auto"):
     print(f"mla {kv.value} H{H} B{B} L{L}: splits {plan.splits}", flush=True)
     for _ in range(3):
         op(q, cache, bt, lengths, out, ring_slot=ring, scale=1.0, plan=plan)
+
+
+def prefill(H=96, B=1, T=4096, kernel="wgmma"):
+    from k3gen.ops.mla_prefill.launcher import MlaPrefill
+    from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype, PrefillKernel
+    spec = MlaPrefillSpec(target=get_target("sm90"), heads=H, out_dtype=OutDtype.BF16, kernel=PrefillKernel(kernel))
+    op = MlaPrefill(spec).load()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    N, bf = B * T, torch.bfloat16
+    cu = torch.arange(0, N + 1, T, device="cuda", dtype=torch.int32)
+    kv = torch.randn(N, H, 256, device="cuda", generator=gen).to(bf)
+    kp = torch.randn(N, 576, device="cuda", generator=gen).to(bf)[:, 512:]
+    q = torch.randn(N, H, 192, device="cuda", generator=gen).to(bf)
+    out = torch.empty(N, H, 128, device="cuda", dtype=bf)
+    for _ in range(3):
+        op(q, kv[..., :128], kp, kv[..., 128:], cu, cu, out, T, heads_fast=spec.heads_fast(N))
 
 
 def gemm(n, k, m, **kw):
@@ -117,6 +133,8 @@ CASES = {
     "mla-bf16-b32": lambda: mla(KvDtype.BF16, B=32),
     "mla-fp8-wg-b1": lambda: mla(KvDtype.FP8, B=1, schedule="wgmma"),
     "mla-nvfp4-wg-b1": lambda: mla(KvDtype.NVFP4, B=1, schedule="wgmma"), "mla-h128": lambda: mla(KvDtype.BF16, H=128, B=32, L=8192),
+    "prefill-h96": lambda: prefill(), "prefill-h96-ov": lambda: prefill(kernel="wgmma_ov"),
+    "prefill-h12": lambda: prefill(H=12), "prefill-h12-b8": lambda: prefill(H=12, B=8, T=1024),
     "gemm-m1": lambda: gemm(7168, 12288, 1), "gemm-m128": lambda: gemm(7168, 12288, 128),
     "gemm-qkvg-m8": lambda: gemm(6144, 7168, 8),
     "gemm-m1-stream": lambda: gemm(7168, 12288, 1, ctas=132),   # the persistent mode on every SM

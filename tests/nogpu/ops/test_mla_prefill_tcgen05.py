@@ -343,7 +343,7 @@ def test_chunk_writes_equal_the_tma_swizzle():
 # -- emulation of the tile loop against the reference ---------------------------------------------------
 def emulate(c: Case, out_dtype=OutDtype.FP32) -> torch.Tensor:
     """prefill_tc.cuh's tile loop on its replayed operands: S and P V in FP32, the SM90 softmax rules
-    (log2 domain, P rounded to BF16 once, l sums the rounded values pairwise in key order, O and l
+    (log2 domain, the scale folded into one FMA per score, P rounded to BF16 once, l sums the rounded values pairwise in key order, O and l
     rescaled by exp2(m - m_new)), P through the softmax's shared-memory stores and PV's descriptor;
     rows never written stay NaN."""
     H = c.q.shape[1]
@@ -359,12 +359,14 @@ def emulate(c: Case, out_dtype=OutDtype.FP32) -> torch.Tensor:
                 m = torch.full((128,), float("-inf"))
                 l, O = torch.zeros(128), torch.zeros(128, 128)
                 for it, (K, Vt) in enumerate(tiles):
-                    x = (Q.double() @ K.double().T).float() * scale
+                    x = (Q.double() @ K.double().T).float()
                     x = torch.where(torch.from_numpy(visible(lq, lk, i0, it, True)), x, torch.tensor(float("-inf")))
-                    m_new = torch.maximum(m, x.max(1).values)
+                    m_new = torch.maximum(m, x.max(1).values * scale)
                     dead = m_new == float("-inf")
                     a = torch.where(dead, torch.ones(()), torch.exp2(m - m_new))
-                    P = torch.exp2(x - torch.where(dead, torch.zeros(()), m_new)[:, None]).to(BF)
+                    # fma(x, scale, -m_new): the product exact in FP64, one rounding to FP32 after the sum
+                    arg = (x.double() * scale.double() - torch.where(dead, torch.zeros(()), m_new).double()[:, None])
+                    P = torch.exp2(arg.float()).to(BF)
                     Pf = P.float()
                     s = torch.zeros(128)
                     for j in range(64):

@@ -134,8 +134,10 @@ __device__ __forceinline__ void load_k(const Params& p, const Seq& s, int h, int
   }
 }
 
-// One tile's softmax on S (log2 domain), in place: masked past each row's limit when kMask, the
-// probabilities exp2(s - m_new) into sc, the running max m updated, the rows' rescale factors into a.
+// One tile's softmax on S, in place: masked past each row's limit when kMask, the probabilities
+// exp2(s scale - m_new) into sc (scale includes log2(e); one FFMA per score: the max is taken on the
+// raw scores, exact since scale > 0 and rounding is monotone), the running max m (scaled) updated,
+// the rows' rescale factors into a.
 template <bool kMask>
 __device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], const int (&lim)[2], int col0, float scale,
                                         float (&a)[2]) {
@@ -143,24 +145,22 @@ __device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], const in
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
     const int r = (i >> 1) & 1;
-    float x = sc[i] * scale;
-    if (kMask) x = col0 + 8 * (i >> 2) + (i & 1) <= lim[r] ? x : K3GEN_PF_NEG_INF;
-    sc[i] = x;
-    mx[r] = fmaxf(mx[r], x);
+    if (kMask) sc[i] = col0 + 8 * (i >> 2) + (i & 1) <= lim[r] ? sc[i] : K3GEN_PF_NEG_INF;
+    mx[r] = fmaxf(mx[r], sc[i]);
   }
   float msub[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    const float m_new = fmaxf(m[r], mx[r]);
+    const float m_new = fmaxf(m[r], mx[r] * scale);
     // A row with nothing visible yet keeps its state: factor 1, probabilities 0.
-    a[r] = m_new == K3GEN_PF_NEG_INF ? 1.f : exp2f(m[r] - m_new);
+    a[r] = m_new == K3GEN_PF_NEG_INF ? 1.f : ex2(m[r] - m_new);
     msub[r] = m_new == K3GEN_PF_NEG_INF ? 0.f : m_new;
     m[r] = m_new;
   }
 #pragma unroll
-  for (int i = 0; i < 64; ++i) sc[i] = exp2f(sc[i] - msub[(i >> 1) & 1]);
+  for (int i = 0; i < 64; ++i) sc[i] = ex2(fmaf(sc[i], scale, -msub[(i >> 1) & 1]));
 }
 
 // P rounded to BF16 into pk (keys 8 j + 2 (lane % 4) + {0, 1} of row half r in pk[2 j + r]: the A

@@ -47,6 +47,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// 2^x by MUFU.EX2 alone. exp2f without fast-math wraps every call in a denormal-range fix-up (FSETP
+// and two predicated FMULs: 3 of the ~10 instructions a score costs in the softmax); here a result
+// below 2^-126 is flushed to 0. Every exponent is x - (the running row max) <= 0 and the row's
+// denominator holds the max's exp2(0) = 1, so a flushed term is < 2^-126 of it.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Byte offset of 16-byte chunk c (8 per 128-byte row) of row r in an SW128 block.
 __host__ __device__ constexpr unsigned sw128(int r, int c) {
   return static_cast<unsigned>((r >> 3) * 1024 + (r & 7) * 128 + ((c ^ (r & 7)) << 4));

@@ -19,9 +19,10 @@
 //   O += P V: 8 x M128 N128 K16, P K-major from shared memory, V MN-major (the boxes as TMA wrote them).
 // Warps:
 //   0-3  softmax: thread t owns query row t (tcgen05.ld 32x32b, TMEM lane t; no shuffles). Exactly
-//        the SM90 kernel's rules: scores x scale x log2(e), masked past each row's limit (a tile the
-//        warp's first row sees whole is not masked), m_new = max(m, row max), a = exp2(m - m_new) (1
-//        for a row with nothing visible yet), P = exp2(x - m_new) rounded to BF16 once, l = l a + the
+//        the SM90 kernel's rules: raw scores masked past each row's limit (a tile the warp's first
+//        row sees whole is not masked), with s = scale x log2(e): m_new = max(m, s x row max),
+//        a = exp2(m - m_new) (1 for a row with nothing visible yet), P = exp2(fma(x, s, -m_new))
+//        (MUFU.EX2, results below 2^-126 flushed) rounded to BF16 once, l = l a + the
 //        sum of the rounded values; O rescaled in TMEM (ld / mul / st) when a row's factor is not 1;
 //        P into shared memory; the epilogue O / l (0 for an empty row) from TMEM to FP32 / BF16 rows.
 //   4    K producer (lane 0): TMA boxes of each tile's K into a 2-stage ring (K-full / K-empty).
@@ -170,17 +171,15 @@ __device__ __forceinline__ void produce_v(const Params& p, const Seq& s, int h, 
   }
 }
 
-// One tile's scores of this thread's row (in place): x scale, masked past `lim` when kMask (column
-// col0 + j), the row max into mx.
+// One tile's scores of this thread's row (in place): masked past `lim` when kMask (column col0 + j),
+// the raw row max (scaled by the caller: exact, scale > 0).
 template <bool kMask>
-__device__ __forceinline__ float scale_mask(float (&x)[kBN / 32][32], int col0, int lim, float scale) {
+__device__ __forceinline__ float mask_max(float (&x)[kBN / 32][32], int col0, int lim) {
   float mx = K3GEN_PF_NEG_INF;
 #pragma unroll
   for (int j = 0; j < kBN; ++j) {
-    float v = x[j >> 5][j & 31] * scale;
-    if (kMask) v = col0 + j <= lim ? v : K3GEN_PF_NEG_INF;
-    x[j >> 5][j & 31] = v;
-    mx = fmaxf(mx, v);
+    if (kMask) x[j >> 5][j & 31] = col0 + j <= lim ? x[j >> 5][j & 31] : K3GEN_PF_NEG_INF;
+    mx = fmaxf(mx, x[j >> 5][j & 31]);
   }
   return mx;
 }
@@ -275,11 +274,11 @@ __device__ void run(const Params& p, const Maps& maps) {
       sm100::wait_ld();
 #pragma unroll
       for (int c = 0; c < kBN / 32; ++c) sm100::pin(x[c]);
-      const float mx = it * kBN + kBN - 1 <= free_end ? scale_mask<false>(x, it * kBN, lim, scale)
-                                                      : scale_mask<true>(x, it * kBN, lim, scale);
+      const float mx = scale * (it * kBN + kBN - 1 <= free_end ? mask_max<false>(x, it * kBN, lim)
+                                                               : mask_max<true>(x, it * kBN, lim));
       const float m_new = fmaxf(m, mx);
       // A row with nothing visible yet keeps its state: factor 1, probabilities 0.
-      const float a = m_new == K3GEN_PF_NEG_INF ? 1.f : exp2f(m - m_new);
+      const float a = m_new == K3GEN_PF_NEG_INF ? 1.f : ex2(m - m_new);
       const float msub = m_new == K3GEN_PF_NEG_INF ? 0.f : m_new;
       m = m_new;
       unsigned pk[kBN / 2];
@@ -287,7 +286,8 @@ __device__ void run(const Params& p, const Maps& maps) {
 #pragma unroll
       for (int j = 0; j < kBN / 2; ++j) {
         const __nv_bfloat162 pb =
-            __floats2bfloat162_rn(exp2f(x[j >> 4][(2 * j) & 31] - msub), exp2f(x[j >> 4][(2 * j + 1) & 31] - msub));
+            __floats2bfloat162_rn(ex2(fmaf(x[j >> 4][(2 * j) & 31], scale, -msub)),
+                                ex2(fmaf(x[j >> 4][(2 * j + 1) & 31], scale, -msub)));
         const float2 pf = __bfloat1622float2(pb);
         sum += pf.x + pf.y;   // the denominator sums what the MMA sums (the rounded values)
         pk[j] = *reinterpret_cast<const unsigned*>(&pb);
