@@ -4,16 +4,18 @@
 # SASS source counters, tools/ncu_source.sh) of this tree's kernel on NCU_CASES (tools/profile_ops.py).
 # Prepare here: mkdir -p run/xO && git archive <old> | tar -x -C run/xO; run/bO = the old bundle's
 # mla_prefill cubins with their bundle.json entries; tar cJf run/old.tar.xz -C run xO bO.
+# OLD=M uses run/xM, run/bM and run/oldM.tar.xz instead (another baseline).
 # On the device: bash tools/h200_prefill_ab.sh (logs: $OUT/abp.log, $OUT/ncu_<case>*).
 set -uo pipefail
 OUT=${OUT:-/tmp/k3gen-out}; mkdir -p "$OUT"
 [ -d build-out ] || tar xJf build-out.tar.xz
-[ -d run/xO ] || tar xJf run/old.tar.xz -C run
+O=${OLD:-O}
+[ -d run/x$O ] || tar xJf run/old${OLD:-}.tar.xz -C run
 . "$(dirname "$0")/device_env.sh"
 ROOT=$PWD T0=$(date +%s)
 for l in ${PLEGS:-old new old new}; do
   if [ "$l" = old ]; then
-    (cd run/xO && PYTHONPATH=$PWD:/tmp/site K3GEN_PREBUILT=$ROOT/run/bO:$ROOT/build-out timeout 120 \
+    (cd run/x$O && PYTHONPATH=$PWD:/tmp/site K3GEN_PREBUILT=$ROOT/run/b$O:$ROOT/build-out timeout 120 \
       python3 "$ROOT/tools/ab_prefill.py" old)
   else timeout 120 python3 tools/ab_prefill.py new; fi 2>&1 | grep -E "^AB|Error|error" | tail -20 >> "$OUT/abp.log"
 done

@@ -137,23 +137,30 @@ __device__ __forceinline__ void load_k(const Params& p, const Seq& s, int h, int
 // One tile's softmax on S, in place: masked past each row's limit when kMask, the probabilities
 // exp2(s scale - m_new) into sc (scale includes log2(e); one FFMA per score: the max is taken on the
 // raw scores, exact since scale > 0 and rounding is monotone), the running max m (scaled) updated,
-// the rows' rescale factors into a.
+// the rows' rescale factors into a. The row max runs in 4 independent partial maxima per row (the
+// H100 profile of one serial fmaxf chain: ~11% of a consumer warp's time in FMNMX latency); the max
+// is exact in any order.
 template <bool kMask>
 __device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], const int (&lim)[2], int col0, float scale,
                                         float (&a)[2]) {
-  float mx[2] = {K3GEN_PF_NEG_INF, K3GEN_PF_NEG_INF};
+  float mx[2][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) mx[r][k] = K3GEN_PF_NEG_INF;
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
-    const int r = (i >> 1) & 1;
+    const int r = (i >> 1) & 1, k = ((i >> 2) & 1) * 2 + (i & 1);
     if (kMask) sc[i] = col0 + 8 * (i >> 2) + (i & 1) <= lim[r] ? sc[i] : K3GEN_PF_NEG_INF;
-    mx[r] = fmaxf(mx[r], sc[i]);
+    mx[r][k] = fmaxf(mx[r][k], sc[i]);
   }
   float msub[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    const float m_new = fmaxf(m[r], mx[r] * scale);
+    float x = fmaxf(fmaxf(mx[r][0], mx[r][1]), fmaxf(mx[r][2], mx[r][3]));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    const float m_new = fmaxf(m[r], x * scale);
     // A row with nothing visible yet keeps its state: factor 1, probabilities 0.
     a[r] = m_new == K3GEN_PF_NEG_INF ? 1.f : ex2(m[r] - m_new);
     msub[r] = m_new == K3GEN_PF_NEG_INF ? 0.f : m_new;
@@ -164,20 +171,21 @@ __device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], const in
 }
 
 // P rounded to BF16 into pk (keys 8 j + 2 (lane % 4) + {0, 1} of row half r in pk[2 j + r]: the A
-// fragments of PV) and the row sums l rescaled by a plus what the MMA will sum (the rounded values).
+// fragments of PV) and the row sums l rescaled by a plus what the MMA will sum (the rounded values),
+// in 4 partial sums per row (keys j = k mod 4), added pairwise at the end: a short dependency chain.
 __device__ __forceinline__ void pack(const float (&sc)[64], const float (&a)[2], float (&l)[2], unsigned (&pk)[32]) {
-  float sum[2] = {0.f, 0.f};
+  float sum[2][4] = {};
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const __nv_bfloat162 pb = __floats2bfloat162_rn(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]);
       const float2 pf = __bfloat1622float2(pb);
-      sum[r] += pf.x + pf.y;
+      sum[r][j & 3] += pf.x + pf.y;
       pk[2 * j + r] = *reinterpret_cast<const unsigned*>(&pb);
     }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) l[r] = l[r] * a[r] + sum[r];
+  for (int r = 0; r < 2; ++r) l[r] = l[r] * a[r] + ((sum[r][0] + sum[r][1]) + (sum[r][2] + sum[r][3]));
 }
 
 // Barriers (8 bytes each): K full / V full (one arrival: the TMA thread's expect_tx, or after the
@@ -200,7 +208,10 @@ __device__ __forceinline__ void pv(float (&o)[64], const unsigned (&pk)[32], uns
   for (int kk = 0; kk < kBN / 16; ++kk)
     mma_pv(o, pk[4 * kk], pk[4 * kk + 1], pk[4 * kk + 2], pk[4 * kk + 3], desc_v(aV + kk * 2048));
 }
+// O *= a per row, skipped when no row of the warp changed its max (a == 1 exactly: the same bits);
+// past the first tiles a row's max rarely moves.
 __device__ __forceinline__ void rescale(float (&o)[64], const float (&a)[2]) {
+  if (!__any_sync(0xffffffffu, a[0] != 1.f || a[1] != 1.f)) return;
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] *= (i & 2) ? a[1] : a[0];
 }
