@@ -48,8 +48,9 @@ BLOCK_M = 128        # query rows per CTA
 BLOCK_N = 128        # keys per tile
 THREADS = 384       # the wgmma variants' block (tcgen05: its plan, variants.py)
 # wgmma variants: Q (2 x 3 SW128 blocks of [64][64]) + 2 stages of K (3 x [128][64]) and V (2 x [128][64]) + 8
-# barriers + 1024 bytes to align the base (the template static_asserts the header agrees).
-SMEM_BYTES = 2 * 3 * 64 * 128 + 2 * (5 * BLOCK_N * 128) + 8 * 8 + 1024
+# barriers (128 bytes) + 512 bytes of BF16 ones (the row sums' wgmma operand) + 1024 bytes to align the base
+# (the template static_asserts the header agrees).
+SMEM_BYTES = 2 * 3 * 64 * 128 + 2 * (5 * BLOCK_N * 128) + 128 + 512 + 1024
 MAX_GRID_YZ = 65535
 L2_KV_BYTES = 32 << 20
 

@@ -48,7 +48,8 @@ constexpr int kQBytes = 2 * 3 * kQBlk;    // 49152
 constexpr int kStageBytes = kKBytes + kVBytes;
 constexpr int kStageOff = kQBytes;
 constexpr int kBarOff = kStageOff + kStages * kStageBytes;
-constexpr int kSmem = kBarOff + 8 * 8 + 1024;   // + slack to align the base to 1024
+constexpr int kOnesOff = kBarOff + 128;          // 512 bytes of BF16 1.0: B of the row-sum wgmmas
+constexpr int kSmem = kOnesOff + 512 + 1024;     // + slack to align the base to 1024
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
 static_assert(kSmem <= 232448, "one CTA per SM");
@@ -81,6 +82,17 @@ __device__ __forceinline__ void mma_pv(float (&d)[64], unsigned a0, unsigned a1,
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+
+// l[r] += P[64 x 16] 1[16 x 8] (m64n8k16, B: the ones block): the rows' sums of the BF16
+// probabilities, added by the tensor core as P V adds them (every column of l holds its row's sum).
+// Replaces ~100 instructions per warp per tile of BF16 -> FP32 round trips and FADDs in the softmax.
+__device__ __forceinline__ void mma_l(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                      unsigned long long db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
 }
 
@@ -171,21 +183,15 @@ __device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], const in
 }
 
 // P rounded to BF16 into pk (keys 8 j + 2 (lane % 4) + {0, 1} of row half r in pk[2 j + r]: the A
-// fragments of PV) and the row sums l rescaled by a plus what the MMA will sum (the rounded values),
-// in 4 partial sums per row (keys j = k mod 4), added pairwise at the end: a short dependency chain.
-__device__ __forceinline__ void pack(const float (&sc)[64], const float (&a)[2], float (&l)[2], unsigned (&pk)[32]) {
-  float sum[2][4] = {};
+// fragments of PV and of the row sums' wgmmas).
+__device__ __forceinline__ void pack(const float (&sc)[64], unsigned (&pk)[32]) {
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const __nv_bfloat162 pb = __floats2bfloat162_rn(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]);
-      const float2 pf = __bfloat1622float2(pb);
-      sum[r][j & 3] += pf.x + pf.y;
       pk[2 * j + r] = *reinterpret_cast<const unsigned*>(&pb);
     }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) l[r] = l[r] * a[r] + ((sum[r][0] + sum[r][1]) + (sum[r][2] + sum[r][3]));
 }
 
 // Barriers (8 bytes each): K full / V full (one arrival: the TMA thread's expect_tx, or after the
@@ -203,17 +209,23 @@ __device__ __forceinline__ void qk(float (&sc)[64], unsigned aQ, unsigned aK) {
   for (int ks = 0; ks < kDqk / 16; ++ks)
     MmaS::mma(sc, desc_k(aQ + (ks >> 2) * kQBlk + (ks & 3) * 32), desc_k(aK + (ks >> 2) * kKBlk + (ks & 3) * 32), ks);
 }
-__device__ __forceinline__ void pv(float (&o)[64], const unsigned (&pk)[32], unsigned aV) {
+// O += P V and l += P 1 (the row sums; `ones`: the ones block's descriptor), one commit group.
+__device__ __forceinline__ void pv(float (&o)[64], float (&l)[4], const unsigned (&pk)[32], unsigned aV,
+                                   unsigned long long ones) {
 #pragma unroll
   for (int kk = 0; kk < kBN / 16; ++kk)
     mma_pv(o, pk[4 * kk], pk[4 * kk + 1], pk[4 * kk + 2], pk[4 * kk + 3], desc_v(aV + kk * 2048));
+#pragma unroll
+  for (int kk = 0; kk < kBN / 16; ++kk) mma_l(l, pk[4 * kk], pk[4 * kk + 1], pk[4 * kk + 2], pk[4 * kk + 3], ones);
 }
-// O *= a per row, skipped when no row of the warp changed its max (a == 1 exactly: the same bits);
+// O and l *= a per row, skipped when no row of the warp changed its max (a == 1 exactly: the same bits);
 // past the first tiles a row's max rarely moves.
-__device__ __forceinline__ void rescale(float (&o)[64], const float (&a)[2]) {
+__device__ __forceinline__ void rescale(float (&o)[64], float (&l)[4], const float (&a)[2]) {
   if (!__any_sync(0xffffffffu, a[0] != 1.f || a[1] != 1.f)) return;
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] *= (i & 2) ? a[1] : a[0];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) l[i] *= (i & 2) ? a[1] : a[0];
 }
 
 // K of tile `it` (3 TMA boxes: k_nope 0-63, 64-127, k_pe) into its stage, on K-full; one thread.
@@ -316,6 +328,8 @@ __device__ void run(const Params& p, const Maps& maps) {
       }
   }
   load_q(p, w.s, w.h, w.i0, base);
+  if (tid < 32)   // BF16 1.0 pairs; made visible to the async proxy by the fence below
+    *reinterpret_cast<uint4*>(smem + kOnesOff + 16 * tid) = make_uint4(0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u);
   cp_async_commit();
   cp_async_wait<0>();
   sm90::fence_proxy_async();   // Q (cp.async, generic proxy) is read by wgmma (async proxy)
@@ -348,17 +362,18 @@ __device__ void run(const Params& p, const Maps& maps) {
   const unsigned aQ = base + c * 3 * kQBlk;
   const int rloc = 64 * c + 16 * warp + (lane >> 2);   // this thread's rows rloc, rloc + 8 of the block
   int lim[2];
-  float m[2], l[2];
+  float m[2], l[4] = {0.f, 0.f, 0.f, 0.f};   // l: the row sums' accumulator fragment (columns alike)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = i0 + rloc + 8 * r;
     lim[r] = i < s.lq ? min(pre + i, s.lk - 1) : -1;
     m[r] = K3GEN_PF_NEG_INF;
-    l[r] = 0.f;
   }
   // Tiles wholly at or below this warpgroup's first row's limit need no mask.
   const int free_end = pre + i0 + 64 * c;
   const float scale = C::kSoftmaxScale * kLog2e;
+  // The ones block as the row sums' B operand: any layout reads ones, the box stays inside 512 bytes.
+  const unsigned long long ones = sm90::wgmma_desc<128, 256, 0>(base + kOnesOff);
   const int col = 2 * (lane & 3);
   auto stage_k = [&](int it) { return base + kStageOff + (it & 1) * kStageBytes; };
   auto soft = [&](float (&sc)[64], int it, float (&a)[2]) {
@@ -385,15 +400,17 @@ __device__ void run(const Params& p, const Maps& maps) {
       pin(sc);
       sm90::mbar_arrive(bars.kempty(st));
       soft(sc, it, a);
-      pack(sc, a, l, pk);
-      rescale(o, a);
+      pack(sc, pk);
+      rescale(o, l, a);
       pin(o);   // keeps the multiplies above the fence (NVVM sinks register-only arithmetic past asm)
+      pin(l);
       wait_stage(bars.vfull(st), (it >> 1) & 1);
       sm90::wgmma_fence();
-      pv(o, pk, stage_k(it) + kKBytes);
+      pv(o, l, pk, stage_k(it) + kKBytes, ones);
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       pin(o);
+      pin(l);
       pin(pk);
       sm90::mbar_arrive(bars.vempty(st));
     }
@@ -423,7 +440,7 @@ __device__ void run(const Params& p, const Maps& maps) {
     pin(sc);
     sm90::mbar_arrive(bars.kempty(0));
     soft(sc, 0, a);
-    pack(sc, a, l, pk);
+    pack(sc, pk);
     for (int it = 1; it < n; ++it) {
       const int st = it & 1, sp = st ^ 1;
       wait_stage(bars.kfull(st), (it >> 1) & 1);
@@ -432,10 +449,11 @@ __device__ void run(const Params& p, const Maps& maps) {
       sm90::wgmma_fence();
       qk(sc, aQ, stage_k(it));
       sm90::wgmma_commit();
-      rescale(o, a);
+      rescale(o, l, a);
       pin(o);
+      pin(l);
       sm90::wgmma_fence();
-      pv(o, pk, stage_k(it - 1) + kKBytes);
+      pv(o, l, pk, stage_k(it - 1) + kKBytes, ones);
       sm90::wgmma_commit();
       pass(false);
       sm90::wgmma_wait<1>();
@@ -444,30 +462,31 @@ __device__ void run(const Params& p, const Maps& maps) {
       soft(sc, it, a);
       sm90::wgmma_wait<0>();
       pin(o);
+      pin(l);
       pin(pk);
       sm90::mbar_arrive(bars.vempty(sp));
-      pack(sc, a, l, pk);
+      pack(sc, pk);
     }
     const int sl = (n - 1) & 1;
-    rescale(o, a);
+    rescale(o, l, a);
     pin(o);
+    pin(l);
     wait_stage(bars.vfull(sl), ((n - 1) >> 1) & 1);
     take();
     sm90::wgmma_fence();
-    pv(o, pk, stage_k(n - 1) + kKBytes);
+    pv(o, l, pk, stage_k(n - 1) + kKBytes, ones);
     sm90::wgmma_commit();
     pass(true);
     sm90::wgmma_wait<0>();
     pin(o);
+    pin(l);
     pin(pk);
     sm90::mbar_arrive(bars.vempty(sl));
   }
   float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    inv[r] = l[r] > 0.f ? __fdividef(1.f, l[r]) : 0.f;   // l <= the key count: far from __fdividef's 2^126 limit
+    inv[r] = l[2 * r] > 0.f ? __fdividef(1.f, l[2 * r]) : 0.f;   // l <= the key count: far from __fdividef's 2^126 limit
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
