@@ -9,13 +9,15 @@ field carries the choice), and each one's launch plan (threads, dynamic shared m
   warp. The work item, the varlen/prefix offsets, the fault reports, the TMA boxes and the tail
   tile's V copy are the SM90 kernel's C++ (mla/prefill_common.cuh). Proven by compile, SASS and
   CPU replay only (tests/nogpu/ops/test_mla_prefill_tcgen05.py): no Blackwell GPU has run it.
-- `wgmma` (K/V by TMA) is the sm_90a default: on the H200 (2026-12-03, one run) all four wgmma
-  variants passed tests/gpu/test_mla_prefill.py (40 of 40) and at H12 T4096 it took 145.8 us against
-  wgmma_cp's 290.3 us (torch SDPA 153.9 us); the overlap and pingpong forms measured within 5% of it.
+- `wgmma_pp` is the sm_90a default since 2026-12-07: on an H100 (one call, three legs each, BF16 out)
+  with the row sums on the tensor core it was the fastest or within 3% of it at every bench shape
+  (H12 T4096 129.4 us vs wgmma 136.0 and SDPA 154.3; H96 T4096 ~956 vs ~976; 8 x 1024: 100.0 vs 105.6
+  at H12, 668 vs 704 at H96; bench/notes/mla_prefill.md). On the H200 (2026-12-03) all four wgmma
+  variants passed tests/gpu/test_mla_prefill.py and TMA halved wgmma_cp's time.
   All are sm_90a FA3-style warp specialization (include/k3gen/mla/prefill.cuh): Q and K from shared
-  memory through descriptors, P from registers for PV, V as the N-major B operand. `wgmma_cp` copies
-  K/V with cp.async, `wgmma` by TMA, `wgmma_ov` adds FA3's intra-warpgroup overlap, `wgmma_pp` its
-  pingpong of the two consumers.
+  memory through descriptors, P from registers for PV and for the row sums' m64n8k16 wgmmas, V as the
+  N-major B operand. `wgmma_cp` copies K/V with cp.async, `wgmma` by TMA, `wgmma_ov` adds FA3's
+  intra-warpgroup overlap, `wgmma_pp` its pingpong of the two consumers.
 """
 from __future__ import annotations
 
@@ -173,6 +175,9 @@ VARIANTS = VariantTable("mla_prefill", (
                      doc="tcgen05 M128 MMAs, S and O in TMEM, one softmax row per thread, TMA K ring "
                          "and V stage from two producer warps",
                      checks=(_TCGEN05,)),
+    PrefillVariant("wgmma_pp", lowering="nvrtc", header="k3gen/mla/prefill.cuh", overlap=True, pingpong=True,
+                   doc="wgmma_ov with FA3's pingpong: the two consumers take turns at issuing their wgmmas",
+                   checks=(_WGMMA,)),
     PrefillVariant("wgmma", lowering="nvrtc", header="k3gen/mla/prefill.cuh",
                    doc="wgmma_cp's consumers, K/V tiles by TMA from one producer thread",
                    checks=(_WGMMA,)),
@@ -183,9 +188,6 @@ VARIANTS = VariantTable("mla_prefill", (
     PrefillVariant("wgmma_ov", lowering="nvrtc", header="k3gen/mla/prefill.cuh", overlap=True,
                    doc="wgmma with FA3's intra-warpgroup overlap: QK of tile i issued before "
                        "PV of tile i - 1, the softmax of tile i under that PV",
-                   checks=(_WGMMA,)),
-    PrefillVariant("wgmma_pp", lowering="nvrtc", header="k3gen/mla/prefill.cuh", overlap=True, pingpong=True,
-                   doc="wgmma_ov with FA3's pingpong: the two consumers take turns at issuing their wgmmas",
                    checks=(_WGMMA,)),
 ))
 MlaPrefillSpec.variants = VARIANTS

@@ -20,15 +20,17 @@ WGMMA_KERNELS = [k for k in PrefillKernel if k.value.startswith("wgmma")]
 
 def test_fields_slug_and_canonical_round_trip():
     s = MlaPrefillSpec(target=SM90, heads=12)
-    # auto: the TMA schedule (variants.py: the fastest of the four the H200 passed).
-    assert s.kernel is PrefillKernel.WGMMA and s.out_dtype is OutDtype.FP32 and s.slug() == "h12-fp32"
+    # auto: the pingpong schedule (variants.py: the fastest of the four in the H100 A/B).
+    assert s.kernel is PrefillKernel.WGMMA_PP and s.out_dtype is OutDtype.FP32 and s.slug() == "h12-fp32-pp"
     b = MlaPrefillSpec(target=SM90, heads=96, out_dtype=OutDtype.BF16, kernel=PrefillKernel.WGMMA_CP)
     assert b.slug() == "h96-bf16-cp" and b.digest() != s.digest() and s.impl.tma and not b.impl.tma
     assert spec_from_canonical(b.canonical(), SM90) == b
     assert abs(s.softmax_scale - 192 ** -0.5) < 1e-15 and SOFTMAX_SCALE == s.softmax_scale
     assert s.entry == "k3gen_mla_prefill" and s.smem_bytes == SMEM_BYTES <= 232448
     ov = MlaPrefillSpec(target=SM90, heads=12, kernel=PrefillKernel.WGMMA_OV)
-    assert ov.slug() == "h12-fp32-ov" and ov.impl.overlap and not s.impl.overlap
+    w = MlaPrefillSpec(target=SM90, heads=12, kernel=PrefillKernel.WGMMA)
+    assert ov.slug() == "h12-fp32-ov" and ov.impl.overlap and not ov.impl.pingpong and not w.impl.overlap
+    assert w.slug() == "h12-fp32" and s.impl.overlap and s.impl.pingpong
 
 
 @pytest.mark.parametrize("bad", [0, -1, 129, True, 12.0])

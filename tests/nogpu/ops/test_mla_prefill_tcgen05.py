@@ -48,12 +48,12 @@ def test_auto_picks_tcgen05_by_the_target_feature():
         s = MlaPrefillSpec(target=TARGETS[name], heads=12)
         assert s.kernel is PrefillKernel.TCGEN05 and s.slug() == "h12-fp32-tcgen05" and s.threads == 224
         assert has_prefill_kernel(TARGETS[name])
-    assert MlaPrefillSpec(target=TARGETS["sm90"], heads=12).kernel is PrefillKernel.WGMMA
+    assert MlaPrefillSpec(target=TARGETS["sm90"], heads=12).kernel is PrefillKernel.WGMMA_PP
     # Features, not names: the sm90 preset given tcgen05 gets it, sm103 given wgmma gets wgmma.
     assert MlaPrefillSpec(target=dataclasses.replace(TARGETS["sm90"], mma="tcgen05"), heads=12).kernel \
         is PrefillKernel.TCGEN05
     assert MlaPrefillSpec(target=dataclasses.replace(TARGETS["sm103-nvfp4"], mma="wgmma"), heads=12).kernel \
-        is PrefillKernel.WGMMA
+        is PrefillKernel.WGMMA_PP
     with pytest.raises(SpecError, match="needs tcgen05"):
         MlaPrefillSpec(target=TARGETS["sm90"], heads=12, kernel=PrefillKernel.TCGEN05)
     assert not has_prefill_kernel(TARGETS["sm100-mxfp4"])   # the frozen target's menu has no mla_prefill
