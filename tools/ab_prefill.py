@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
     import torch
     import torch.nn.functional as F
 
+    from bench.cases.mla_prefill import prefill_inputs, sdpa_inputs
     from bench.harness import time_graph
     from k3gen.ops.mla_prefill.launcher import MlaPrefill
     from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype, PrefillKernel
@@ -45,17 +46,10 @@ def main(argv: list[str]) -> int:
         N = B * T
         cu = torch.arange(0, N + 1, T, device="cuda", dtype=torch.int32)
         flops = B * 2 * H * 320 * T * (T + 1) / 2
-        sets = []
-        for _ in range(2):
-            kv = torch.randn(N, H, 256, device="cuda", generator=gen).to(bf)
-            crow = torch.randn(N, 576, device="cuda", generator=gen).to(bf)
-            sets.append(dict(q=torch.randn(N, H, 192, device="cuda", generator=gen).to(bf), kn=kv[..., :128],
-                             kp=crow[:, 512:], v=kv[..., 128:], out=torch.empty(N, H, 128, device="cuda", dtype=bf)))
-        peer = []
-        for s in sets:
-            q = s["q"].view(B, T, H, 192).transpose(1, 2).contiguous()
-            k = torch.cat([s["kn"], s["kp"][:, None, :].expand(N, H, 64)], -1).view(B, T, H, 192).transpose(1, 2)
-            peer.append((q, k.contiguous(), s["v"].reshape(B, T, H, 128).transpose(1, 2).contiguous()))
+        sets = prefill_inputs(H, B, T, gen)
+        for st in sets:
+            st["out"] = torch.empty(N, H, 128, device="cuda", dtype=bf)
+        peer = [sdpa_inputs(st, H, B, T) for st in sets]
         sdpa = time_graph([lambda p=p: F.scaled_dot_product_attention(p[0], p[1], p[2], is_causal=True,
                                                                         scale=192 ** -0.5) for p in peer], reps=10)
         del peer

@@ -39,15 +39,13 @@ def prefill(H=96, B=1, T=4096, kernel="wgmma"):
     from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype, PrefillKernel
     spec = MlaPrefillSpec(target=get_target("sm90"), heads=H, out_dtype=OutDtype.BF16, kernel=PrefillKernel(kernel))
     op = MlaPrefill(spec).load()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    N, bf = B * T, torch.bfloat16
+    from bench.cases.mla_prefill import prefill_inputs
+    s = prefill_inputs(H, B, T, torch.Generator(device="cuda").manual_seed(0), n_sets=1)[0]
+    N = B * T
     cu = torch.arange(0, N + 1, T, device="cuda", dtype=torch.int32)
-    kv = torch.randn(N, H, 256, device="cuda", generator=gen).to(bf)
-    kp = torch.randn(N, 576, device="cuda", generator=gen).to(bf)[:, 512:]
-    q = torch.randn(N, H, 192, device="cuda", generator=gen).to(bf)
-    out = torch.empty(N, H, 128, device="cuda", dtype=bf)
+    out = torch.empty(N, H, 128, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
-        op(q, kv[..., :128], kp, kv[..., 128:], cu, cu, out, T, heads_fast=spec.heads_fast(N))
+        op(s["q"], s["kn"], s["kp"], s["v"], cu, cu, out, T, heads_fast=spec.heads_fast(N))
 
 
 def gemm(n, k, m, **kw):

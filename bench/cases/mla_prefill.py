@@ -18,6 +18,30 @@ def matmul_tflops(n: int = 8192) -> float:
     return 2 * n ** 3 / us / 1e6
 
 
+def prefill_inputs(H: int, B: int, T: int, gen, n_sets: int = 2) -> list[dict]:
+    """Input sets of the bench shapes (B sequences of T tokens, H heads, BF16): q, k_nope / v as views
+    of one [N, H, 256] tensor, the shared rope key as the tail of a 576-wide cached row."""
+    import torch
+    bf, N = torch.bfloat16, B * T
+    sets = []
+    for _ in range(n_sets):
+        kv = torch.randn(N, H, 256, device="cuda", generator=gen).to(bf)
+        crow = torch.randn(N, 576, device="cuda", generator=gen).to(bf)
+        sets.append(dict(q=torch.randn(N, H, 192, device="cuda", generator=gen).to(bf), kn=kv[..., :128],
+                         kp=crow[:, 512:], v=kv[..., 128:]))
+    return sets
+
+
+def sdpa_inputs(s: dict, H: int, B: int, T: int) -> tuple:
+    """The peer's (q, k, v) of one input set: [B, H, T, d], k = [k_nope | k_pe] per head."""
+    import torch
+    N = B * T
+    q = s["q"].view(B, T, H, 192).transpose(1, 2)
+    k = torch.cat([s["kn"], s["kp"][:, None, :].expand(N, H, 64)], -1).view(B, T, H, 192).transpose(1, 2)
+    v = s["v"].reshape(B, T, H, 128).transpose(1, 2)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
 @case
 def mla_prefill(ceiling: float, quick: bool = False) -> list:
     """H12 / H96, one 4096-token sequence and an 8 x 1024 varlen batch, every kernel (wgmma_cp: K/V
@@ -36,26 +60,14 @@ def mla_prefill(ceiling: float, quick: bool = False) -> list:
     mm = matmul_tflops()
     print(f"  bf16 matmul 8192^3: {mm:.0f} TFLOP/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    bf = torch.bfloat16
     rows, same = [], {}
     for H in (12, 96):
         for B, T in ((1, 4096), (8, 1024)):
             N = B * T
             cu = torch.arange(0, N + 1, T, device="cuda", dtype=torch.int32)
             flops = B * 2 * H * 320 * T * (T + 1) / 2
-            sets = []
-            for _ in range(2):
-                kv = torch.randn(N, H, 256, device="cuda", generator=gen).to(bf)
-                crow = torch.randn(N, 576, device="cuda", generator=gen).to(bf)
-                sets.append(dict(q=torch.randn(N, H, 192, device="cuda", generator=gen).to(bf), kn=kv[..., :128],
-                                 kp=crow[:, 512:], v=kv[..., 128:]))
-            # The peer: [B, H, T, d] with k = [k_nope | k_pe] per head.
-            peer_sets = []
-            for s in sets:
-                q = s["q"].view(B, T, H, 192).transpose(1, 2)
-                k = torch.cat([s["kn"], s["kp"][:, None, :].expand(N, H, 64)], -1).view(B, T, H, 192).transpose(1, 2)
-                v = s["v"].reshape(B, T, H, 128).transpose(1, 2)
-                peer_sets.append((q.contiguous(), k.contiguous(), v.contiguous()))
+            sets = prefill_inputs(H, B, T, gen)
+            peer_sets = [sdpa_inputs(s, H, B, T) for s in sets]
             peer_us, peer_err = None, ""
             try:
                 peer_us = time_graph([lambda p=p: F.scaled_dot_product_attention(p[0], p[1], p[2], is_causal=True,

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path.cwd()))   # the probe tree
 import torch
 from cuda.bindings import driver
 
+from bench.cases.mla_prefill import prefill_inputs
 from k3gen.ops.mla_prefill.launcher import MlaPrefill
 from k3gen.ops.mla_prefill.spec import MlaPrefillSpec, OutDtype, PrefillKernel
 from k3gen.targets import get_target
@@ -46,13 +47,10 @@ gen = torch.Generator(device="cuda").manual_seed(0)
 for H, T in ((96, 4096), (12, 4096)):
     spec = MlaPrefillSpec(target=get_target("sm90"), heads=H, out_dtype=OutDtype.BF16, kernel=PrefillKernel.WGMMA_PP)
     op = MlaPrefill(spec).load()
-    bf = torch.bfloat16
+    x = prefill_inputs(H, 1, T, gen, n_sets=1)[0]
     cu = torch.tensor([0, T], device="cuda", dtype=torch.int32)
-    kv = torch.randn(T, H, 256, device="cuda", generator=gen).to(bf)
-    kp = torch.randn(T, 576, device="cuda", generator=gen).to(bf)[:, 512:]
-    q = torch.randn(T, H, 192, device="cuda", generator=gen).to(bf)
-    out = torch.empty(T, H, 128, device="cuda", dtype=bf)
-    run = lambda: op(q, kv[..., :128], kp, kv[..., 128:], cu, cu, out, T, heads_fast=spec.heads_fast(T))
+    out = torch.empty(T, H, 128, device="cuda", dtype=torch.bfloat16)
+    run = lambda: op(x["q"], x["kn"], x["kp"], x["v"], cu, cu, out, T, heads_fast=spec.heads_fast(T))
     for _ in range(3):
         run()
     torch.cuda.synchronize()
