@@ -1,4 +1,5 @@
-"""Per-tile %globaltimer stamps of mla_prefill's wgmma_pp consumers: how a warpgroup's period splits
+"""Per-tile SM clock64 stamps (both warpgroups of a CTA share one SM clock; %globaltimer ticks
+too coarsely for ~1 us phases) of mla_prefill's wgmma_pp consumers: how a warpgroup's period splits
 between waiting for its turn and stages, its GEMMs and its softmax, and whether the two warpgroups'
 softmaxes overlap (FA3's pingpong wants each one's softmax under the other's GEMMs).
 Stamps per (CTA < 256, warpgroup c, tile it < 32): 0 turn taken (after the stage waits), 1 QK(it) and
@@ -58,7 +59,8 @@ for H, T in ((96, 4096), (12, 4096)):
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record(); run(); e1.record(); torch.cuda.synchronize()
     P = probe(op.kernel, dev)
-    us = lambda a, b: (b - a) / 1000
+    mhz = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE, dev)[1] / 1000
+    us = lambda a, b: (b - a) / mhz   # at the rated clock; ratios between phases are exact
     ph = {k: [] for k in ("turn_gap", "issue", "qk_wait", "softmax", "pv_wait", "period")}
     overlap = []   # fraction of warpgroup 0's softmax during which warpgroup 1 is also in its softmax
     for cta in range(256):
