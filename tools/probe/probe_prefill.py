@@ -2,8 +2,10 @@
 too coarsely for ~1 us phases) of mla_prefill's wgmma_pp consumers: how a warpgroup's period splits
 between waiting for its turn and stages, its GEMMs and its softmax, and whether the two warpgroups'
 softmaxes overlap (FA3's pingpong wants each one's softmax under the other's GEMMs).
-Stamps per (CTA < 256, warpgroup c, tile it < 32): 0 turn taken (after the stage waits), 1 QK(it) and
-PV(it - 1) issued, 2 QK done, 3 softmax done, 4 PV done; tile 0 is not stamped.
+Stamps per (CTA < 256, warpgroup c, tile it < 32): 5 loop top, 6 stages landed, 0 turn taken, 1 QK(it)
+and PV(it - 1) issued, 2 QK done, 3 softmax done, 4 PV done; tile 0 is not stamped. Phases: pack (4 of
+it - 1 to 5), stage_wait (5 to 6), turn_wait (6 to 0), issue, qk_wait, softmax, pv_wait; period = 0 to
+the next 0.
 
 Runs in a probe tree only: a copy of main (`git archive HEAD`) with tools/probe/prefill_globaltimer.patch
 applied (`patch -p0`) and its own bundle (`tools/prebuild_gpu.py ../bProbeP --ops mla_prefill`); then
@@ -61,21 +63,22 @@ for H, T in ((96, 4096), (12, 4096)):
     P = probe(op.kernel, dev)
     mhz = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE, dev)[1] / 1000
     us = lambda a, b: (b - a) / mhz   # at the rated clock; ratios between phases are exact
-    ph = {k: [] for k in ("turn_gap", "issue", "qk_wait", "softmax", "pv_wait", "period")}
+    ph = {k: [] for k in ("pack", "stage_wait", "turn_wait", "issue", "qk_wait", "softmax", "pv_wait", "period")}
     overlap = []   # fraction of warpgroup 0's softmax during which warpgroup 1 is also in its softmax
     for cta in range(256):
         rows = {}
         for c in range(2):
             for it in range(1, 31):   # slot 31 may hold later tiles
-                s = P[((cta * 2 + c) * 32 + it) * 5:((cta * 2 + c) * 32 + it) * 5 + 5]
+                s = P[((cta * 2 + c) * 32 + it) * 7:((cta * 2 + c) * 32 + it) * 7 + 7]
                 if all(s):
                     rows[(c, it)] = s
         for (c, it), s in rows.items():
             ph["issue"].append(us(s[0], s[1])); ph["qk_wait"].append(us(s[1], s[2]))
             ph["softmax"].append(us(s[2], s[3])); ph["pv_wait"].append(us(s[3], s[4]))
+            ph["stage_wait"].append(us(s[5], s[6])); ph["turn_wait"].append(us(s[6], s[0]))
             nxt = rows.get((c, it + 1))
             if nxt:
-                ph["turn_gap"].append(us(s[4], nxt[0])); ph["period"].append(us(s[0], nxt[0]))
+                ph["pack"].append(us(s[4], nxt[5])); ph["period"].append(us(s[0], nxt[0]))
             if c == 0 and s[3] > s[2]:
                 both = sum(max(0, min(s[3], o[3]) - max(s[2], o[2]))
                            for o in (rows.get((1, j)) for j in (it - 1, it, it + 1)) if o)
