@@ -181,3 +181,25 @@ def test_sanitize_small(kernel):
     q, (kn, kp, v) = _q(H, cq[-1], 11), _keys(H, ck[-1], 11)
     out = _run(_op(H, kernel=kernel), q, kn, kp, v, cq, ck, 130)
     assert_close(out, mla_prefill(q, kn, kp, v, cq, ck), torch.bfloat16)
+
+
+def test_persistent_counters_return_to_zero():
+    """wgmma_ps draws its work items from two device counters that every launch must leave at zero
+    (eager calls and graph replays start from zero with no memset): after eager launches and a replay
+    with sequences shorter than the grid (skipped items) they read [0, 0], and the outputs stay right."""
+    H, cu = 12, _cu((65, 1000, 3))
+    q, (kn, kp, v) = _q(H, cu[-1], 13), _keys(H, cu[-1], 13)
+    op = _op(H, kernel=PrefillKernel.WGMMA_PS)
+    ref = mla_prefill(q, kn, kp, v, cu, cu)
+    for _ in range(3):
+        assert_close(_run(op, q, kn, kp, v, cu, cu, 2048), ref, torch.bfloat16)
+    assert op._counters(torch.cuda.current_device()).tolist() == [0, 0]
+    cq = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    out = torch.empty(cu[-1], H, 128, device="cuda")
+    graph = capture(lambda: op(q, kn, kp, v, cq, cq, out, 2048))
+    for _ in range(2):
+        poison(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, ref, torch.bfloat16)
+    assert op._counters(torch.cuda.current_device()).tolist() == [0, 0]

@@ -10,7 +10,7 @@ import ctypes
 
 from k3gen.config import settings
 from k3gen.errors import SpecError
-from k3gen.ops.mla_prefill.spec import BLOCK_N, MAX_GRID_YZ, NOPE, QK_HEAD, ROPE, V_HEAD, OutDtype
+from k3gen.ops.mla_prefill.spec import BLOCK_M, BLOCK_N, MAX_GRID_YZ, NOPE, QK_HEAD, ROPE, V_HEAD, OutDtype
 from k3gen.runtime import faults
 from k3gen.runtime.checks import check_one_device, check_tensor
 from k3gen.runtime.launcher import Launcher
@@ -46,6 +46,14 @@ def head_map(t) -> bytes:
                          (128, 1, BLOCK_N))
 
 
+def q_map(t) -> bytes:
+    """q [rows, H, 192] BF16: box [64 rows][1 head][128 bytes] (one consumer's SW128 Q block)."""
+    rows, heads = t.shape[0], t.shape[1]
+    head_stride = t.stride(1) * 2 if heads > 1 else 2 * QK_HEAD
+    return encode_tma(t.data_ptr(), (2 * QK_HEAD, heads, max(rows, 1)), (head_stride, max(t.stride(0) * 2, 16)),
+                      (128, 1, BLOCK_M // 2))
+
+
 def rope_map(t) -> bytes:
     """k_pe [rows, 64] BF16: box [128 rows][128 bytes]."""
     return encode_tma(t.data_ptr(), (128, max(t.shape[0], 1)), (max(t.stride(0) * 2, 16),), (128, BLOCK_N))
@@ -56,12 +64,30 @@ class MlaPrefill(Launcher):
         super().__init__(spec)
         self._smem_set: set[int] = set()
         self._tma = spec.impl.tma   # the variant reads K/V through tensor maps (encoded per launch)
+        self._persistent = spec.impl.persistent
+        self._sched: dict[int, object] = {}   # device -> int32[2] work counters (persistent variant)
+        self._sms: dict[int, int] = {}
 
     def load(self):
         if self._kernel is None:
             super().load()
             faults.buffer()   # allocated outside any capture (graphs keep its address)
+            if self._persistent:
+                import torch
+                self._counters(torch.cuda.current_device())
         return self
+
+    def _counters(self, device: int):
+        """The persistent kernel's work counters on `device`: zeroed once, left at zero by every launch."""
+        import torch
+        buf = self._sched.get(device)
+        if buf is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise SpecError("mla_prefill counters", device, "allocated before capture",
+                                "load() the kernel (or run it once) on this device before a CUDA-graph capture")
+            buf = self._sched[device] = torch.zeros(2, dtype=torch.int32, device=f"cuda:{device}")
+            self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        return buf
 
     def _allow_smem(self, device: int) -> None:
         if device not in self._smem_set:
@@ -123,15 +149,17 @@ class MlaPrefill(Launcher):
         args = (q.data_ptr(), q.stride(0), q.stride(1), k_nope.data_ptr(), k_nope.stride(0), k_nope.stride(1),
                 k_pe.data_ptr(), k_pe.stride(0), v.data_ptr(), v.stride(0), v.stride(1),
                 cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), out.data_ptr(), nq, nk, qb, int(fast),
-                faults.word("mla_prefill", out.device))
-        types = (PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I64, I64, PTR, PTR, PTR, I32, I32, I32, I32, PTR)
+                faults.word("mla_prefill", out.device), B,
+                self._counters(dev).data_ptr() if self._persistent else 0)
+        types = (PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I64, I64, PTR, PTR, PTR, I32, I32, I32, I32, PTR, I32, PTR)
         pack = ArgPack()
         for val, t in zip(args, types):
             pack.add(t(val))
         maps = (head_map(k_nope), rope_map(k_pe), head_map(v)) if self._tma else (bytes(128),) * 3
+        maps += (q_map(q) if self._persistent else bytes(128),)
         for raw in maps:
             pack.add(raw)
         self.load()._allow_smem(dev)
-        self.kernel.launch_ex(self.spec.grid(B, max_seqlen_q, fast), (self.spec.threads, 1, 1), None,
+        self.kernel.launch_ex(self.spec.grid(B, max_seqlen_q, fast, self._sms.get(dev, 0)), (self.spec.threads, 1, 1), None,
                               pack.address(), None, dev, torch.cuda.current_stream(out.device).cuda_stream, self.spec.smem_bytes)
         return out

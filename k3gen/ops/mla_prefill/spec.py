@@ -28,8 +28,10 @@ Launch (every variant: sm_90a `wgmma`, `wgmma_ov`, `wgmma_pp`, `wgmma_cp`, inclu
 SM100-family `tcgen05`, include/k3gen/mla/prefill_tc.cuh): grid (H, ceil(max_seqlen_q / 128), B),
 or (ceil(max_seqlen_q / 128), H, B) when the K/V of all heads outgrow L2 (`heads_fast`), `threads`
 threads (the variant's plan: 384 for wgmma, 224 for tcgen05), `smem_bytes` of dynamic shared memory,
-one CTA per SM; three TMA maps (k_nope, k_pe, v) encoded per call on the host (no device state:
-graph-capturable).
+one CTA per SM; TMA maps (k_nope, k_pe, v; q for `wgmma_ps`) encoded per call on the host. `wgmma_ps` is
+persistent: grid (min(H x q_blocks x B, SMs), 1, 1), the items drawn from a 2-int counter of the
+launcher's (per device) that the kernel leaves at zero, so it is graph-capturable too; two launches of
+one MlaPrefill on one device must not run concurrently (one stream).
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ class PrefillKernel(str, enum.Enum):
     WGMMA = "wgmma"          # K/V by TMA, the same consumers (the other warpgroup fills the gaps)
     WGMMA_OV = "wgmma_ov"    # FA3's overlap: QK of tile i and PV of tile i - 1 in flight, softmax under the PV
     WGMMA_PP = "wgmma_pp"    # wgmma_ov with the two consumers taking turns at issuing their wgmmas (FA3's pingpong)
+    WGMMA_PS = "wgmma_ps"    # wgmma_pp persistent: one CTA per SM over the work items
     TCGEN05 = "tcgen05"      # SM100 family: tcgen05 MMAs, S and O in TMEM, warp-specialized (variants.py)
 
     def __str__(self) -> str:
@@ -104,8 +107,13 @@ class MlaPrefillSpec(OpSpec):
     def q_blocks(self, max_seqlen_q: int) -> int:
         return -(-max_seqlen_q // BLOCK_M)
 
-    def grid(self, batch: int, max_seqlen_q: int, heads_fast: bool = True) -> tuple[int, int, int]:
+    def grid(self, batch: int, max_seqlen_q: int, heads_fast: bool = True, sms: int = 0) -> tuple[int, int, int]:
+        """The launch grid; a persistent variant's is one CTA per SM (`sms`), at most one per work item."""
         qb = self.q_blocks(max_seqlen_q)
+        if self.impl.persistent:
+            if sms < 1:
+                raise SpecError("sms", sms, ">= 1", "a persistent variant's grid is one CTA per SM")
+            return (min(self.heads * qb * batch, sms), 1, 1)
         return (self.heads, qb, batch) if heads_fast else (qb, self.heads, batch)
 
     def heads_fast(self, nk: int) -> bool:
@@ -116,6 +124,7 @@ class MlaPrefillSpec(OpSpec):
 
     def slug(self) -> str:
         tag = {PrefillKernel.WGMMA_OV: "-ov", PrefillKernel.WGMMA_PP: "-pp", PrefillKernel.WGMMA_CP: "-cp",
+               PrefillKernel.WGMMA_PS: "-ps",
                PrefillKernel.TCGEN05: "-tcgen05"}.get(self.kernel, "")
         return f"h{self.heads}-{self.out_dtype.value}{tag}"
 

@@ -142,6 +142,7 @@ class PrefillVariant(Variant):
     overlap: bool = False
     pingpong: bool = False    # with overlap: the consumers take turns at issuing their wgmmas
     tma: bool = True          # K/V tiles by TMA boxes (else cp.async from the producer warpgroup)
+    persistent: bool = False  # one CTA per SM over the work items (prefill_ps.cuh run_persistent)
     ns: str = "k3gen::mla::prefill"   # the header's namespace (kSmem, kThreads, run)
 
     def plan(self, spec) -> Plan:
@@ -153,6 +154,8 @@ class PrefillVariant(Variant):
     def inputs(self, spec) -> dict:
         return {"header": self.header, "doc": self.doc, "overlap": "true" if self.overlap else "false",
                 "pingpong": "true" if self.pingpong else "false",
+                "persistent": "true" if self.persistent else "false",
+                "run": "run_persistent" if self.persistent else "run",
                 "tma": "true" if self.tma else "false", "ns": self.ns, "threads": self.plan(spec).threads,
                 "asserts": self.asserts(spec),
                 "out_f32": "true" if spec.out_dtype.value == "fp32" else "false"}
@@ -177,6 +180,11 @@ VARIANTS = VariantTable("mla_prefill", (
                      checks=(_TCGEN05,)),
     PrefillVariant("wgmma_pp", lowering="nvrtc", header="k3gen/mla/prefill.cuh", overlap=True, pingpong=True,
                    doc="wgmma_ov with FA3's pingpong: the two consumers take turns at issuing their wgmmas",
+                   checks=(_WGMMA,)),
+    PrefillVariant("wgmma_ps", lowering="nvrtc", header="k3gen/mla/prefill_ps.cuh", overlap=True, pingpong=True,
+                   persistent=True,
+                   doc="wgmma_pp in one CTA per SM over the work items (drawn from a counter): the next "
+                       "item's Q and first tiles load under the current one's last tile and stores",
                    checks=(_WGMMA,)),
     PrefillVariant("wgmma", lowering="nvrtc", header="k3gen/mla/prefill.cuh",
                    doc="wgmma_cp's consumers, K/V tiles by TMA from one producer thread",

@@ -61,6 +61,11 @@ def test_launch_plan():
     s = MlaPrefillSpec(target=SM90, heads=12)
     assert s.grid(1, 4096) == (12, 32, 1) and s.grid(8, 1000) == (12, 8, 8) and s.grid(3, 1) == (12, 1, 3)
     assert s.grid(1, 4096, heads_fast=False) == (32, 12, 1)
+    # The persistent variant: one CTA per SM, never more than the items (heads x q-blocks x B).
+    ps = MlaPrefillSpec(target=SM90, heads=12, kernel=PrefillKernel.WGMMA_PS)
+    assert ps.grid(1, 4096, sms=132) == (132, 1, 1) and ps.grid(2, 128, sms=132) == (24, 1, 1)
+    with pytest.raises(SpecError):
+        ps.grid(1, 4096)
     # K/V of every head within the L2 share: heads fastest (H12 T4096); H96 T4096 runs a head's q-blocks together.
     assert s.heads_fast(4096) and not MlaPrefillSpec(target=SM90, heads=96).heads_fast(4096)
     from k3gen.ir.dims import evaluate
@@ -128,18 +133,18 @@ def test_compiles_to_hgmma_without_spills(kernel, out_dtype):
     text = sass_text(r.cubin)
     # QK: 12 K-steps over 192 dims (Q, K from shared memory); PV: 8 K-steps, P from registers, V N-major.
     # The overlapped schedule has a prologue QK and an epilogue PV besides its loop.
-    copies = 2 if kernel in (PrefillKernel.WGMMA_OV, PrefillKernel.WGMMA_PP) else 1
+    copies = 2 if kernel in (PrefillKernel.WGMMA_OV, PrefillKernel.WGMMA_PP, PrefillKernel.WGMMA_PS) else 1
     assert text.count("HGMMA.64x128x16.F32.BF16") == 20 * copies and text.count(".tnspB") == 8 * copies
     # K / V boxes by TMA (3 + 2 per tile, in the prologue and the loop), Q and a tail tile's V by cp.async
-    # (wgmma_cp: everything).
-    tma = 0 if kernel is PrefillKernel.WGMMA_CP else 10
+    # (wgmma_cp: everything); the persistent kernel issues every tile in its loop and Q by 6 boxes.
+    tma = {PrefillKernel.WGMMA_CP: 0, PrefillKernel.WGMMA_PS: 5 + 6}.get(kernel, 10)
     assert "HMMA" not in k["sass"] and "USETMAXREG" in text and "LDGSTS" in text and text.count("UTMALDG") == tma
     # One wait per GEMM group (ptxas did not serialize the wgmmas): loop QK, loop PV (+ prologue, epilogue).
     assert text.count("WARPGROUP.DEPBAR") <= 2 * copies and text.count("WARPGROUP.ARRIVE") <= 2 * copies
 
 
 @pytest.mark.parametrize("heads", [6, 96])
-@pytest.mark.parametrize("kernel", [PrefillKernel.WGMMA_CP, PrefillKernel.WGMMA_PP])
+@pytest.mark.parametrize("kernel", [PrefillKernel.WGMMA_CP, PrefillKernel.WGMMA_PP, PrefillKernel.WGMMA_PS])
 def test_every_head_count_compiles_without_spills(heads, kernel):
     from k3gen.pipeline.build import build_one
     (k,) = build_one(MlaPrefillSpec(target=SM90, heads=heads, kernel=kernel)).resources
@@ -233,8 +238,14 @@ def test_tensor_maps_describe_the_strided_views(monkeypatch):
     L.head_map(torch.zeros(40, 12, 128, dtype=BF))
     L.rope_map(rows[:, 512:])
     L.head_map(torch.zeros(0, 1, 128, dtype=BF))
+    q = torch.zeros(40, 12, 3 * 192, dtype=BF)[..., 192:384]   # a strided view: the persistent kernel's Q
+    L.q_map(q)
+    L.q_map(torch.zeros(40, 1, 192, dtype=BF))
     assert seen[0][1:] == ((256, 12, 40), (512, 12 * 512), (128, 1, 128))
     assert seen[1][0] == seen[0][0] + 256 and seen[1][1:] == seen[0][1:]
     assert seen[2][1:] == ((256, 12, 40), (256, 12 * 256), (128, 1, 128))
     assert seen[3][0] == rows.data_ptr() + 1024 and seen[3][1:] == ((128, 40), (1152,), (128, 128))
     assert seen[4][1] == (256, 1, 1) and seen[4][2][0] == 256   # one head, no rows: a valid map all the same
+    # q: [rows][heads][384 bytes], box [64 rows][1 head][128 bytes] (one consumer's SW128 block)
+    assert seen[5][0] == q.data_ptr() and seen[5][1:] == ((384, 12, 40), (1152, 12 * 1152), (128, 1, 64))
+    assert seen[6][1:] == ((384, 1, 40), (384, 384), (128, 1, 64))

@@ -228,17 +228,18 @@ __device__ __forceinline__ void rescale(float (&o)[64], float (&l)[4], const flo
   for (int i = 0; i < 4; ++i) l[i] *= (i & 2) ? a[1] : a[0];
 }
 
-// K of tile `it` (3 TMA boxes: k_nope 0-63, 64-127, k_pe) into its stage, on K-full; one thread.
-__device__ __forceinline__ void issue_k(const Seq& s, int h, int it, unsigned base, const Bars& bars,
+// K of tile `it` (3 TMA boxes: k_nope 0-63, 64-127, k_pe) into the stage of the CTA's tile count g
+// (it + the tiles of its earlier work items), on K-full; one thread.
+__device__ __forceinline__ void issue_k(const Seq& s, int h, int it, int g, unsigned base, const Bars& bars,
                                         const Maps& maps) {
-  const int st = it & 1;
+  const int st = g & 1;
   tma_k(base + kStageOff + st * kStageBytes, bars.kfull(st), maps, h, s.k0 + it * kBN);
 }
 
-// V of tile `it` (2 TMA boxes) into its stage, on V-full; one thread.
-__device__ __forceinline__ void issue_v(const Seq& s, int h, int it, unsigned base, const Bars& bars,
+// V of tile `it` (2 TMA boxes) into the stage of tile count g, on V-full; one thread.
+__device__ __forceinline__ void issue_v(const Seq& s, int h, int it, int g, unsigned base, const Bars& bars,
                                         const Maps& maps) {
-  const int st = it & 1;
+  const int st = g & 1;
   tma_v(base + kStageOff + st * kStageBytes + kKBytes, bars.vfull(st), maps, h, s.k0 + it * kBN);
 }
 
@@ -248,19 +249,19 @@ __device__ __forceinline__ void issue_v(const Seq& s, int h, int it, unsigned ba
 // there would be multiplied by a zero probability, so the tile that runs past the sequence end gets
 // its V by zero-filling cp.async copies of all 128 producer threads instead (a NaN or Inf in another
 // sequence's rows must not reach this one's output).
+// g0: the CTA's tiles before this work item (the persistent kernel's running stage count); the first
+// `issued` tiles were issued by the caller (run(): tiles 0 and 1 before the Q copies, V too unless a
+// tail tile).
 __device__ __forceinline__ void produce(const Params& p, const Seq& s, int h, int n, unsigned base, const Bars& bars,
-                                        const Maps& maps, int wt) {
+                                        const Maps& maps, int wt, int g0 = 0, int issued = kStages) {
   for (int it = 0; it < n; ++it) {
-    const int st = it & 1, ph = ((it >> 1) - 1) & 1, kv0 = it * kBN;
+    const int g = g0 + it, st = g & 1, ph = ((g >> 1) - 1) & 1, kv0 = it * kBN;
     const unsigned aV = base + kStageOff + st * kStageBytes + kKBytes;
-    // Tiles 0 and 1 were issued by run() before the Q copies (their V too unless it is a tail tile).
-    if (it >= kStages) {
-      sm90::mbar_wait_or_trap(bars.kempty(st), ph);
-      if (wt == 0) issue_k(s, h, it, base, bars, maps);
-      sm90::mbar_wait_or_trap(bars.vempty(st), ph);
-    }
+    if (g >= kStages) sm90::mbar_wait_or_trap(bars.kempty(st), ph);
+    if (wt == 0 && it >= issued) issue_k(s, h, it, g, base, bars, maps);
+    if (g >= kStages) sm90::mbar_wait_or_trap(bars.vempty(st), ph);
     if (kv0 + kBN <= s.lk) {
-      if (wt == 0 && it >= kStages) issue_v(s, h, it, base, bars, maps);
+      if (wt == 0 && it >= issued) issue_v(s, h, it, g, base, bars, maps);
     } else {
       load_v(p, s, h, kv0, aV, wt);
       cp_async_commit();
@@ -295,66 +296,13 @@ __device__ __forceinline__ void produce_cp(const Params& p, const Seq& s, int h,
   }
 }
 
-__device__ __forceinline__ void reload_barrier() { asm volatile("" ::: "memory"); }
-
+// One work item of a consumer warpgroup (c = 0, 1: rows 64 c .. 64 c + 63 of the q-block): its tiles'
+// QK, softmax and PV on the stages of tile counts g0 .. g0 + n - 1, then its rows of out. q_empty
+// (the persistent kernel's Q-empty barrier, else 0): arrived on once this warpgroup's last QK
+// retired, so the next item's Q may land while the last softmax, PV and stores run.
 template <class C>
-__device__ void run(const Params& p, const Maps& maps) {
-  report_seq<C>(p);
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  const unsigned base = smem_u32(smem);
+__device__ __forceinline__ void consume(const Params& p, const Work& w, unsigned base, int g0, unsigned q_empty) {
   const Bars bars{base + kBarOff};
-  // heads_fast: grid (H, q_blocks, B), every head's largest q-block in the first wave (few heads, K/V
-  // of all heads in L2); else grid (q_blocks, H, B): a head's q-blocks run together, so its K/V is
-  // read from DRAM about once (many heads, K/V of all heads larger than L2). Largest q-block first.
-  Work w = work_of(p);
-  if (w.i0 >= w.s.lq) return;   // CTA-uniform: this sequence has fewer q-blocks
-
-  const int tid = threadIdx.x, wgi = tid / 128;
-  if (tid == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      // TMA: the issuing thread's expect_tx (or one arrival after a tail tile's copies); cp.async: all.
-      sm90::mbar_init(bars.kfull(st), C::kTma ? 1 : 128);
-      sm90::mbar_init(bars.vfull(st), C::kTma ? 1 : 128);
-      sm90::mbar_init(bars.kempty(st), 256);
-      sm90::mbar_init(bars.vempty(st), 256);
-    }
-    sm90::fence_mbar_init();
-    // The first two tiles stream while the CTA copies Q (a tail tile's V is copied by produce()).
-    if constexpr (C::kTma)
-      for (int it = 0; it < min(w.n, kStages); ++it) {
-        issue_k(w.s, w.h, it, base, bars, maps);
-        if ((it + 1) * kBN <= w.s.lk) issue_v(w.s, w.h, it, base, bars, maps);
-      }
-  }
-  load_q(p, w.s, w.h, w.i0, base);
-  if (tid < 32)   // BF16 1.0 pairs; made visible to the async proxy by the fence below
-    *reinterpret_cast<uint4*>(smem + kOnesOff + 16 * tid) = make_uint4(0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u);
-  cp_async_commit();
-  cp_async_wait<0>();
-  sm90::fence_proxy_async();   // Q (cp.async, generic proxy) is read by wgmma (async proxy)
-  __syncthreads();
-
-  if (wgi == 0) {
-    sm90::setmaxnreg_dec<kProducerRegs>();
-    reload_barrier();
-    w = work_of(p);
-    const int wt = threadIdx.x % 128;
-    if constexpr (C::kTma) {
-      if (wt == 0) {
-        sm90::tma_prefetch_map(maps.kn);
-        sm90::tma_prefetch_map(maps.kpe);
-        sm90::tma_prefetch_map(maps.v);
-      }
-      produce(p, w.s, w.h, w.n, base, bars, maps, wt);
-    } else {
-      produce_cp(p, w.s, w.h, w.n, base, bars, wt);
-    }
-    return;
-  }
-  sm90::setmaxnreg_inc<kConsumerRegs>();
-  reload_barrier();
-  w = work_of(p);
   const Seq& s = w.s;
   const int i0 = w.i0, pre = w.pre, n = w.n, h = w.h;
   const int wt = threadIdx.x % 128, warp = wt / 32, lane = threadIdx.x % 32;
@@ -375,7 +323,11 @@ __device__ void run(const Params& p, const Maps& maps) {
   // The ones block as the row sums' B operand: any layout reads ones, the box stays inside 512 bytes.
   const unsigned long long ones = sm90::wgmma_desc<128, 256, 0>(base + kOnesOff);
   const int col = 2 * (lane & 3);
-  auto stage_k = [&](int it) { return base + kStageOff + (it & 1) * kStageBytes; };
+  auto stage_k = [&](int it) { return base + kStageOff + ((g0 + it) & 1) * kStageBytes; };
+  auto q_done = [&](int it) {   // this warpgroup's QK of tile `it` retired
+    if (q_empty != 0u && it == n - 1) sm90::mbar_arrive(q_empty);
+  };
+  if (q_empty != 0u && n == 0) sm90::mbar_arrive(q_empty);
   auto soft = [&](float (&sc)[64], int it, float (&a)[2]) {
     if (it * kBN + kBN - 1 <= free_end)
       softmax<false>(sc, m, lim, it * kBN + col, scale, a);
@@ -391,20 +343,21 @@ __device__ void run(const Params& p, const Maps& maps) {
   if constexpr (!C::kOverlap) {
     // Per tile: QK, softmax, PV, each waited for before the next step.
     for (int it = 0; it < n; ++it) {
-      const int st = it & 1;
-      wait_stage(bars.kfull(st), (it >> 1) & 1);
+      const int g = g0 + it, st = g & 1;
+      wait_stage(bars.kfull(st), (g >> 1) & 1);
       sm90::wgmma_fence();
       qk(sc, aQ, stage_k(it));
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       pin(sc);
+      q_done(it);
       sm90::mbar_arrive(bars.kempty(st));
       soft(sc, it, a);
       pack(sc, pk);
       rescale(o, l, a);
       pin(o);   // keeps the multiplies above the fence (NVVM sinks register-only arithmetic past asm)
       pin(l);
-      wait_stage(bars.vfull(st), (it >> 1) & 1);
+      wait_stage(bars.vfull(st), (g >> 1) & 1);
       sm90::wgmma_fence();
       pv(o, l, pk, stage_k(it) + kKBytes, ones);
       sm90::wgmma_commit();
@@ -420,17 +373,18 @@ __device__ void run(const Params& p, const Maps& maps) {
     // in pk until the PV retired; the probabilities of tile it wait in sc as FP32).
     // kPingpong (variant wgmma_pp): the two consumers take turns at issuing their wgmmas (named
     // barriers kBarTurn + c), so one's softmax runs while the other's GEMMs occupy the tensor cores;
-    // every wait on a stage happens before taking the turn.
+    // every wait on a stage happens before taking the turn. The persistent kernel keeps the turns
+    // going from one work item to the next (its caller makes the first arrival and takes the last).
     auto take = [&] {
       if constexpr (C::kPingpong) sm90::barrier_sync_divergent(kBarTurn + c, 256);
     };
     auto pass = [&](bool last) {
       if constexpr (C::kPingpong)
-        if (!(last && c == 1)) sm90::barrier_arrive(kBarTurn + (c ^ 1), 256);   // none left dangling
+        if (!(last && c == 1 && !C::kPersistent)) sm90::barrier_arrive(kBarTurn + (c ^ 1), 256);   // none left dangling
     };
-    if constexpr (C::kPingpong)
+    if constexpr (C::kPingpong && !C::kPersistent)
       if (c == 1) sm90::barrier_arrive(kBarTurn, 256);   // consumer 0 goes first
-    wait_stage(bars.kfull(0), 0);
+    wait_stage(bars.kfull(g0 & 1), (g0 >> 1) & 1);
     take();
     sm90::wgmma_fence();
     qk(sc, aQ, stage_k(0));
@@ -438,13 +392,14 @@ __device__ void run(const Params& p, const Maps& maps) {
     pass(false);
     sm90::wgmma_wait<0>();
     pin(sc);
-    sm90::mbar_arrive(bars.kempty(0));
+    q_done(0);
+    sm90::mbar_arrive(bars.kempty(g0 & 1));
     soft(sc, 0, a);
     pack(sc, pk);
     for (int it = 1; it < n; ++it) {
-      const int st = it & 1, sp = st ^ 1;
-      wait_stage(bars.kfull(st), (it >> 1) & 1);
-      wait_stage(bars.vfull(sp), ((it - 1) >> 1) & 1);
+      const int g = g0 + it, st = g & 1, sp = st ^ 1;
+      wait_stage(bars.kfull(st), (g >> 1) & 1);
+      wait_stage(bars.vfull(sp), ((g - 1) >> 1) & 1);
       take();
       sm90::wgmma_fence();
       qk(sc, aQ, stage_k(it));
@@ -458,6 +413,7 @@ __device__ void run(const Params& p, const Maps& maps) {
       pass(false);
       sm90::wgmma_wait<1>();
       pin(sc);
+      q_done(it);
       sm90::mbar_arrive(bars.kempty(st));
       soft(sc, it, a);
       sm90::wgmma_wait<0>();
@@ -467,11 +423,11 @@ __device__ void run(const Params& p, const Maps& maps) {
       sm90::mbar_arrive(bars.vempty(sp));
       pack(sc, pk);
     }
-    const int sl = (n - 1) & 1;
+    const int gl = g0 + n - 1, sl = gl & 1;
     rescale(o, l, a);
     pin(o);
     pin(l);
-    wait_stage(bars.vfull(sl), ((n - 1) >> 1) & 1);
+    wait_stage(bars.vfull(sl), (gl >> 1) & 1);
     take();
     sm90::wgmma_fence();
     pv(o, l, pk, stage_k(n - 1) + kKBytes, ones);
@@ -505,6 +461,69 @@ __device__ void run(const Params& p, const Maps& maps) {
     }
   }
 }
+
+__device__ __forceinline__ void reload_barrier() { asm volatile("" ::: "memory"); }
+
+template <class C>
+__device__ void run(const Params& p, const Maps& maps) {
+  report_seq<C>(p);
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const unsigned base = smem_u32(smem);
+  const Bars bars{base + kBarOff};
+  // heads_fast: grid (H, q_blocks, B), every head's largest q-block in the first wave (few heads, K/V
+  // of all heads in L2); else grid (q_blocks, H, B): a head's q-blocks run together, so its K/V is
+  // read from DRAM about once (many heads, K/V of all heads larger than L2). Largest q-block first.
+  Work w = work_of(p);
+  if (w.i0 >= w.s.lq) return;   // CTA-uniform: this sequence has fewer q-blocks
+
+  const int tid = threadIdx.x, wgi = tid / 128;
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      // TMA: the issuing thread's expect_tx (or one arrival after a tail tile's copies); cp.async: all.
+      sm90::mbar_init(bars.kfull(st), C::kTma ? 1 : 128);
+      sm90::mbar_init(bars.vfull(st), C::kTma ? 1 : 128);
+      sm90::mbar_init(bars.kempty(st), 256);
+      sm90::mbar_init(bars.vempty(st), 256);
+    }
+    sm90::fence_mbar_init();
+    // The first two tiles stream while the CTA copies Q (a tail tile's V is copied by produce()).
+    if constexpr (C::kTma)
+      for (int it = 0; it < min(w.n, kStages); ++it) {
+        issue_k(w.s, w.h, it, it, base, bars, maps);
+        if ((it + 1) * kBN <= w.s.lk) issue_v(w.s, w.h, it, it, base, bars, maps);
+      }
+  }
+  load_q(p, w.s, w.h, w.i0, base);
+  if (tid < 32)   // BF16 1.0 pairs; made visible to the async proxy by the fence below
+    *reinterpret_cast<uint4*>(smem + kOnesOff + 16 * tid) = make_uint4(0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u);
+  cp_async_commit();
+  cp_async_wait<0>();
+  sm90::fence_proxy_async();   // Q (cp.async, generic proxy) is read by wgmma (async proxy)
+  __syncthreads();
+
+  if (wgi == 0) {
+    sm90::setmaxnreg_dec<kProducerRegs>();
+    reload_barrier();
+    w = work_of(p);
+    const int wt = threadIdx.x % 128;
+    if constexpr (C::kTma) {
+      if (wt == 0) {
+        sm90::tma_prefetch_map(maps.kn);
+        sm90::tma_prefetch_map(maps.kpe);
+        sm90::tma_prefetch_map(maps.v);
+      }
+      produce(p, w.s, w.h, w.n, base, bars, maps, wt);
+    } else {
+      produce_cp(p, w.s, w.h, w.n, base, bars, wt);
+    }
+    return;
+  }
+  sm90::setmaxnreg_inc<kConsumerRegs>();
+  reload_barrier();
+  consume<C>(p, work_of(p), base, 0, 0u);
+}
+
 
 }  // namespace prefill
 }  // namespace mla

@@ -35,6 +35,8 @@ struct Params {
   long long q_row, q_head, kn_row, kn_head, kpe_row, v_row, v_head;
   int nq, nk, q_blocks, heads_fast;
   unsigned* err;                 // mla_prefill's error word (k3gen/runtime/faults.py)
+  int batch;                     // B (the persistent kernel's work items: heads x q_blocks x B)
+  int* sched;                    // the persistent kernel's 2 counters (zero between launches), else unused
 };
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -105,6 +107,7 @@ struct Maps {
   const sm90::TmaMap* kn;
   const sm90::TmaMap* kpe;
   const sm90::TmaMap* v;
+  const sm90::TmaMap* q;   // the persistent kernel's Q: [rows][heads][384 bytes], box [64 rows][1][128 bytes]
 };
 
 // K of keys row .. row + 127 of head h into the 3 blocks at `dst` (3 boxes: k_nope 0-63, 64-127, k_pe),
@@ -127,31 +130,45 @@ struct Work {
   Seq s;
   int h, i0, pre, n;
 };
-__device__ __forceinline__ Work work_of(const Params& p) {
+// The work item of grid position (x, y, z): the CTA's own, or the persistent kernel's item t laid out as
+// that grid (work_item).
+__device__ __forceinline__ Work work_at(const Params& p, int x, int y, int z) {
   Work w;
-  w.h = p.heads_fast ? blockIdx.x : blockIdx.y;
-  const int qb = p.q_blocks - 1 - static_cast<int>(p.heads_fast ? blockIdx.y : blockIdx.x);
+  w.h = p.heads_fast ? x : y;
+  const int qb = p.q_blocks - 1 - (p.heads_fast ? y : x);
   w.i0 = qb * kBM;
-  w.s = seq_of(p, blockIdx.z);
+  w.s = seq_of(p, z);
   w.pre = w.s.lk - w.s.lq;
   // Keys up to pre + (last row of the block), clipped to the sequence.
   const int kend = max(0, min(w.s.lk, w.pre + min(w.i0 + kBM, w.s.lq)));
   w.n = (kend + kBN - 1) / kBN;
   return w;
 }
+__device__ __forceinline__ Work work_of(const Params& p) {
+  return work_at(p, blockIdx.x, blockIdx.y, blockIdx.z);
+}
+// Item t of heads x q_blocks x B in the order the non-persistent grid's CTAs are numbered (x fastest).
+__device__ __forceinline__ void item_xyz(const Params& p, int heads, int t, int& x, int& y, int& z) {
+  const int gx = p.heads_fast ? heads : p.q_blocks, gy = p.heads_fast ? p.q_blocks : heads;
+  x = t % gx;
+  y = (t / gx) % gy;
+  z = t / (gx * gy);
+}
 
 // One thread per sequence reports what seq_of clamped (the raw offsets outside the tensors or
 // decreasing, or more query rows than the grid covers: rows past it are left unwritten) and a
 // sequence with fewer keys than queries (its first rows see no key and are written as zeros).
 template <class C>
-__device__ __forceinline__ void report_seq(const Params& p) {
-  if (threadIdx.x != 0 || blockIdx.x != 0 || blockIdx.y != 0) return;
-  const int b = blockIdx.z;
+__device__ __forceinline__ void report_seq_of(const Params& p, int b) {
   const int a0 = p.cu_q[b], a1 = p.cu_q[b + 1], c0 = p.cu_k[b], c1 = p.cu_k[b + 1];
   if (a0 < 0 || a1 < a0 || a1 > p.nq || c0 < 0 || c1 < c0 || c1 > p.nk || a1 - a0 > p.q_blocks * kBM)
     fault::report<C>(p.err, fault::kRows);
   else if (c1 - c0 < a1 - a0)
     fault::report<C>(p.err, fault::kLength);
+}
+template <class C>
+__device__ __forceinline__ void report_seq(const Params& p) {
+  if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0) report_seq_of<C>(p, blockIdx.z);
 }
 
 }  // namespace prefill
