@@ -183,13 +183,14 @@ def test_sanitize_small(kernel):
     assert_close(out, mla_prefill(q, kn, kp, v, cq, ck), torch.bfloat16)
 
 
-def test_persistent_counters_return_to_zero():
-    """wgmma_ps draws its work items from two device counters that every launch must leave at zero
+@pytest.mark.parametrize("kernel", [PrefillKernel.WGMMA_PS, PrefillKernel.WGMMA_PF])
+def test_persistent_counters_return_to_zero(kernel):
+    """wgmma_ps / wgmma_pf draw its work items from two device counters that every launch must leave at zero
     (eager calls and graph replays start from zero with no memset): after eager launches and a replay
     with sequences shorter than the grid (skipped items) they read [0, 0], and the outputs stay right."""
     H, cu = 12, _cu((65, 1000, 3))
     q, (kn, kp, v) = _q(H, cu[-1], 13), _keys(H, cu[-1], 13)
-    op = _op(H, kernel=PrefillKernel.WGMMA_PS)
+    op = _op(H, kernel=kernel)
     ref = mla_prefill(q, kn, kp, v, cu, cu)
     for _ in range(3):
         assert_close(_run(op, q, kn, kp, v, cu, cu, 2048), ref, torch.bfloat16)

@@ -72,6 +72,7 @@ class PrefillKernel(str, enum.Enum):
     WGMMA_OV = "wgmma_ov"    # FA3's overlap: QK of tile i and PV of tile i - 1 in flight, softmax under the PV
     WGMMA_PP = "wgmma_pp"    # wgmma_ov with the two consumers taking turns at issuing their wgmmas (FA3's pingpong)
     WGMMA_PS = "wgmma_ps"    # wgmma_pp persistent: one CTA per SM over the work items
+    WGMMA_PF = "wgmma_pf"    # wgmma_ps with one pipeline across items (last PV + next first QK in one turn)
     TCGEN05 = "tcgen05"      # SM100 family: tcgen05 MMAs, S and O in TMEM, warp-specialized (variants.py)
 
     def __str__(self) -> str:
@@ -124,7 +125,7 @@ class MlaPrefillSpec(OpSpec):
 
     def slug(self) -> str:
         tag = {PrefillKernel.WGMMA_OV: "-ov", PrefillKernel.WGMMA_PP: "-pp", PrefillKernel.WGMMA_CP: "-cp",
-               PrefillKernel.WGMMA_PS: "-ps",
+               PrefillKernel.WGMMA_PS: "-ps", PrefillKernel.WGMMA_PF: "-pf",
                PrefillKernel.TCGEN05: "-tcgen05"}.get(self.kernel, "")
         return f"h{self.heads}-{self.out_dtype.value}{tag}"
 

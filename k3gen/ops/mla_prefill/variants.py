@@ -143,6 +143,7 @@ class PrefillVariant(Variant):
     pingpong: bool = False    # with overlap: the consumers take turns at issuing their wgmmas
     tma: bool = True          # K/V tiles by TMA boxes (else cp.async from the producer warpgroup)
     persistent: bool = False  # one CTA per SM over the work items (prefill_ps.cuh run_persistent)
+    flat: bool = False        # persistent: one pipeline across items (prefill_ps.cuh consume_flat)
     ns: str = "k3gen::mla::prefill"   # the header's namespace (kSmem, kThreads, run)
 
     def plan(self, spec) -> Plan:
@@ -155,7 +156,7 @@ class PrefillVariant(Variant):
         return {"header": self.header, "doc": self.doc, "overlap": "true" if self.overlap else "false",
                 "pingpong": "true" if self.pingpong else "false",
                 "persistent": "true" if self.persistent else "false",
-                "run": "run_persistent" if self.persistent else "run",
+                "run": ("run_persistent_flat" if self.flat else "run_persistent") if self.persistent else "run",
                 "tma": "true" if self.tma else "false", "ns": self.ns, "threads": self.plan(spec).threads,
                 "asserts": self.asserts(spec),
                 "out_f32": "true" if spec.out_dtype.value == "fp32" else "false"}
@@ -185,6 +186,11 @@ VARIANTS = VariantTable("mla_prefill", (
                    persistent=True,
                    doc="wgmma_pp in one CTA per SM over the work items (drawn from a counter): the next "
                        "item's Q and first tiles load under the current one's last tile and stores",
+                   checks=(_WGMMA,)),
+    PrefillVariant("wgmma_pf", lowering="nvrtc", header="k3gen/mla/prefill_ps.cuh", overlap=True, pingpong=True,
+                   persistent=True, flat=True,
+                   doc="wgmma_ps with one pipeline across items: an item's last PV and the next one's "
+                       "first QK in the same turn, its rows stored under that QK's softmax",
                    checks=(_WGMMA,)),
     PrefillVariant("wgmma", lowering="nvrtc", header="k3gen/mla/prefill.cuh",
                    doc="wgmma_cp's consumers, K/V tiles by TMA from one producer thread",

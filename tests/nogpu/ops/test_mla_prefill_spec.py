@@ -133,18 +133,21 @@ def test_compiles_to_hgmma_without_spills(kernel, out_dtype):
     text = sass_text(r.cubin)
     # QK: 12 K-steps over 192 dims (Q, K from shared memory); PV: 8 K-steps, P from registers, V N-major.
     # The overlapped schedule has a prologue QK and an epilogue PV besides its loop.
-    copies = 2 if kernel in (PrefillKernel.WGMMA_OV, PrefillKernel.WGMMA_PP, PrefillKernel.WGMMA_PS) else 1
+    # wgmma_pf: also the step that joins an item's last PV to the next item's first QK.
+    copies = {PrefillKernel.WGMMA_OV: 2, PrefillKernel.WGMMA_PP: 2, PrefillKernel.WGMMA_PS: 2,
+              PrefillKernel.WGMMA_PF: 3}.get(kernel, 1)
     assert text.count("HGMMA.64x128x16.F32.BF16") == 20 * copies and text.count(".tnspB") == 8 * copies
     # K / V boxes by TMA (3 + 2 per tile, in the prologue and the loop), Q and a tail tile's V by cp.async
     # (wgmma_cp: everything); the persistent kernel issues every tile in its loop and Q by 6 boxes.
-    tma = {PrefillKernel.WGMMA_CP: 0, PrefillKernel.WGMMA_PS: 5 + 6}.get(kernel, 10)
+    tma = {PrefillKernel.WGMMA_CP: 0, PrefillKernel.WGMMA_PS: 5 + 6, PrefillKernel.WGMMA_PF: 5 + 6}.get(kernel, 10)
     assert "HMMA" not in k["sass"] and "USETMAXREG" in text and "LDGSTS" in text and text.count("UTMALDG") == tma
     # One wait per GEMM group (ptxas did not serialize the wgmmas): loop QK, loop PV (+ prologue, epilogue).
     assert text.count("WARPGROUP.DEPBAR") <= 2 * copies and text.count("WARPGROUP.ARRIVE") <= 2 * copies
 
 
 @pytest.mark.parametrize("heads", [6, 96])
-@pytest.mark.parametrize("kernel", [PrefillKernel.WGMMA_CP, PrefillKernel.WGMMA_PP, PrefillKernel.WGMMA_PS])
+@pytest.mark.parametrize("kernel", [PrefillKernel.WGMMA_CP, PrefillKernel.WGMMA_PP, PrefillKernel.WGMMA_PS,
+                                    PrefillKernel.WGMMA_PF])
 def test_every_head_count_compiles_without_spills(heads, kernel):
     from k3gen.pipeline.build import build_one
     (k,) = build_one(MlaPrefillSpec(target=SM90, heads=heads, kernel=kernel)).resources

@@ -296,6 +296,33 @@ __device__ __forceinline__ void produce_cp(const Params& p, const Seq& s, int h,
   }
 }
 
+// This thread's two rows of the work item's output (o / l; rows past the sequence are not written).
+template <class C>
+__device__ __forceinline__ void store_rows(const Params& p, const Work& w, const float (&o)[64], const float (&l)[4],
+                                           int rloc, int lane) {
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    inv[r] = l[2 * r] > 0.f ? __fdividef(1.f, l[2 * r]) : 0.f;   // l <= the key count: far from __fdividef's 2^126 limit
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = w.i0 + rloc + 8 * r;
+    if (i >= w.s.lq) continue;
+    const long long off = (static_cast<long long>(w.s.q0 + i) * C::kHeads + w.h) * kDv + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float x = o[4 * j + 2 * r] * inv[r], y = o[4 * j + 2 * r + 1] * inv[r];
+      if constexpr (C::kOutF32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(p.out) + off + 8 * j) = make_float2(x, y);
+      } else {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + off + 8 * j) = v;
+      }
+    }
+  }
+}
+
 // One work item of a consumer warpgroup (c = 0, 1: rows 64 c .. 64 c + 63 of the q-block): its tiles'
 // QK, softmax and PV on the stages of tile counts g0 .. g0 + n - 1, then its rows of out. q_empty
 // (the persistent kernel's Q-empty barrier, else 0): arrived on once this warpgroup's last QK
@@ -304,7 +331,7 @@ template <class C>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, unsigned base, int g0, unsigned q_empty) {
   const Bars bars{base + kBarOff};
   const Seq& s = w.s;
-  const int i0 = w.i0, pre = w.pre, n = w.n, h = w.h;
+  const int i0 = w.i0, pre = w.pre, n = w.n;
   const int wt = threadIdx.x % 128, warp = wt / 32, lane = threadIdx.x % 32;
   const int c = threadIdx.x / 128 - 1;
   const unsigned aQ = base + c * 3 * kQBlk;
@@ -439,27 +466,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, unsigned
     pin(pk);
     sm90::mbar_arrive(bars.vempty(sl));
   }
-  float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    inv[r] = l[2 * r] > 0.f ? __fdividef(1.f, l[2 * r]) : 0.f;   // l <= the key count: far from __fdividef's 2^126 limit
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = i0 + rloc + 8 * r;
-    if (i >= s.lq) continue;
-    const long long off = (static_cast<long long>(s.q0 + i) * C::kHeads + h) * kDv + 2 * (lane & 3);
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float x = o[4 * j + 2 * r] * inv[r], y = o[4 * j + 2 * r + 1] * inv[r];
-      if constexpr (C::kOutF32) {
-        *reinterpret_cast<float2*>(static_cast<float*>(p.out) + off + 8 * j) = make_float2(x, y);
-      } else {
-        const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + off + 8 * j) = v;
-      }
-    }
-  }
+  store_rows<C>(p, w, o, l, rloc, lane);
 }
 
 __device__ __forceinline__ void reload_barrier() { asm volatile("" ::: "memory"); }

@@ -50,8 +50,187 @@ __device__ __forceinline__ int draw(int* sched, int items) {
   return t;
 }
 
+// The rows of an item without keys (a sequence with fewer keys than queries: its first rows) are zeros.
 template <class C>
-__device__ void run_persistent(const Params& p, const Maps& maps) {
+__device__ __forceinline__ void store_zero_rows(const Params& p, const Work& w, int rloc, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = w.i0 + rloc + 8 * r;
+    if (i >= w.s.lq) continue;
+    const long long off = (static_cast<long long>(w.s.q0 + i) * C::kHeads + w.h) * kDv + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if constexpr (C::kOutF32)
+        *reinterpret_cast<float2*>(static_cast<float*>(p.out) + off + 8 * j) = make_float2(0.f, 0.f);
+      else
+        *reinterpret_cast<unsigned*>(static_cast<__nv_bfloat16*>(p.out) + off + 8 * j) = 0u;
+    }
+  }
+}
+
+// The flat consumer (variant wgmma_pf): one pipeline over all of the CTA's tiles, item after item. The
+// step that issues an item's last PV also issues the next item's first QK (one turn), runs that
+// tile's softmax while the PV is in flight, then stores the finished item's rows: no item starts
+// or ends with the tensor core idle for this warpgroup. The rows' state (limits, running max) is
+// the item under QK's; o and l belong to the item under PV until its rows are stored.
+template <class C>
+__device__ __forceinline__ void consume_flat(const Params& p, unsigned base, unsigned q_full, unsigned q_empty,
+                                             volatile int* slot, int items) {
+  const Bars bars{base + kBarOff};
+  const int wt = threadIdx.x % 128, warp = wt / 32, lane = threadIdx.x % 32;
+  const int c = threadIdx.x / 128 - 1;
+  const unsigned aQ = base + c * 3 * kQBlk;
+  const int rloc = 64 * c + 16 * warp + (lane >> 2);   // this thread's rows rloc, rloc + 8 of the block
+  const float scale = C::kSoftmaxScale * kLog2e;
+  const unsigned long long ones = sm90::wgmma_desc<128, 256, 0>(base + kOnesOff);
+  const int col = 2 * (lane & 3);
+  auto take = [&] {
+    if constexpr (C::kPingpong) sm90::barrier_sync_divergent(kBarTurn + c, 256);
+  };
+  auto pass = [&] {
+    if constexpr (C::kPingpong) sm90::barrier_arrive(kBarTurn + (c ^ 1), 256);
+  };
+  auto stage = [&](int g) { return base + kStageOff + (g & 1) * kStageBytes; };
+  int j = 0;   // items read from Q-full
+  auto next = [&](Work& w) -> bool {   // the next item with keys; false at the end ticket
+    for (;;) {
+      wait_stage(q_full, j & 1);
+      const int t = slot[j & 1];
+      ++j;
+      if (t >= items) return false;
+      int x, y, z;
+      item_xyz(p, C::kHeads, t, x, y, z);
+      w = work_at(p, x, y, z);
+      if (w.n > 0) return true;
+      sm90::mbar_arrive(q_empty);
+      store_zero_rows<C>(p, w, rloc, lane);
+    }
+  };
+  int lim[2], free_end = 0;
+  float m[2];
+  auto setup = [&](const Work& w) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = w.i0 + rloc + 8 * r;
+      lim[r] = i < w.s.lq ? min(w.pre + i, w.s.lk - 1) : -1;
+      m[r] = K3GEN_PF_NEG_INF;
+    }
+    free_end = w.pre + w.i0 + 64 * c;   // tiles wholly at or below the warpgroup's first row's limit: no mask
+  };
+  auto soft = [&](float (&sc)[64], int it, float (&a)[2]) {
+    if (it * kBN + kBN - 1 <= free_end)
+      softmax<false>(sc, m, lim, it * kBN + col, scale, a);
+    else
+      softmax<true>(sc, m, lim, it * kBN + col, scale, a);
+  };
+  if constexpr (C::kPingpong)
+    if (c == 1) sm90::barrier_arrive(kBarTurn, 256);   // consumer 0 goes first, once per CTA
+  float o[64], sc[64], a[2], l[4] = {0.f, 0.f, 0.f, 0.f};
+  unsigned pk[32];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  Work cw;
+  bool more = next(cw);
+  int g = 0, it = 1;   // g: the CTA's tile count of the next QK; it: that tile's index in cw
+  if (more) {
+    setup(cw);
+    wait_stage(bars.kfull(0), 0);
+    take();
+    sm90::wgmma_fence();
+    qk(sc, aQ, stage(0));
+    sm90::wgmma_commit();
+    pass();
+    sm90::wgmma_wait<0>();
+    pin(sc);
+    if (cw.n == 1) sm90::mbar_arrive(q_empty);
+    sm90::mbar_arrive(bars.kempty(0));
+    soft(sc, 0, a);
+    pack(sc, pk);
+    g = 1;
+  }
+  while (more) {
+    const int st = g & 1, sp = st ^ 1;
+    if (it < cw.n) {
+      wait_stage(bars.kfull(st), (g >> 1) & 1);
+      wait_stage(bars.vfull(sp), ((g - 1) >> 1) & 1);
+      take();
+      sm90::wgmma_fence();
+      qk(sc, aQ, stage(g));
+      sm90::wgmma_commit();
+      rescale(o, l, a);
+      pin(o);
+      pin(l);
+      sm90::wgmma_fence();
+      pv(o, l, pk, stage(g - 1) + kKBytes, ones);
+      sm90::wgmma_commit();
+      pass();
+      sm90::wgmma_wait<1>();
+      pin(sc);
+      if (it == cw.n - 1) sm90::mbar_arrive(q_empty);
+      sm90::mbar_arrive(bars.kempty(st));
+      soft(sc, it, a);
+      sm90::wgmma_wait<0>();
+      pin(o);
+      pin(l);
+      pin(pk);
+      sm90::mbar_arrive(bars.vempty(sp));
+      pack(sc, pk);
+      ++it;
+      ++g;
+      continue;
+    }
+    // cw's last PV, and the next item's first QK in the same turn.
+    Work nw;
+    more = next(nw);
+    rescale(o, l, a);
+    pin(o);
+    pin(l);
+    wait_stage(bars.vfull(sp), ((g - 1) >> 1) & 1);
+    if (more) {   // two straight paths: no branch between the wgmmas of one turn (ptxas serializes them)
+      wait_stage(bars.kfull(st), (g >> 1) & 1);
+      take();
+      sm90::wgmma_fence();
+      qk(sc, aQ, stage(g));
+      sm90::wgmma_commit();
+      sm90::wgmma_fence();
+      pv(o, l, pk, stage(g - 1) + kKBytes, ones);
+      sm90::wgmma_commit();
+      pass();
+      sm90::wgmma_wait<1>();
+      pin(sc);
+      if (nw.n == 1) sm90::mbar_arrive(q_empty);
+      sm90::mbar_arrive(bars.kempty(st));
+      setup(nw);
+      soft(sc, 0, a);   // a = 0 (no earlier max): the next rescale clears nothing that is not zero
+    } else {
+      take();
+      sm90::wgmma_fence();
+      pv(o, l, pk, stage(g - 1) + kKBytes, ones);
+      sm90::wgmma_commit();
+      pass();
+    }
+    sm90::wgmma_wait<0>();
+    pin(o);
+    pin(l);
+    pin(pk);
+    sm90::mbar_arrive(bars.vempty(sp));
+    store_rows<C>(p, cw, o, l, rloc, lane);
+    if (!more) break;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) l[i] = 0.f;
+    pack(sc, pk);
+    cw = nw;
+    it = 1;
+    ++g;
+  }
+  if constexpr (C::kPingpong)
+    if (c == 0) sm90::barrier_sync_divergent(kBarTurn, 256);   // consumer 1's last pass: none left dangling
+}
+
+template <class C, bool kFlat>
+__device__ void run_persistent_impl(const Params& p, const Maps& maps) {
   static_assert(C::kTma && C::kOverlap, "the persistent kernel is wgmma_ov / wgmma_pp's");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
@@ -120,6 +299,10 @@ __device__ void run_persistent(const Params& p, const Maps& maps) {
   }
   sm90::setmaxnreg_inc<kConsumerRegs>();
   reload_barrier();
+  if constexpr (kFlat) {
+    consume_flat<C>(p, base, q_full, q_empty, slot, items);
+    return;
+  }
   const int c = tid / 128 - 1;
   if constexpr (C::kPingpong)
     if (c == 1) sm90::barrier_arrive(kBarTurn, 256);   // consumer 0 goes first, once per CTA
@@ -136,6 +319,15 @@ __device__ void run_persistent(const Params& p, const Maps& maps) {
   }
   if constexpr (C::kPingpong)
     if (c == 0) sm90::barrier_sync_divergent(kBarTurn, 256);   // consumer 1's last pass: none left dangling
+}
+
+template <class C>
+__device__ void run_persistent(const Params& p, const Maps& maps) {
+  run_persistent_impl<C, false>(p, maps);
+}
+template <class C>
+__device__ void run_persistent_flat(const Params& p, const Maps& maps) {
+  run_persistent_impl<C, true>(p, maps);
 }
 
 }  // namespace prefill
