@@ -6,7 +6,7 @@
 // mla_prefill h12-fp32-tcgen05 (tcgen05) for sm_107a
 // Algorithm: include/k3gen/mla/prefill_tc.cuh (tcgen05 M128 MMAs, S and O in TMEM, one softmax row per thread, TMA K ring and V stage from two producer warps).
 // Contract: k3gen/ops/mla_prefill/spec.py. Launch: grid (12, ceil(max_seqlen_q / 128), B) or
-// (ceil(max_seqlen_q / 128), 12, B) with heads_fast = 0,
+// (ceil(max_seqlen_q / 128), 12, B) with heads_fast = 0 (persistent: (min(items, SMs), 1, 1)),
 // 224 threads, 214112 B dynamic shared memory.
 #include <cuda_bf16.h>
 
@@ -18,6 +18,7 @@ struct Config {
   static constexpr bool kOverlap = false;
   static constexpr bool kTma = true;
   static constexpr bool kPingpong = false;
+  static constexpr bool kPersistent = false;
   static constexpr bool kFaults = true;
   static constexpr float kSoftmaxScale = 0.0721687836f;
 };
@@ -49,10 +50,10 @@ extern "C" __global__ void __launch_bounds__(224, 1) k3gen_mla_prefill(
     const __nv_bfloat16* q, long long q_row, long long q_head, const __nv_bfloat16* k_nope, long long kn_row,
     long long kn_head, const __nv_bfloat16* k_pe, long long kpe_row, const __nv_bfloat16* v, long long v_row,
     long long v_head, const int* cu_q, const int* cu_k, void* out, int nq, int nk, int q_blocks, int heads_fast,
-    unsigned* err,
+    unsigned* err, int batch, int* sched,
     const __grid_constant__ k3gen::sm90::TmaMap kn_map, const __grid_constant__ k3gen::sm90::TmaMap kpe_map,
-    const __grid_constant__ k3gen::sm90::TmaMap v_map) {
+    const __grid_constant__ k3gen::sm90::TmaMap v_map, const __grid_constant__ k3gen::sm90::TmaMap q_map) {
   const k3gen::mla::prefill::Params p{q, k_nope, k_pe, v, cu_q, cu_k, out, q_row, q_head, kn_row, kn_head,
-                                      kpe_row, v_row, v_head, nq, nk, q_blocks, heads_fast, err};
-  k3gen::mla::prefill::tc::run<Config>(p, k3gen::mla::prefill::Maps{&kn_map, &kpe_map, &v_map});
+                                      kpe_row, v_row, v_head, nq, nk, q_blocks, heads_fast, err, batch, sched};
+  k3gen::mla::prefill::tc::run<Config>(p, k3gen::mla::prefill::Maps{&kn_map, &kpe_map, &v_map, &q_map});
 }
