@@ -181,7 +181,7 @@ def test_mla_decode_passes_the_word(kv, cpu_words, monkeypatch):
     assert vals[-2].value == faults.word("mla_decode", torch.device("cpu")) and len(bytes(vals[-1])) == 128
 
 
-@pytest.mark.parametrize("variant", ["wgmma", "wgmma_cp", "tcgen05"])
+@pytest.mark.parametrize("variant", ["wgmma", "wgmma_cp", "tcgen05", "wgmma_ps"])
 def test_mla_prefill_passes_the_word_before_its_maps(variant, cpu_words, monkeypatch):
     import dataclasses
 
@@ -201,17 +201,25 @@ def test_mla_prefill_passes_the_word_before_its_maps(variant, cpu_words, monkeyp
     monkeypatch.setattr(ml, "ArgPack", Recorded)
     monkeypatch.setattr(ml, "head_map", lambda t: bytes(128))
     monkeypatch.setattr(ml, "rope_map", lambda t: bytes(128))
+    monkeypatch.setattr(ml, "q_map", lambda t: bytes(128))
+    sched = torch.zeros(2, dtype=torch.int32)   # the persistent variant's counters (CPU stand-in)
+    if variant == "wgmma_ps":
+        L._sms[0] = 132
+        monkeypatch.setattr(L, "_counters", lambda dev: sched)
     _wire(L, monkeypatch, calls, {"_kernel": "k3gen_mla_prefill"})
     L(*args.values())
     assert [c[0] for c in calls] == ["k3gen_mla_prefill"]
     vals = packs[0]._vals
-    assert len(vals) == signature_arity(L.spec, "k3gen_mla_prefill") == 22
+    assert len(vals) == signature_arity(L.spec, "k3gen_mla_prefill") == 25
     assert vals[18].value == faults.word("mla_prefill", torch.device("cpu"))
-    assert [len(bytes(v)) for v in vals[19:]] == [128] * 3
+    # then B and the persistent variant's counters (null for the others), then the 4 maps (k_nope, k_pe, v, q)
+    assert vals[19].value == 2 and (vals[20].value or 0) == (sched.data_ptr() if variant == "wgmma_ps" else 0)
+    assert [len(bytes(v)) for v in vals[21:]] == [128] * 4
     src = render(L.spec)
-    assert "int heads_fast,\n    unsigned* err," in src and "heads_fast, err};" in src
+    assert "int heads_fast,\n    unsigned* err, int batch, int* sched," in src and "heads_fast, err, batch, sched};" in src
     grid, block, rest = L._kernel.last_ex   # the variant's plan: block and dynamic shared memory
-    assert block == (L.spec.threads, 1, 1) and rest[-1] == L.spec.smem_bytes and grid == L.spec.grid(2, 3, True)
+    assert block == (L.spec.threads, 1, 1) and rest[-1] == L.spec.smem_bytes
+    assert grid == (L.spec.grid(2, 3, True, 132) if variant == "wgmma_ps" else L.spec.grid(2, 3, True))
     assert f"__launch_bounds__({L.spec.threads}, 1)" in src and L.spec.threads == (224 if variant == "tcgen05" else 384)
 
 
