@@ -1,5 +1,5 @@
-"""One leg of an A/B of mla_prefill trees: times the TMA kernels (wgmma, wgmma_ov, wgmma_pp; BF16
-out, the auto grid order) and torch SDPA (the peer of bench.cases.mla_prefill, same inputs) at H12 /
+"""One leg of an A/B of mla_prefill trees: times the TMA kernels (wgmma_pp, the persistent wgmma_ps and
+wgmma_pf; BF16 out, the auto grid order) and torch SDPA (the peer of bench.cases.mla_prefill, same inputs) at H12 /
 H96 x one 4096-token sequence / 8 x 1024, graph-timed, and prints one `AB {json}` line per case
 (tag, case, median us, useful TFLOP/s, x SDPA of the same leg).
 
@@ -10,7 +10,7 @@ process:
     (cd run/xO && PYTHONPATH=$PWD K3GEN_PREBUILT=../bO:../../build-out python3 ../../tools/ab_prefill.py old)
     python3 tools/ab_prefill.py new
 
-CASES=H96xB1xT4096,... limits the shapes; KERNELS=wgmma,wgmma_ov the kernels.
+CASES=H96xB1xT4096,... limits the shapes; KERNELS=wgmma,wgmma_ov the kernels (a tree without the persistent variants needs KERNELS).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
 
     tag = argv[0] if argv else Path.cwd().name
     want = {c for c in os.environ.get("CASES", "").split(",") if c}
-    kernels = [PrefillKernel(k) for k in os.environ.get("KERNELS", "wgmma,wgmma_ov,wgmma_pp").split(",")]
+    kernels = [PrefillKernel(k) for k in os.environ.get("KERNELS", "wgmma_pp,wgmma_ps,wgmma_pf").split(",")]
     tgt, bf = get_target("sm90"), torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
     for H, B, T in SHAPES:

@@ -79,7 +79,8 @@ def mla_prefill(ceiling: float, quick: bool = False) -> list:
             K = PrefillKernel
             auto = MlaPrefillSpec(target=tgt, heads=H).heads_fast(N)
             ob, of = OutDtype.BF16, OutDtype.FP32
-            plan = [(K.WGMMA_CP, ob, auto), (K.WGMMA, ob, auto), (K.WGMMA_OV, ob, auto), (K.WGMMA_PP, ob, auto)]
+            plan = [(K.WGMMA_CP, ob, auto), (K.WGMMA, ob, auto), (K.WGMMA_OV, ob, auto), (K.WGMMA_PP, ob, auto),
+                    (K.WGMMA_PS, ob, auto), (K.WGMMA_PF, ob, auto)]
             if B == 1:   # the other grid order, and the model's FP32 output
                 plan += [(K.WGMMA_PP, ob, not auto), (K.WGMMA_CP, of, auto), (K.WGMMA_PP, of, auto)]
             for kern, od, fast in plan:

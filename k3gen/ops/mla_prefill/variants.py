@@ -18,6 +18,13 @@ field carries the choice), and each one's launch plan (threads, dynamic shared m
   memory through descriptors, P from registers for PV and for the row sums' m64n8k16 wgmmas, V as the
   N-major B operand. `wgmma_cp` copies K/V with cp.async, `wgmma` by TMA, `wgmma_ov` adds FA3's
   intra-warpgroup overlap, `wgmma_pp` its pingpong of the two consumers.
+- `wgmma_ps` and `wgmma_pf` (include/k3gen/mla/prefill_ps.cuh, 2026-12-08) are `wgmma_pp` persistent:
+  one CTA per SM draws work items (head x q-block x sequence, long first) from a device counter that
+  the last CTA resets, Q comes by TMA, and the next item's Q and first tiles load under the current
+  item's last tile; `wgmma_pf` also joins an item's last PV and the next item's first QK in one turn.
+  Why: by the 2026-12-07 H100 times a tile cost 3.15 us at H96 8 x 1024 (4.5 tiles per CTA) against
+  2.37 us at T4096, the difference being each CTA's prologue and epilogue. Compiled (no spills, no serialized wgmmas)
+  and CPU-tested only: no GPU has run them yet, so `auto` stays `wgmma_pp` until they are measured.
 """
 from __future__ import annotations
 
