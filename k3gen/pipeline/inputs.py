@@ -63,7 +63,26 @@ def op_folders(op: str) -> list[str]:
     return sorted(seen)
 
 
-_HEADER_DIR = re.compile(r"[\"']k3gen/(\w+)/")
+_HEADER_REF = re.compile(r"[\"']k3gen/(\w+)/([^\"']*)")
+
+
+def _named_headers(root: Path, texts: list[str]) -> list[Path] | None:
+    """The headers an op's files name in quotes ("k3gen/mla/prefill.cuh"): a whole name is that header;
+    a name completed at render time ("k3gen/mla/decode_wg_{...}") is every header of its folder whose
+    name starts with the literal part. None when the files name no include folder."""
+    out, named = [], False
+    for t in texts:
+        for d, rest in _HEADER_REF.findall(t):
+            folder = root / "k3gen" / d
+            if not folder.is_dir():
+                continue
+            named = True
+            lit = re.split(r"[{}%]", rest)[0]
+            if lit == rest and (folder / rest).is_file():
+                out.append(folder / rest)
+            else:
+                out += [f for f in _files(folder) if f.relative_to(folder).as_posix().startswith(lit)]
+    return out if named else None
 
 
 def _headers(sources: list[Path]) -> list[Path]:
@@ -71,20 +90,21 @@ def _headers(sources: list[Path]) -> list[Path]:
     header edit rebuilds only the ops that include it.
 
     A template whose include path is computed (`#include "{{ ... }}"`, the header a variant names)
-    may reach any header of the include folders its files name in quotes ("k3gen/mla/..."), and
-    the root's own forwarding headers (frozen targets' old paths); with no folder named, the whole
-    root."""
+    may reach any header its files name in quotes ("k3gen/mla/prefill.cuh"; a name with a rendered
+    part, every header of that folder matching its literal prefix), and the root's own forwarding
+    headers (frozen targets' old paths); with no folder named, the whole root. (Whole folders were
+    the rule until 2026-12-08: an edit of mla/prefill.cuh made kv_cache_write's bundle entries
+    stale.)"""
     root = PACKAGE_DIR / INCLUDE_DIR.name
     texts = [p.read_text() for p in sources]
     includes = [inc for p, t in zip(sources, texts) if p.suffix in (".j2", ".cuh", ".h")
                 for inc in _INCLUDE.findall(t)]
     seeds = [root / inc for inc in includes if "{" not in inc]
     if any("{" in inc for inc in includes):
-        dirs = sorted({d for t in texts for d in _HEADER_DIR.findall(t)})
-        if not dirs:
+        named = _named_headers(root, texts)
+        if named is None:
             return _files(root)
-        for d in dirs:
-            seeds += _files(root / "k3gen" / d) if (root / "k3gen" / d).is_dir() else []
+        seeds += named
         seeds += [f for f in (root / "k3gen").iterdir() if f.is_file() and f.suffix in _SUFFIXES]
     seen: set[Path] = set()
     todo = [p for p in seeds if p.is_file()]

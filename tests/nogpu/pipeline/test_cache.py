@@ -78,6 +78,17 @@ def test_inputs_digest_covers_what_the_bytes_are_made_from(package_copy):
     assert edited("ops/kv_cache_write/launcher.py") == before  # runtime-only files never reach the bytes
     assert edited("ops/kv_cache_write/reference.py") == before
     assert digest("act_quant_fp8", "cute") != cute
+    # Templates with a computed include reach the headers their op files name, not whole folders: an edit
+    # of the prefill kernel leaves kv_cache_write's and mla_decode's bundle entries valid, and a decode
+    # schedule named with a rendered suffix ("k3gen/mla/decode_wg_{...}") still reaches mla_decode.
+    ops = ("kv_cache_write", "mla_prefill", "mla_decode")
+    was = {op: digest(op) for op in ops}
+    edited("include/k3gen/mla/prefill.cuh")
+    now = {op: digest(op) for op in ops}
+    assert now["mla_prefill"] != was["mla_prefill"]
+    assert now["kv_cache_write"] == was["kv_cache_write"] and now["mla_decode"] == was["mla_decode"]
+    edited("include/k3gen/mla/decode_wg_qm.cuh")
+    assert digest("mla_decode") != now["mla_decode"] and digest("mla_prefill") == now["mla_prefill"]
     before_cute = digest("act_quant_fp8", "cute")
     edited("ops/act_quant_fp8/cute_kernel.py")
     assert digest("act_quant_fp8", "cute") != before_cute
