@@ -50,24 +50,6 @@ __device__ __forceinline__ int draw(int* sched, int items) {
   return t;
 }
 
-// The rows of an item without keys (a sequence with fewer keys than queries: its first rows) are zeros.
-template <class C>
-__device__ __forceinline__ void store_zero_rows(const Params& p, const Work& w, int rloc, int lane) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = w.i0 + rloc + 8 * r;
-    if (i >= w.s.lq) continue;
-    const long long off = (static_cast<long long>(w.s.q0 + i) * C::kHeads + w.h) * kDv + 2 * (lane & 3);
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      if constexpr (C::kOutF32)
-        *reinterpret_cast<float2*>(static_cast<float*>(p.out) + off + 8 * j) = make_float2(0.f, 0.f);
-      else
-        *reinterpret_cast<unsigned*>(static_cast<__nv_bfloat16*>(p.out) + off + 8 * j) = 0u;
-    }
-  }
-}
-
 // The flat consumer (variant wgmma_pf): one pipeline over all of the CTA's tiles, item after item. The
 // step that issues an item's last PV also issues the next item's first QK (one turn), runs that
 // tile's softmax while the PV is in flight, then stores the finished item's rows: no item starts
@@ -102,8 +84,13 @@ __device__ __forceinline__ void consume_flat(const Params& p, unsigned base, uns
       item_xyz(p, C::kHeads, t, x, y, z);
       w = work_at(p, x, y, z);
       if (w.n > 0) return true;
-      sm90::mbar_arrive(q_empty);
-      store_zero_rows<C>(p, w, rloc, lane);
+      sm90::mbar_arrive(q_empty);   // no key (fewer keys than queries): the rows are zeros
+      float zo[64], zl[4];
+#pragma unroll
+      for (int i = 0; i < 64; ++i) zo[i] = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) zl[i] = 0.f;
+      store_rows<C>(p, w, zo, zl, rloc, lane);
     }
   };
   int lim[2], free_end = 0;
