@@ -151,7 +151,8 @@ class MlaPrefill(Launcher):
                 cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), out.data_ptr(), nq, nk, qb, int(fast),
                 faults.word("mla_prefill", out.device), B,
                 self._counters(dev).data_ptr() if self._persistent else 0)
-        types = (PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I64, I64, PTR, PTR, PTR, I32, I32, I32, I32, PTR, I32, PTR)
+        types = (PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I64, I64, PTR, PTR, PTR, I32, I32, I32, I32, PTR,
+                 I32, PTR)
         pack = ArgPack()
         for val, t in zip(args, types):
             pack.add(t(val))
@@ -160,6 +161,7 @@ class MlaPrefill(Launcher):
         for raw in maps:
             pack.add(raw)
         self.load()._allow_smem(dev)
-        self.kernel.launch_ex(self.spec.grid(B, max_seqlen_q, fast, self._sms.get(dev, 0)), (self.spec.threads, 1, 1), None,
-                              pack.address(), None, dev, torch.cuda.current_stream(out.device).cuda_stream, self.spec.smem_bytes)
+        grid = self.spec.grid(B, max_seqlen_q, fast, self._sms.get(dev, 0))
+        self.kernel.launch_ex(grid, (self.spec.threads, 1, 1), None, pack.address(), None, dev,
+                              torch.cuda.current_stream(out.device).cuda_stream, self.spec.smem_bytes)
         return out
