@@ -323,6 +323,60 @@ __device__ __forceinline__ void store_rows(const Params& p, const Work& w, const
   }
 }
 
+// The overlapped consumers' two steps (wgmma_ov / wgmma_pp, and the persistent kernels' loops in
+// mla/prefill_ps.cuh). `take` / `pass`: the pingpong turn; `qk_done`: run once this step's QK retired
+// (the persistent kernels' Q-empty arrival on an item's last tile); `soft(sc, it, a)`: the item's softmax.
+// An item's first tile (index 0, the CTA's stage count g): its QK alone, then the softmax and P.
+template <class Take, class Pass, class QkDone, class Soft>
+__device__ __forceinline__ void first_step(float (&sc)[64], unsigned (&pk)[32], float (&a)[2], unsigned aQ,
+                                           unsigned base, const Bars& bars, int g, Take take, Pass pass,
+                                           QkDone qk_done, Soft soft) {
+  wait_stage(bars.kfull(g & 1), (g >> 1) & 1);
+  take();
+  sm90::wgmma_fence();
+  qk(sc, aQ, base + kStageOff + (g & 1) * kStageBytes);
+  sm90::wgmma_commit();
+  pass();
+  sm90::wgmma_wait<0>();
+  pin(sc);
+  qk_done();
+  sm90::mbar_arrive(bars.kempty(g & 1));
+  soft(sc, 0, a);
+  pack(sc, pk);
+}
+// Tile `it` of an item (stage count g): its QK with PV of the tile before (P in pk) in one turn, the
+// softmax under that PV, then P of tile `it` packed.
+template <class Take, class Pass, class QkDone, class Soft>
+__device__ __forceinline__ void step(float (&o)[64], float (&l)[4], float (&sc)[64], unsigned (&pk)[32],
+                                     float (&a)[2], unsigned aQ, unsigned base, const Bars& bars, int g, int it,
+                                     unsigned long long ones, Take take, Pass pass, QkDone qk_done, Soft soft) {
+  const int st = g & 1, sp = st ^ 1;
+  wait_stage(bars.kfull(st), (g >> 1) & 1);
+  wait_stage(bars.vfull(sp), ((g - 1) >> 1) & 1);
+  take();
+  sm90::wgmma_fence();
+  qk(sc, aQ, base + kStageOff + st * kStageBytes);
+  sm90::wgmma_commit();
+  rescale(o, l, a);
+  pin(o);
+  pin(l);
+  sm90::wgmma_fence();
+  pv(o, l, pk, base + kStageOff + sp * kStageBytes + kKBytes, ones);
+  sm90::wgmma_commit();
+  pass();
+  sm90::wgmma_wait<1>();
+  pin(sc);
+  qk_done();
+  sm90::mbar_arrive(bars.kempty(st));
+  soft(sc, it, a);
+  sm90::wgmma_wait<0>();
+  pin(o);
+  pin(l);
+  pin(pk);
+  sm90::mbar_arrive(bars.vempty(sp));
+  pack(sc, pk);
+}
+
 // One work item of a consumer warpgroup (c = 0, 1: rows 64 c .. 64 c + 63 of the q-block): its tiles'
 // QK, softmax and PV on the stages of tile counts g0 .. g0 + n - 1, then its rows of out. q_empty
 // (the persistent kernel's Q-empty barrier, else 0): arrived on once this warpgroup's last QK
@@ -411,45 +465,10 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, unsigned
     };
     if constexpr (C::kPingpong && !C::kPersistent)
       if (c == 1) sm90::barrier_arrive(kBarTurn, 256);   // consumer 0 goes first
-    wait_stage(bars.kfull(g0 & 1), (g0 >> 1) & 1);
-    take();
-    sm90::wgmma_fence();
-    qk(sc, aQ, stage_k(0));
-    sm90::wgmma_commit();
-    pass(false);
-    sm90::wgmma_wait<0>();
-    pin(sc);
-    q_done(0);
-    sm90::mbar_arrive(bars.kempty(g0 & 1));
-    soft(sc, 0, a);
-    pack(sc, pk);
-    for (int it = 1; it < n; ++it) {
-      const int g = g0 + it, st = g & 1, sp = st ^ 1;
-      wait_stage(bars.kfull(st), (g >> 1) & 1);
-      wait_stage(bars.vfull(sp), ((g - 1) >> 1) & 1);
-      take();
-      sm90::wgmma_fence();
-      qk(sc, aQ, stage_k(it));
-      sm90::wgmma_commit();
-      rescale(o, l, a);
-      pin(o);
-      pin(l);
-      sm90::wgmma_fence();
-      pv(o, l, pk, stage_k(it - 1) + kKBytes, ones);
-      sm90::wgmma_commit();
-      pass(false);
-      sm90::wgmma_wait<1>();
-      pin(sc);
-      q_done(it);
-      sm90::mbar_arrive(bars.kempty(st));
-      soft(sc, it, a);
-      sm90::wgmma_wait<0>();
-      pin(o);
-      pin(l);
-      pin(pk);
-      sm90::mbar_arrive(bars.vempty(sp));
-      pack(sc, pk);
-    }
+    auto turn = [&] { pass(false); };
+    first_step(sc, pk, a, aQ, base, bars, g0, take, turn, [&] { q_done(0); }, soft);
+    for (int it = 1; it < n; ++it)
+      step(o, l, sc, pk, a, aQ, base, bars, g0 + it, it, ones, take, turn, [&] { q_done(it); }, soft);
     const int gl = g0 + n - 1, sl = gl & 1;
     rescale(o, l, a);
     pin(o);

@@ -121,47 +121,14 @@ __device__ __forceinline__ void consume_flat(const Params& p, unsigned base, uns
   int g = 0, it = 1;   // g: the CTA's tile count of the next QK; it: that tile's index in cw
   if (more) {
     setup(cw);
-    wait_stage(bars.kfull(0), 0);
-    take();
-    sm90::wgmma_fence();
-    qk(sc, aQ, stage(0));
-    sm90::wgmma_commit();
-    pass();
-    sm90::wgmma_wait<0>();
-    pin(sc);
-    if (cw.n == 1) sm90::mbar_arrive(q_empty);
-    sm90::mbar_arrive(bars.kempty(0));
-    soft(sc, 0, a);
-    pack(sc, pk);
+    first_step(sc, pk, a, aQ, base, bars, 0, take, pass, [&] { if (cw.n == 1) sm90::mbar_arrive(q_empty); }, soft);
     g = 1;
   }
   while (more) {
     const int st = g & 1, sp = st ^ 1;
     if (it < cw.n) {
-      wait_stage(bars.kfull(st), (g >> 1) & 1);
-      wait_stage(bars.vfull(sp), ((g - 1) >> 1) & 1);
-      take();
-      sm90::wgmma_fence();
-      qk(sc, aQ, stage(g));
-      sm90::wgmma_commit();
-      rescale(o, l, a);
-      pin(o);
-      pin(l);
-      sm90::wgmma_fence();
-      pv(o, l, pk, stage(g - 1) + kKBytes, ones);
-      sm90::wgmma_commit();
-      pass();
-      sm90::wgmma_wait<1>();
-      pin(sc);
-      if (it == cw.n - 1) sm90::mbar_arrive(q_empty);
-      sm90::mbar_arrive(bars.kempty(st));
-      soft(sc, it, a);
-      sm90::wgmma_wait<0>();
-      pin(o);
-      pin(l);
-      pin(pk);
-      sm90::mbar_arrive(bars.vempty(sp));
-      pack(sc, pk);
+      step(o, l, sc, pk, a, aQ, base, bars, g, it, ones, take, pass,
+           [&] { if (it == cw.n - 1) sm90::mbar_arrive(q_empty); }, soft);
       ++it;
       ++g;
       continue;
