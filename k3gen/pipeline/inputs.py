@@ -77,11 +77,8 @@ def _named_headers(root: Path, texts: list[str]) -> list[Path] | None:
             if not folder.is_dir():
                 continue
             named = True
-            lit = re.split(r"[{}%]", rest)[0]
-            if lit == rest and (folder / rest).is_file():
-                out.append(folder / rest)
-            else:
-                out += [f for f in _files(folder) if f.relative_to(folder).as_posix().startswith(lit)]
+            lit = re.split(r"[{}%]", rest)[0]   # a whole name is its own prefix
+            out += [f for f in _files(folder) if f.relative_to(folder).as_posix().startswith(lit)]
     return out if named else None
 
 
